@@ -1,0 +1,79 @@
+"""What an architecture provides, and the HF config fields every decoder shares.
+
+Custom architectures (`--custom-architectures`) expose `ARCHITECTURES = [Architecture(...)]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from maxjax.config import ModelConfig
+from maxjax.graphs import decoder
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                                   # HF config.json architectures[0]
+    config_from_hf: Callable[[dict], ModelConfig]
+    forward: Callable = decoder.forward         # (cfg, params, kv, step) -> (logits, kv)
+    param_shapes: Callable = decoder.param_shapes
+    params_from_hf: Callable = decoder.params_from_hf
+    gguf_archs: tuple[str, ...] = ()            # GGUF general.architecture values it reads
+    description: str = ""
+
+
+def rope_params(hf: dict) -> tuple[float, tuple | None]:
+    """(rope_theta, rope_scaling) from a config.json of transformers 4 or 5 layout."""
+    rp = hf.get("rope_parameters") or {}
+    if rp and "full_attention" in rp:   # per-layer-type layout (Gemma3 in transformers 5)
+        rp = rp["full_attention"]
+    theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+    return theta, scaling_tuple(scaling)
+
+
+def scaling_tuple(s: dict | None) -> tuple | None:
+    if not s:
+        return None
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return ("linear", float(s["factor"]))
+    if kind == "llama3":
+        return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
+                float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+
+
+def eos_ids(hf: dict) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def base_config(hf: dict, **overrides) -> ModelConfig:
+    heads = hf["num_attention_heads"]
+    theta, scaling = rope_params(hf)
+    fields = dict(
+        architecture=hf["architectures"][0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        hidden_act=hf.get("hidden_act", "silu"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids(hf),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)

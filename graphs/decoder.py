@@ -1,0 +1,169 @@
+"""The decoder-only transformer every built-in architecture runs, as pure functions.
+
+Parameters are one pytree with the layers stacked on a leading axis, so the layer loop is a
+`lax.scan` (compiles ~4x faster than unrolled; measured in ../shared/DESIGN.md). Projections are
+fused (q|k|v and gate|up) to give XLA bigger matmuls. Architecture differences are fields of
+`ModelConfig`; the architecture files only translate configs and checkpoint names.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxjax.config import ModelConfig
+from maxjax.graphs import layers as L
+from maxjax.graphs.step import StepInputs
+
+KV = tuple  # (k_pool, v_pool), each [layers, pages, page_size, kv_heads, head_dim]
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shape of every parameter; the one place the pytree layout is spelled out."""
+    D, F, nl = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    lay = {"attn_norm": (nl, D), "wqkv": (nl, D, qkv), "wo": (nl, cfg.q_size, D),
+           "mlp_norm": (nl, D), "w_gate_up": (nl, D, 2 * F), "w_down": (nl, F, D)}
+    if cfg.attention_bias:
+        lay["bqkv"] = (nl, qkv)
+    if cfg.qk_norm:
+        lay["q_norm"] = (nl, cfg.head_dim)
+        lay["k_norm"] = (nl, cfg.head_dim)
+    if cfg.post_norms:
+        lay["post_attn_norm"] = (nl, D)
+        lay["post_mlp_norm"] = (nl, D)
+    shapes = {"embed": (cfg.vocab_size, D), "final_norm": (D,), "layers": lay}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, D)
+    return shapes
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> dict:
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple:
+    return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
+    shape = kv_pool_shape(cfg, num_pages, page_size)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def _layer(cfg: ModelConfig, step: StepInputs, rope, carry, xs):
+    h, k_pool, v_pool = carry
+    p, meta = xs
+    T = h.shape[0]
+    eps, plus1 = cfg.rms_norm_eps, cfg.norm_plus_one
+    page_size = k_pool.shape[2]
+    with jax.named_scope("attention"):
+        x = L.rms_norm(h, p["attn_norm"], eps, plus1)
+        qkv = x @ p["wqkv"]
+        if "bqkv" in p:
+            qkv = qkv + p["bqkv"]
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if "q_norm" in p:
+            q = L.rms_norm(q, p["q_norm"], eps, plus1)
+            k = L.rms_norm(k, p["k_norm"], eps, plus1)
+        (cos_g, sin_g), (cos_l, sin_l) = rope
+        cos = jnp.where(meta["local_rope"], cos_l, cos_g)
+        sin = jnp.where(meta["local_rope"], sin_l, sin_g)
+        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+        layer = meta["index"]
+        k_pool = L.write_kv(k_pool, layer, step.slot_mapping, k, page_size)
+        v_pool = L.write_kv(v_pool, layer, step.slot_mapping, v, page_size)
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        attn = L.paged_attention(q, k_pool, v_pool, layer, step, meta["window"], scale)
+        out = attn.reshape(T, cfg.q_size) @ p["wo"]
+        if "post_attn_norm" in p:
+            out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
+        h = h + out
+    with jax.named_scope("mlp"):
+        x = L.rms_norm(h, p["mlp_norm"], eps, plus1)
+        out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act)
+        if "post_mlp_norm" in p:
+            out = L.rms_norm(out, p["post_mlp_norm"], eps, plus1)
+        h = h + out
+    return (h, k_pool, v_pool), None
+
+
+def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
+    """One engine step: returns (float32 logits [R, vocab] at step.sample_idx, updated kv)."""
+    embed = params["embed"]
+    h = embed[step.token_ids]
+    if cfg.embed_scale is not None:
+        h = h * jnp.asarray(cfg.embed_scale, jnp.float32).astype(h.dtype)
+    inv_g = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    local_theta = cfg.rope_local_theta or cfg.rope_theta
+    inv_l = L.rope_inv_freq(cfg.head_dim, local_theta, None)
+    rope = (L.rope_cos_sin(step.positions, inv_g), L.rope_cos_sin(step.positions, inv_l))
+    layer_fn = lambda c, xs: _layer(cfg, step, rope, c, xs)  # noqa: E731
+    (h, k_pool, v_pool), _ = jax.lax.scan(
+        layer_fn, (h, kv[0], kv[1]), (params["layers"], L.layer_arrays(cfg)))
+    h = L.rms_norm(h[step.sample_idx], params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    head = params.get("lm_head", embed)
+    logits = jnp.einsum("rd,vd->rv", h, head, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits, (k_pool, v_pool)
+
+
+# --- checkpoint conversion -------------------------------------------------------------------
+
+def hf_layer_names(post_norms: bool) -> dict:
+    """HF tensor names (with {i} for the layer) feeding each stacked parameter, in fusion order."""
+    a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    names = {
+        "wqkv": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+        "bqkv": [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
+        "q_norm": [a + "q_norm.weight"], "k_norm": [a + "k_norm.weight"],
+        "wo": [a + "o_proj.weight"],
+        "w_gate_up": [m + "gate_proj.weight", m + "up_proj.weight"],
+        "w_down": [m + "down_proj.weight"],
+        "attn_norm": ["model.layers.{i}.input_layernorm.weight"],
+    }
+    if post_norms:
+        names["post_attn_norm"] = ["model.layers.{i}.post_attention_layernorm.weight"]
+        names["mlp_norm"] = ["model.layers.{i}.pre_feedforward_layernorm.weight"]
+        names["post_mlp_norm"] = ["model.layers.{i}.post_feedforward_layernorm.weight"]
+    else:
+        names["mlp_norm"] = ["model.layers.{i}.post_attention_layernorm.weight"]
+    return names
+
+
+def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
+                   progress: Callable[[int], None] | None = None) -> dict:
+    """Build the parameter pytree from HF-named tensors. `get(name)` returns a numpy array
+    (any float dtype); linear weights are transposed to [in, out] and fused."""
+    shapes = param_shapes(cfg)
+    names = hf_layer_names(cfg.post_norms)
+
+    def put(x):
+        return jnp.asarray(np.asarray(x, np.float32), dtype=dtype)
+
+    layers = {}
+    for key in shapes["layers"]:
+        per_layer = []
+        for i in range(cfg.num_layers):
+            parts = [np.asarray(get(n.format(i=i)), np.float32) for n in names[key]]
+            if parts[0].ndim == 2:
+                parts = [p.T for p in parts]
+            per_layer.append(np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0])
+        layers[key] = put(np.stack(per_layer))
+        if progress:
+            progress(1)
+    params = {"embed": put(get("model.embed_tokens.weight")),
+              "final_norm": put(get("model.norm.weight")), "layers": layers}
+    if "lm_head" in shapes:
+        params["lm_head"] = put(get("lm_head.weight"))
+    got = jax.tree.map(lambda a: tuple(a.shape), params)
+    if got != shapes:
+        raise ValueError(f"checkpoint shapes do not match the config: {got} vs {shapes}")
+    return params

@@ -1,0 +1,2 @@
+"""maxjax: an OpenAI-compatible LLM inference server on JAX/XLA."""
+__version__ = "0.1.0"

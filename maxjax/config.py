@@ -1,0 +1,65 @@
+"""Static model hyperparameters: everything a graph needs that is not an array.
+
+`ModelConfig` is what the architecture files in graphs/ produce from a HF config.json (or GGUF
+metadata) and what every graph function takes as its static first argument. It is frozen and
+hashable, so it can be a static argument of `jax.jit` and part of an artifact fingerprint.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings),
+    # ("linear", factor) or None.
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: the sliding window in tokens, 0 for full attention.
+    layer_windows: tuple[int, ...] = ()
+    # Per layer: True where the layer uses `rope_local_theta` (Gemma3's local layers).
+    layer_local_rope: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None
+    hidden_act: str = "silu"
+    # Gemma-style: norms scale by (1 + w), embeddings scaled by sqrt(hidden), extra post-norms.
+    norm_plus_one: bool = False
+    embed_scale: float | None = None
+    post_norms: bool = False
+    attn_scale: float | None = None
+    final_logit_softcap: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: tuple = field(default=(), compare=True)
+
+    def __post_init__(self):
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        if not self.layer_local_rope:
+            object.__setattr__(self, "layer_local_rope", (False,) * self.num_layers)
+        if len(self.layer_windows) != self.num_layers or len(self.layer_local_rope) != self.num_layers:
+            raise ValueError("layer_windows and layer_local_rope need one entry per layer")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,32 @@
+"""Engine settings: every flag that shapes scheduling, the KV pool or the compiled graphs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    max_length: int | None = field(default=None, metadata={
+        "help": "Maximum prompt + output tokens per request (default: the model's "
+                "max_position_embeddings, capped at 4096)"})
+    max_batch_size: int = field(default=32, metadata={
+        "help": "Maximum requests in one step (rows of the compiled graphs)"})
+    max_batch_input_tokens: int = field(default=256, metadata={
+        "help": "Token budget of one step: prefill chunks plus one token per decoding request"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "Split long prompts into chunks that fit the token budget"})
+    chunked_prefill_min_chunk_size: int = field(default=0, metadata={
+        "help": "Smallest prefill chunk worth scheduling (0: no floor)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "Reuse KV pages of identical prompt prefixes across requests"})
+    kv_cache_page_size: int = field(default=128, metadata={"help": "Tokens per KV cache page"})
+    kv_cache_hash_algo: str = field(default="fast", metadata={
+        "help": "Hash of prefix-cache pages: fast (64-bit, non-cryptographic) or sha256"})
+    kv_cache_hash_seed: str | None = field(default=None, metadata={
+        "help": "Seed mixed into every page hash (isolates prefix caches)"})
+    num_kv_pages: int | None = field(default=None, metadata={
+        "help": "KV pool size in pages (default: sized from --device-memory-utilization)"})
+    device_memory_utilization: float = field(default=0.9, metadata={
+        "help": "Fraction of free device memory (host memory on CPU) for weights and KV cache"})
+    quantization_encoding: str | None = field(default=None, metadata={
+        "help": "Compute dtype: float32 (CPU default) or bfloat16 (GPU default)"})

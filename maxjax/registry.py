@@ -1,0 +1,96 @@
+"""Architecture registry: the built-ins from graphs/ plus any `--custom-architectures`."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+from maxjax.errors import UserError
+from maxjax.graphs.arch import Architecture
+
+BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+
+_registry: dict[str, Architecture] = {}
+
+
+def _ensure_builtins() -> None:
+    if _registry:
+        return
+    for mod in BUILTIN_MODULES:
+        try:
+            arch = importlib.import_module(f"maxjax.graphs.{mod}").ARCHITECTURE
+        except ModuleNotFoundError as e:
+            if e.name != f"maxjax.graphs.{mod}":
+                raise
+            continue
+        _registry[arch.name] = arch
+
+
+def architectures() -> dict[str, Architecture]:
+    _ensure_builtins()
+    return dict(_registry)
+
+
+def get_architecture(name: str) -> Architecture:
+    archs = architectures()
+    if name not in archs:
+        raise UserError(f"unsupported architecture {name!r} (supported: {', '.join(sorted(archs))}; "
+                        "add one with --custom-architectures)")
+    return archs[name]
+
+
+def for_gguf_arch(gguf_arch: str) -> Architecture:
+    for arch in architectures().values():
+        if gguf_arch in arch.gguf_archs:
+            return arch
+    known = sorted(a for arch in architectures().values() for a in arch.gguf_archs)
+    raise UserError(f"unsupported GGUF architecture {gguf_arch!r} (supported: {', '.join(known)})")
+
+
+def _import_custom(spec: str):
+    if os.path.isdir(spec) or spec.endswith(".py"):
+        path = os.path.abspath(spec)
+        if os.path.isdir(path):
+            init = os.path.join(path, "__init__.py")
+            if not os.path.isfile(init):
+                raise UserError(f"--custom-architectures {spec}: directory has no __init__.py")
+            name, location = os.path.basename(path.rstrip(os.sep)), init
+        else:
+            name, location = os.path.splitext(os.path.basename(path))[0], path
+        module_name = f"maxjax_custom_{name}"
+        mspec = importlib.util.spec_from_file_location(
+            module_name, location, submodule_search_locations=[path] if os.path.isdir(path) else None)
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[module_name] = module
+        mspec.loader.exec_module(module)
+        return module
+    if os.path.sep in spec or spec.startswith("."):
+        raise UserError(f"--custom-architectures {spec}: no such directory or file")
+    module_path, _, attr = spec.partition(":")
+    module = importlib.import_module(module_path)
+    return getattr(module, attr) if attr else module
+
+
+def register_custom(spec: str) -> list[Architecture]:
+    """Import a user package exposing ARCHITECTURES (a list of Architecture) and register it."""
+    _ensure_builtins()
+    try:
+        module = _import_custom(spec)
+    except UserError:
+        raise
+    except Exception as e:  # the user's code: any failure is a bad package, not our crash
+        raise UserError(f"--custom-architectures {spec}: import failed: {type(e).__name__}: {e}") from e
+    archs = getattr(module, "ARCHITECTURES", None)
+    if not isinstance(archs, (list, tuple)) or not archs:
+        raise UserError(f"--custom-architectures {spec}: module has no top-level ARCHITECTURES list")
+    for arch in archs:
+        if not isinstance(arch, Architecture):
+            raise UserError(f"--custom-architectures {spec}: ARCHITECTURES holds {type(arch).__name__}, "
+                            "expected maxjax.graphs.arch.Architecture")
+        if arch.name in _registry:
+            raise UserError(f"--custom-architectures {spec}: {arch.name!r} clashes with a registered "
+                            "architecture")
+    for arch in archs:
+        _registry[arch.name] = arch
+    return list(archs)

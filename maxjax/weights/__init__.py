@@ -1,0 +1,1 @@
+"""Checkpoint readers: HF directories (safetensors) and GGUF files, into HF-named tensors."""

@@ -1,0 +1,30 @@
+"""The reference nobody here wrote: transformers' PyTorch models, float32 on the CPU."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def hf_greedy(hf_model, prompt, new_tokens: int):
+    """transformers' greedy continuation (EOS not special), and its float32 logits after the
+    prompt and after each generated token but the last: the places paged_greedy reports."""
+    import torch
+    logits, tokens = [], []
+    with torch.no_grad():
+        out = hf_model(torch.tensor([list(prompt)]), use_cache=True)
+        for _ in range(new_tokens):
+            row = out.logits[0, -1].float().numpy()
+            logits.append(row)
+            tokens.append(int(np.argmax(row)))
+            if len(tokens) == new_tokens:
+                break
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                           use_cache=True)
+    return np.stack(logits), tokens
+
+
+def assert_logits_close(ours, ref, rel=1e-3):
+    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    err = float(np.max(np.abs(ours - ref)))
+    tol = rel * float(np.max(np.abs(ref)))
+    assert err <= tol, f"max |dlogit| {err:.3g} > {tol:.3g}"
