@@ -1,0 +1,191 @@
+"""The aiohttp application: routes, the error/auth/metrics middleware, and `run_server` (bind,
+announce readiness, drain on SIGTERM/SIGINT). The CLI's `serve` command calls run_server with the
+real engine; tests call build_app with tests/mock_engine.py. Chat and completions handlers live
+in server/openai_routes.py."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from .config import ServeConfig
+from .engine_client import EngineClient
+from .generation import AdmissionState
+from .metrics import ServerMetrics
+from .openai_routes import chat_completions, completions, render_chat, template_messages
+from .protocol import (APIError, DetokenizeRequest, TokenizeRequest, error_body, model_card,
+                       now)
+from .state import STATE, ServerState, log, parse_request, read_json
+
+_OPEN_PATHS = ("/health", "/v1/health", "/metrics")
+
+
+def _json_error(status: int, message: str, param=None, code=None, headers=None):
+    return web.json_response(error_body(status, message, param, code), status=status,
+                             headers=headers)
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler):
+    st: ServerState = request.app[STATE]
+    key = st.cfg.resolved_api_key()
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "unmatched"
+    status = 500
+    try:
+        if key and request.path not in _OPEN_PATHS:
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                               code="invalid_api_key")
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except APIError as e:
+        status = e.status
+        return _json_error(e.status, e.message, e.param, e.code, e.headers)
+    except web.HTTPException as e:   # aiohttp's own: 404 route, 405 method, 413 body too large
+        status = e.status
+        msg = {404: f"no route {request.method} {request.path}",
+               405: f"method {request.method} is not allowed on {request.path}",
+               413: f"the request body is over the limit of {st.cfg.max_request_body_bytes} "
+                    "bytes"}.get(e.status, e.reason)
+        return _json_error(e.status, msg, headers={k: v for k, v in e.headers.items()
+                                                   if k == "Allow"})
+    except (ConnectionResetError, asyncio.CancelledError):
+        status = 499   # client went away; the Generation's cleanup has aborted its requests
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_error(500, "internal server error")
+    finally:
+        st.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+async def health(request: web.Request) -> web.Response:
+    if request.app[STATE].engine.is_ready:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "loading"}, status=503)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.json_response({"object": "list", "data": [
+        model_card(st.model_id, st.created, st.engine.max_length)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    st.check_model(request.match_info["model_id"])
+    return web.json_response(model_card(st.model_id, st.created, st.engine.max_length))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    req = parse_request(TokenizeRequest, await read_json(request), False)
+    st.check_model(req.model)
+    tok = st.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if req.messages is not None:
+        if st.engine.chat_template is None:
+            raise APIError(400, "this model has no chat template", param="messages")
+        ids = await st.in_tokenizer_thread(render_chat, tok, st.engine.chat_template,
+                                           template_messages(req.messages),
+                                           req.add_generation_prompt)
+    else:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = await st.in_tokenizer_thread(lambda: tok.encode(req.prompt,
+                                                              add_special_tokens=special))
+    return web.json_response({"count": len(ids), "max_model_len": st.engine.max_length,
+                              "tokens": ids, "token_strs":
+                              [st.token_str(t) for t in ids] if req.return_token_strs else None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    req = parse_request(DetokenizeRequest, await read_json(request), False)
+    st.check_model(req.model)
+    bad = next((t for t in req.tokens if not 0 <= t < st.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: id {bad} is outside the vocabulary [0, {st.vocab_size})",
+                       param="tokens")
+    text = await st.in_tokenizer_thread(st.engine.tokenizer.decode, req.tokens)
+    return web.json_response({"prompt": text})
+
+
+def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Application:
+    cfg = cfg or ServeConfig()
+    app = web.Application(middlewares=[_middleware], client_max_size=cfg.max_request_body_bytes)
+    m = ServerMetrics(engine)
+    state = ServerState(engine=engine, cfg=cfg, model_id=cfg.served_model_name or
+                        engine.model_name, metrics=m,
+                        admission=AdmissionState(cfg.max_queue_size, m), created=now())
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/health", health)
+    app.router.add_get("/metrics", metrics)
+    for prefix in ("", "/v1"):
+        app.router.add_post(f"{prefix}/tokenize", tokenize)
+        app.router.add_post(f"{prefix}/detokenize", detokenize)
+
+    async def _close_pool(app):
+        state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    app.on_cleanup.append(_close_pool)
+    return app
+
+
+async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
+                     stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set): then stop accepting connections, give
+    in-flight requests cfg.shutdown_grace_period seconds to finish, and return."""
+    app = build_app(engine, cfg)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # engine requests instead of generating tokens nobody reads.
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                           shutdown_timeout=cfg.shutdown_grace_period, access_log=None)
+    await runner.setup()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = []
+    t0 = time.perf_counter()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            signals.append(sig)
+        except (NotImplementedError, RuntimeError):   # not the main thread, or Windows
+            pass
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        port = cfg.port or runner.addresses[0][1]
+        waiter = asyncio.ensure_future(stop.wait())
+        while not engine.is_ready and not stop.is_set():
+            await asyncio.wait([waiter], timeout=0.05)
+        if not stop.is_set():
+            print(f"Server ready on http://{cfg.host}:{port}", flush=True)
+            if on_ready is not None:
+                on_ready(port)
+        await waiter
+        log.info("shutting down: draining in-flight requests (up to %.0f s)",
+                 cfg.shutdown_grace_period)
+        t0 = time.perf_counter()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+    log.info("server stopped after %.1f s of draining", time.perf_counter() - t0)

@@ -1,0 +1,40 @@
+"""Server settings (`ServeConfig`): HTTP binding, auth, admission limits and request defaults.
+The CLI (maxjax/cli.py) builds its argparse flags from these fields and their `help` metadata;
+server/app.py reads them."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+API_KEY_ENV = "MAXJAX_API_KEY"
+
+
+@dataclass
+class ServeConfig:
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "Interface to bind the HTTP API to"})
+    port: int = field(default=8000, metadata={"help": "Port for the HTTP API"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "Model id clients send and /v1/models reports (default: the model's name)"})
+    api_key: str | None = field(default=None, metadata={
+        "help": f"Require `Authorization: Bearer KEY` on /v1 routes (default: ${API_KEY_ENV} "
+                "if set; /health and /metrics stay open)"})
+    max_queue_size: int | None = field(default=None, metadata={
+        "help": "Cap on requests waiting for their first token; beyond it new requests get "
+                "HTTP 429 with Retry-After (default: unbounded)"})
+    max_pending_requests: int | None = field(default=None, metadata={
+        "help": "Cap on the scheduler's pending (not yet running) requests; the request queue "
+                "backs up behind it (default: unbounded)"})
+    allow_extra_request_fields: bool = field(default=False, metadata={
+        "help": "Drop unknown top-level request fields with a warning instead of answering 400"})
+    temperature: float | None = field(default=None, metadata={
+        "help": "Default sampling temperature for requests that do not set one (default 1.0)"})
+    top_k: int | None = field(default=None, metadata={
+        "help": "Default top-k for requests that do not set one (default: off)"})
+    max_request_body_bytes: int = field(default=32 * 1024 * 1024, metadata={
+        "help": "Largest accepted request body; larger ones get HTTP 413"})
+    shutdown_grace_period: float = field(default=30.0, metadata={
+        "help": "Seconds in-flight requests may run after SIGTERM/SIGINT before they are cut"})
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get(API_KEY_ENV) or None

@@ -1,0 +1,42 @@
+"""The interface between the HTTP server and an engine (the real one in maxjax/engine/, or
+tests/mock_engine.py). The server codes only against `EngineClient`; the engine imports
+`QueueFullError` from here so the server can map it to HTTP 429 without importing the engine."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+from maxjax.engine.types import RequestOutput, SamplingParams
+
+STATS_KEYS = ("num_running", "num_waiting", "kv_pages_used", "kv_pages_total",
+              "prefix_cache_queries", "prefix_cache_hits", "preemptions", "xla_compiles")
+
+
+class QueueFullError(Exception):
+    """The engine's request queue is at capacity; the server answers 429 with Retry-After."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model_name: str            # model id reported by /v1/models (served-model-name)
+    tokenizer: Any             # a transformers tokenizer: encode/decode, apply_chat_template
+    chat_template: str | None  # None: the model has no template (chat requests get a 400)
+    max_length: int            # prompt tokens + max_tokens must fit
+    is_ready: bool             # False while loading/compiling: /health answers 503
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs: each RequestOutput holds the tokens (and their
+        detokenized text, stop strings already applied and excluded) new since the last one; the
+        last has finished=True and a finish_reason ("stop" | "length" | "abort" | "error").
+        Raises ValueError (bad params; the message names the field) or QueueFullError, either
+        when called or on the first iteration. Closing or cancelling the iteration before the
+        last output must abort the request (free its pages)."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages; a no-op for unknown or finished requests."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters and gauges read at /metrics scrape time; keys as in STATS_KEYS."""
+        ...

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server app, in its own CollectorRegistry (so several apps can live in
+one process, as in tests): request/token counters and latency histograms the handlers update,
+plus the engine's gauges and counters read from `engine.stats()` at scrape time."""
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+# (stats key, metric name, kind, help)
+_ENGINE_METRICS = (
+    ("num_waiting", "maxjax_num_requests_waiting", "gauge", "Requests queued in the engine"),
+    ("num_running", "maxjax_num_requests_running", "gauge", "Requests in the running batch"),
+    ("kv_pages_used", "maxjax_kv_cache_pages_used", "gauge", "KV cache pages in use"),
+    ("kv_pages_total", "maxjax_kv_cache_pages_total", "gauge", "KV cache pages in the pool"),
+    ("prefix_cache_queries", "maxjax_prefix_cache_queries", "counter",
+     "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "maxjax_prefix_cache_hits", "counter",
+     "Prompt tokens found in the prefix cache"),
+    ("preemptions", "maxjax_preemptions", "counter", "Requests preempted for lack of KV pages"),
+    ("xla_compiles", "maxjax_xla_compiles", "counter", "XLA compilations since start"),
+)
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        try:
+            stats = self.engine.stats() or {}
+        except Exception:   # a scrape must not fail because the engine is mid-restart
+            log.exception("engine.stats() failed")
+            stats = {}
+        for key, name, kind, doc in _ENGINE_METRICS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc)
+            family.add_metric([], float(stats.get(key, 0) or 0))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("maxjax_requests", "Finished HTTP requests",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("maxjax_prompt_tokens", "Prompt tokens processed",
+                                     registry=r)
+        self.generation_tokens = Counter("maxjax_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.ttft = Histogram("maxjax_time_to_first_token_seconds",
+                              "Time from request arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("maxjax_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("maxjax_request_latency_seconds",
+                             "Time from request arrival to its last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.server_waiting = Gauge("maxjax_server_requests_waiting",
+                                    "Engine requests submitted that have no token yet", registry=r)
+        r.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,350 @@
+"""POST /v1/chat/completions and POST /v1/completions: request -> prompt token ids (chat
+template in the tokenizer thread) -> SamplingParams -> Generation -> JSON or SSE chunks.
+Registered by server/app.py."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from maxjax.engine.types import SamplingParams, TokenLogprob
+
+from .generation import Generation
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_choice,
+                       chat_chunk, chat_chunk_choice, chat_response, completion_choice,
+                       completion_response, error_body, now, usage)
+from .state import STATE, ServerState, parse_request, read_json
+
+_DONE = b"data: [DONE]\n\n"
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+
+def template_messages(messages) -> list[dict]:
+    """Messages as the dicts a chat template expects, with content-part arrays joined to text."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    what = (f"content part type {kind!r} is not supported (only 'text')"
+                            if kind != "text" else "a text part needs a string 'text'")
+                    raise APIError(400, f"messages[{i}].content[{j}]: {what}",
+                                   param=f"messages[{i}].content[{j}].type")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        msg = {"role": m.role, "content": content if content is not None else ""}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    return out
+
+
+def render_chat(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool):
+    """Runs in the tokenizer thread. transformers renders the template in a sandboxed jinja env."""
+    import jinja2
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise APIError(400, f"messages: the chat template rejected them: {e}",
+                       param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+    if st.engine.chat_template is None:
+        raise APIError(400, "this model has no chat template: use /v1/completions, or start the "
+                            "server with --chat-template FILE", param="messages")
+    msgs = template_messages(req.messages)
+    return await st.in_tokenizer_thread(render_chat, st.engine.tokenizer, st.engine.chat_template,
+                                        msgs, req.add_generation_prompt)
+
+
+async def completion_prompts(st: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """Token id lists, and each prompt's text when it came as text (for echo)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    if isinstance(prompt[0], str):
+        enc = st.engine.tokenizer.encode
+        ids = await st.in_tokenizer_thread(lambda: [enc(p) for p in prompt])
+        texts = list(prompt)
+    else:
+        ids, texts = [list(p) for p in prompt], [None] * len(prompt)
+    for i, p in enumerate(ids):
+        if not p:
+            raise APIError(400, f"prompt[{i}]: must not be empty", param="prompt")
+        bad = next((t for t in p if not 0 <= t < st.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt[{i}]: token id {bad} is outside the vocabulary "
+                                f"[0, {st.vocab_size})", param="prompt")
+    return ids, texts
+
+
+# ---- sampling parameters -------------------------------------------------------------------------
+
+def check_length(st: ServerState, prompt_len: int, max_new: int | None, param: str) -> int:
+    limit = st.engine.max_length
+    if prompt_len >= limit:
+        raise APIError(400, f"{param}: the prompt is {prompt_len} tokens; this model's maximum "
+                            f"length is {limit} (prompt + completion)", param=param)
+    if max_new is None:
+        return limit - prompt_len
+    if prompt_len + max_new > limit:
+        raise APIError(400, f"max_tokens: {prompt_len} prompt tokens + {max_new} max_tokens "
+                            f"exceeds this model's maximum length {limit}", param="max_tokens")
+    return max_new
+
+
+def sampling_params(st: ServerState, req, max_new: int, logprobs: bool, top_logprobs: int,
+                    prompt_logprobs: bool = False) -> SamplingParams:
+    cfg = st.cfg
+    temperature = req.temperature if req.temperature is not None else (
+        cfg.temperature if cfg.temperature is not None else 1.0)
+    top_k = req.top_k if req.top_k is not None else (cfg.top_k or 0)
+    bias = {}
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise APIError(400, f"logit_bias: key {k!r} is not a token id",
+                           param="logit_bias") from None
+        if not 0 <= tid < st.vocab_size or not -100 <= v <= 100:
+            raise APIError(400, f"logit_bias: token {k} must be in [0, {st.vocab_size}) and its "
+                                "bias in [-100, 100]", param="logit_bias")
+        bias[tid] = float(v)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        max_new_tokens=max_new, temperature=temperature, top_k=max(top_k, 0),
+        top_p=req.top_p if req.top_p is not None else 1.0,
+        min_p=req.min_p or 0.0, seed=req.seed,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        logit_bias=bias, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+        stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
+        logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens)
+    try:
+        params.validate()
+    except ValueError as e:
+        field = str(e).split(":", 1)[0]
+        raise APIError(400, str(e), param="max_tokens" if field == "max_new_tokens"
+                       else field) from None
+    return params
+
+
+def per_choice(params: SamplingParams, count: int, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice j of each prompt uses seed + j so the
+    n samples differ but stay reproducible."""
+    from dataclasses import replace
+    if params.seed is None:
+        return [params] * count
+    return [replace(params, seed=(params.seed + i % n) % 2**63) for i in range(count)]
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+
+def chat_logprobs(st: ServerState, lps: list[TokenLogprob] | None, top_n: int) -> dict:
+    def entry(tid, lp):
+        s = st.token_str(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    content = []
+    for t in lps or []:
+        e = entry(t.token_id, t.logprob)
+        e["top_logprobs"] = [entry(i, lp) for i, lp in t.top[:top_n]]
+        content.append(e)
+    return {"content": content, "refusal": None}
+
+
+class CompletionLogprobs:
+    """The legacy completions logprobs object, built incrementally (text_offset runs on)."""
+
+    def __init__(self, st: ServerState, top_n: int):
+        self.st, self.top_n, self.offset = st, top_n, 0
+
+    def build(self, token_ids: list[int], lps: list[TokenLogprob | None]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, t in zip(token_ids, lps):
+            s = self.st.token_str(tid)
+            out["tokens"].append(s)
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+            out["token_logprobs"].append(None if t is None else t.logprob)
+            if t is None:
+                out["top_logprobs"].append(None)
+            else:
+                top = {self.st.token_str(i): lp for i, lp in t.top[:self.top_n]}
+                top.setdefault(s, t.logprob)
+                out["top_logprobs"].append(top)
+        return out
+
+
+# ---- SSE ------------------------------------------------------------------------------------------
+
+async def sse_start(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+async def sse_send(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def sse_error(resp: web.StreamResponse, e: APIError) -> None:
+    """After the 200 headers have gone out, an error can only be an event in the stream."""
+    await sse_send(resp, error_body(e.status, e.message, e.param, e.code))
+    await resp.write(_DONE)
+
+
+# ---- handlers -------------------------------------------------------------------------------------
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    t0 = time.perf_counter()
+    st: ServerState = request.app[STATE]
+    req = parse_request(ChatCompletionRequest, await read_json(request),
+                        st.cfg.allow_extra_request_fields)
+    st.check_model(req.model)
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+    st.check_ready()
+    prompt = await chat_prompt(st, req)
+    max_new = check_length(st, len(prompt), req.max_completion_tokens or req.max_tokens,
+                           "messages")
+    top_n = req.top_logprobs or 0
+    params = sampling_params(st, req, max_new, bool(req.logprobs), top_n)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = now()
+    st.metrics.prompt_tokens.inc(len(prompt))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    async with Generation(st.engine, st.admission, st.metrics, rid, [prompt], req.n,
+                          per_choice(params, req.n, req.n), req.cache_salt, t0) as gen:
+        if not req.stream:
+            async for _ in gen.events():
+                pass
+            choices = [chat_choice(c.index, "".join(c.text), c.finish_reason,
+                                   chat_logprobs(st, c.logprobs, top_n) if req.logprobs else None)
+                       for c in gen.choices]
+            return web.json_response(chat_response(rid, st.model_id, created, choices,
+                                                   usage(*gen.usage_counts())))
+        resp = await sse_start(request)
+
+        def chunk(choices, use=None):
+            return chat_chunk(rid, st.model_id, created, choices, use, include_usage)
+        for c in gen.choices:
+            await sse_send(resp, chunk([chat_chunk_choice(
+                c.index, {"role": "assistant", "content": ""})]))
+        try:
+            async for c, out in gen.events():
+                if not (out.new_text or out.finished or (req.logprobs and out.new_logprobs)):
+                    continue
+                delta = {"content": out.new_text} if out.new_text else {}
+                lp = chat_logprobs(st, out.new_logprobs, top_n) if req.logprobs else None
+                await sse_send(resp, chunk([chat_chunk_choice(
+                    c.index, delta, c.finish_reason if out.finished else None, lp)]))
+        except APIError as e:
+            await sse_error(resp, e)
+            return resp
+        if include_usage:
+            await sse_send(resp, chunk([], usage(*gen.usage_counts())))
+        await resp.write(_DONE)
+        return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    t0 = time.perf_counter()
+    st: ServerState = request.app[STATE]
+    req = parse_request(CompletionRequest, await read_json(request),
+                        st.cfg.allow_extra_request_fields)
+    st.check_model(req.model)
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+    st.check_ready()
+    prompts, texts = await completion_prompts(st, req.prompt)
+    max_new = req.max_tokens
+    for p in prompts:
+        max_new = check_length(st, len(p), max_new, "prompt")
+    want_lp = req.logprobs is not None
+    top_n = req.logprobs or 0
+    params = sampling_params(st, req, max_new, want_lp, top_n,
+                             prompt_logprobs=bool(req.echo and want_lp))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = now()
+    st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
+    n = req.n
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    echo_texts = [t if t is not None else st.engine.tokenizer.decode(p)
+                  for t, p in zip(texts, prompts)] if req.echo else None
+    async with Generation(st.engine, st.admission, st.metrics, rid, prompts, n,
+                          per_choice(params, len(prompts) * n, n), req.cache_salt, t0) as gen:
+        lp_builders = {c.index: CompletionLogprobs(st, top_n) for c in gen.choices}
+
+        def echo_logprobs(c):
+            plps = c.prompt_logprobs or [None] * c.prompt_len
+            built = lp_builders[c.index].build(prompts[c.prompt_index], plps)
+            lp_builders[c.index].offset = len(echo_texts[c.prompt_index])
+            return built
+
+        if not req.stream:
+            async for _ in gen.events():
+                pass
+            choices = []
+            for c in gen.choices:
+                text = "".join(c.text)
+                lp = None
+                if want_lp:
+                    head = echo_logprobs(c) if req.echo else None
+                    lp = lp_builders[c.index].build(c.token_ids, c.logprobs or
+                                                    [None] * len(c.token_ids))
+                    lp = _concat_lp(head, lp) if head else lp
+                if req.echo:
+                    text = echo_texts[c.prompt_index] + text
+                choices.append(completion_choice(c.index, text, c.finish_reason, lp))
+            return web.json_response(completion_response(rid, st.model_id, created, choices,
+                                                         usage(*gen.usage_counts())))
+        resp = await sse_start(request)
+
+        def chunk(choice):
+            return completion_response(rid, st.model_id, created, [choice], None, False)
+        echoed = set()
+        try:
+            async for c, out in gen.events():
+                text, lp, head = out.new_text, None, None
+                if req.echo and c.index not in echoed:
+                    echoed.add(c.index)
+                    text = echo_texts[c.prompt_index] + text
+                    head = echo_logprobs(c) if want_lp else None
+                if want_lp:
+                    lp = lp_builders[c.index].build(out.new_token_ids, out.new_logprobs or
+                                                    [None] * len(out.new_token_ids))
+                    lp = _concat_lp(head, lp) if head else lp
+                if not (text or out.finished or lp and lp["tokens"]):
+                    continue
+                await sse_send(resp, chunk(completion_choice(
+                    c.index, text, c.finish_reason if out.finished else None, lp)))
+        except APIError as e:
+            await sse_error(resp, e)
+            return resp
+        if include_usage:
+            await sse_send(resp, completion_response(rid, st.model_id, created, [],
+                                                     usage(*gen.usage_counts())))
+        await resp.write(_DONE)
+        return resp
+
+
+def _concat_lp(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}

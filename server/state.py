@@ -1,0 +1,85 @@
+"""Per-app shared state (engine, config, metrics, tokenizer helpers) that the route modules read
+from `request.app[STATE]`. Built by server/app.py:build_app."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from .config import ServeConfig
+from .engine_client import EngineClient
+from .generation import AdmissionState
+from .metrics import ServerMetrics
+from .protocol import APIError, validation_error
+
+log = logging.getLogger("maxjax.server")
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    cfg: ServeConfig
+    model_id: str
+    metrics: ServerMetrics
+    admission: AdmissionState
+    created: int
+    # One thread: HF fast tokenizers are not safe to use from several threads at once, and a
+    # long prompt's template + encode must not block the event loop.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenize"))
+
+    def __post_init__(self):
+        tok = self.engine.tokenizer
+        self.vocab_size = len(tok)
+        self.token_str = lru_cache(maxsize=65536)(
+            lambda tid: tok.decode([tid], skip_special_tokens=False))
+
+    async def in_tokenizer_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.model_id!r}", param="model", code="model_not_found")
+
+    def check_ready(self) -> None:
+        if not self.engine.is_ready:
+            raise APIError(503, "the model is still loading; retry when /health answers 200")
+
+
+STATE = web.AppKey("maxjax_state", ServerState)
+
+
+async def read_json(request: web.Request) -> dict:
+    """The request body as a JSON object; aiohttp raises 413 itself above client_max_size."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def parse_request(model_cls: type[BaseModel], body: dict, allow_extra: bool):
+    """Validate `body` as `model_cls`; unknown top-level fields are a 400 unless allow_extra,
+    in which case they are dropped with a warning."""
+    unknown = sorted(set(body) - set(model_cls.model_fields))
+    if unknown:
+        if not allow_extra:
+            raise APIError(400, f"unknown field{'s' if len(unknown) > 1 else ''}: "
+                                f"{', '.join(unknown)} (start the server with "
+                                "--allow-extra-request-fields to drop them)", param=unknown[0])
+        log.warning("dropping unknown request fields: %s", ", ".join(unknown))
+        body = {k: v for k, v in body.items() if k not in unknown}
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
