@@ -1,0 +1,88 @@
+"""The engine's per-request state, owned by the Scheduler and read by the ModelRunner and the loop.
+
+A request's token sequence is its prompt followed by the tokens it has generated. The KV cache holds
+the first `num_computed_tokens` of them; the rest (the whole prompt at admission, one sampled token
+while decoding, everything after a preemption) is what the next steps compute.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from maxjax.engine.types import SamplingParams
+
+_arrival = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # queued, holds no pages
+    RUNNING = "running"        # holds pages, prefilling or decoding
+    PREEMPTED = "preempted"    # gave its pages back to let older ones go on; first in the queue
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0          # tokens whose K/V are in this request's pages
+    pages: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | ...
+    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    admitted: bool = False                # admitted at least once (num_cached_tokens is final)
+
+    # Prefix-cache bookkeeping, kept by the BlockManager: hashes of this sequence's full pages
+    # (a pure function of the tokens, so they survive preemption) and the cache entries those pages
+    # match (cleared when the request's pages are freed).
+    page_hashes: list = field(default_factory=list)
+    page_uids: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self._tokens = self.prompt_token_ids + list(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output. The list is the request's own: read it, do not mutate it."""
+        return self._tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._tokens.append(token_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self._tokens) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token to compute: a prompt (or a preempted sequence) not yet in the cache."""
+        return len(self._tokens) - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, pages={self.pages})")

@@ -1,0 +1,289 @@
+"""Continuous batching: which tokens of which requests run in the next step. Called by the engine loop:
+
+    plan = scheduler.schedule()                 # StepPlan or None when idle
+    sampled = model_runner.run(plan)            # one token id per row (or per sampling row)
+    updated = scheduler.update(plan, sampled)   # append, check stop, free, cache full pages
+
+A request's tokens to compute are all_token_ids[num_computed_tokens:]: one while decoding, more while
+prefilling (a prompt, or everything a preempted request had). Each step holds at most
+max_batch_input_tokens tokens in at most max_batch_size rows, filled in this order:
+  1. running decodes, one token each (oldest first);
+  2. running partial prefills, the next chunk each;
+  3. waiting requests, first come first served: the cached prefix is reused, the rest is prefilled
+     in chunks; admission stops at the first request whose chunk or pages do not fit, so a big
+     request is never overtaken (no starvation).
+When a running request needs a page and none is left, the newest running request not yet in this
+step is preempted by recompute: its pages are freed and it goes back to the front of the queue, its
+generated tokens kept and re-prefilled with its prompt. add() rejects requests that could never fit.
+
+Not thread-safe: call abort()/finish() from the loop, between schedule() and the next schedule().
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from maxjax.engine.block_manager import BlockManager
+from maxjax.engine.config import EngineConfig
+from maxjax.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRow:
+    """The tokens one request contributes to a step (same fields as graphs.step.RowSlice)."""
+    request: Request
+    start_pos: int
+    token_ids: list[int]
+    pages: list[int]
+    sample: bool       # the row's last token yields a new token (False for a non-final prefill chunk)
+
+
+@dataclass
+class StepPlan:
+    rows: list[ScheduledRow]
+    num_tokens: int
+    preempted: list[Request] = field(default_factory=list)   # sent back to the queue by this plan
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+
+class Scheduler:
+    def __init__(self, engine_config: EngineConfig, block_manager: BlockManager, max_length: int,
+                 eos_token_ids=()):
+        cfg = engine_config
+        if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
+            raise ValueError("max_batch_size and max_batch_input_tokens must be >= 1")
+        if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
+            raise ValueError(f"chunked_prefill_min_chunk_size must be in [0, max_batch_input_tokens="
+                             f"{cfg.max_batch_input_tokens}], got {cfg.chunked_prefill_min_chunk_size}")
+        if max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {max_length}")
+        self.cfg = cfg
+        self.bm = block_manager
+        self.max_length = max_length
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []          # in admission order: the tail is preempted first
+        self.requests: dict[str, Request] = {}    # every unfinished request
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_scheduled_tokens = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    # ---- queue ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request; ValueError (one line, naming the limit) if it can never run."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        n = req.num_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_length:
+            raise ValueError(f"the prompt has {n} tokens; max_length {self.max_length} leaves room "
+                             f"for at most {self.max_length - 1} prompt tokens")
+        if not self.cfg.enable_chunked_prefill and n > self.cfg.max_batch_input_tokens:
+            raise ValueError(f"the prompt has {n} tokens, more than max_batch_input_tokens "
+                             f"{self.cfg.max_batch_input_tokens}, and chunked prefill is off")
+        final = min(n + req.sampling.max_new_tokens - req.num_output_tokens, self.max_length)
+        # The last sampled token is never fed back, so the cache holds at most final - 1 tokens.
+        need = self.bm.pages_for(final - 1)
+        if need > self.bm.num_usable_pages:
+            raise ValueError(f"the request needs up to {need} KV pages ({final - 1} tokens) but the "
+                             f"pool has {self.bm.num_usable_pages}")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """End a request now (a stop string, an abort, an error): frees its pages. None if unknown
+        or already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return req
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.bm.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _chunk(self, req: Request, budget: int, remaining: int) -> int:
+        """Tokens of `remaining` to prefill within `budget`: all of them, or a chunk such that the
+        chunk and what is left are both >= the min chunk size (when the rest allows), or 0."""
+        if remaining <= budget:
+            return remaining
+        # Chunking off means a prompt only goes in whole; a preempted sequence longer than any
+        # step must still be split to be recomputed.
+        if not self.cfg.enable_chunked_prefill and remaining <= self.cfg.max_batch_input_tokens:
+            return 0
+        m = max(1, self.cfg.chunked_prefill_min_chunk_size)
+        chunk = budget if remaining < 2 * m else min(budget, remaining - m)
+        return chunk if chunk >= m else 0
+
+    def _row(self, req: Request, n: int) -> ScheduledRow:
+        s = req.num_computed_tokens
+        return ScheduledRow(req, s, req.all_token_ids[s:s + n], list(req.pages), s + n == req.num_tokens)
+
+    def _preempt_newest(self, scheduled: set, preempted: list) -> Request:
+        for i in range(len(self.running) - 1, -1, -1):
+            victim = self.running[i]
+            if victim.request_id not in scheduled:
+                break
+        del self.running[i]
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        preempted.append(victim)
+        return victim
+
+    def schedule(self) -> StepPlan | None:
+        budget, max_rows = self.cfg.max_batch_input_tokens, self.cfg.max_batch_size
+        rows: list[ScheduledRow] = []
+        scheduled: set[str] = set()
+        preempted: list[Request] = []
+        ps = self.bm.page_size
+
+        # 1. decodes. Victims come from the tail, which this pass has not reached yet.
+        i = 0
+        while i < len(self.running) and len(rows) < max_rows and budget > 0:
+            req = self.running[i]
+            if req.is_prefilling:
+                i += 1
+                continue
+            while not self.bm.allocate(req, 1):
+                if self._preempt_newest(scheduled, preempted) is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                rows.append(self._row(req, 1))
+                scheduled.add(req.request_id)
+                budget -= 1
+                i += 1
+        n_decode = len(rows)
+
+        # 2. partial prefills: a chunk shrinks to the pages left; with none left, preempt.
+        i = 0
+        while i < len(self.running) and len(rows) < max_rows and budget > 0:
+            req = self.running[i]
+            if req.request_id in scheduled or not req.is_prefilling:
+                i += 1
+                continue
+            remaining = req.num_uncomputed_tokens
+            if self._chunk(req, budget, remaining) == 0:
+                i += 1                      # budget too small for a chunk this step
+                continue
+            while True:
+                fit = (len(req.pages) + self.bm.num_free_pages) * ps - req.num_computed_tokens
+                chunk = self._chunk(req, min(budget, fit), remaining)
+                if chunk:
+                    ok = self.bm.allocate(req, chunk)
+                    assert ok
+                    break
+                if self._preempt_newest(scheduled, preempted) is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                rows.append(self._row(req, chunk))
+                scheduled.add(req.request_id)
+                budget -= chunk
+                i += 1
+
+        # 3. admissions, FCFS: stop at the first that does not fit.
+        while self.waiting and len(rows) < max_rows and budget > 0:
+            req = self.waiting[0]
+            prefix = self.bm.match_prefix(req)
+            chunk = self._chunk(req, budget, req.num_tokens - len(prefix.pages) * ps)
+            if chunk == 0 or not self.bm.allocate(req, chunk, prefix):
+                break
+            self.waiting.popleft()
+            if not req.admitted:
+                req.admitted = True
+                req.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            rows.append(self._row(req, chunk))
+            scheduled.add(req.request_id)
+            budget -= chunk
+
+        if not rows:
+            return None
+        num_tokens = self.cfg.max_batch_input_tokens - budget
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_tokens
+        self.num_decode_tokens += n_decode
+        self.num_prefill_tokens += num_tokens - n_decode
+        return StepPlan(rows, num_tokens, preempted)
+
+    def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:
+        """Apply a step's results. `sampled_token_ids`: one per row, or one per row with
+        sample=True. Returns the requests that got a token, finished ones included (their
+        status and finish_reason say so)."""
+        sampled = [int(t) for t in sampled_token_ids]
+        if len(sampled) != len(plan.rows):
+            n_sample = sum(r.sample for r in plan.rows)
+            if len(sampled) != n_sample:
+                raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.rows)} rows "
+                                 f"({n_sample} sampling)")
+            it = iter(sampled)
+            sampled = [next(it) if r.sample else -1 for r in plan.rows]
+        updated = []
+        for row, token in zip(plan.rows, sampled):
+            req = row.request
+            if req.status is not RequestStatus.RUNNING:
+                continue                    # finished or aborted since the plan was made
+            assert req.num_computed_tokens == row.start_pos, (req, row.start_pos)
+            req.num_computed_tokens += len(row.token_ids)
+            reason = None
+            if row.sample:
+                req.append_token(token)
+                reason = self._stop_reason(req, token)
+                updated.append(req)
+            self.bm.cache_full_pages(req)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+        return updated
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        sp = req.sampling
+        n = req.num_output_tokens
+        # min_tokens: the output, stop token included, has at least min_tokens tokens (as vLLM).
+        if n >= sp.min_tokens:
+            if token in self.eos_token_ids and not sp.ignore_eos:
+                return "stop"
+            if token in sp.stop_token_ids:
+                return "stop"
+        if n >= sp.max_new_tokens or req.num_tokens >= self.max_length:
+            return "length"
+        return None
+
+    def stats(self) -> dict:
+        return {"steps": self.num_steps, "preemptions": self.num_preemptions,
+                "scheduled_tokens": self.num_scheduled_tokens, "prefill_tokens": self.num_prefill_tokens,
+                "decode_tokens": self.num_decode_tokens, "waiting": len(self.waiting),
+                "running": len(self.running), **self.bm.stats()}
