@@ -77,3 +77,9 @@ def base_config(hf: dict, **overrides) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def layer_windows(layer_types, window) -> tuple[int, ...]:
+    """Per-layer sliding windows from HF `layer_types` ("sliding_attention" / "full_attention")."""
+    w = int(window or 0)
+    return tuple(w if t == "sliding_attention" else 0 for t in layer_types)
