@@ -18,10 +18,18 @@ from maxjax.server.config import ServeConfig
 _SCHEMAS = json.load(open(os.path.join(os.path.dirname(__file__), "openai_schemas.json")))
 
 
+_VALIDATORS: dict = {}
+
+
 def validate(obj: dict, schema_name: str) -> None:
-    schema = {"$schema": _SCHEMAS["$schema"], "$defs": _SCHEMAS["$defs"],
-              "$ref": f"#/$defs/{schema_name}"}
-    jsonschema.validate(obj, schema, cls=jsonschema.Draft202012Validator)
+    """Raise jsonschema.ValidationError unless obj matches the spec's schema `schema_name`."""
+    v = _VALIDATORS.get(schema_name)
+    if v is None:
+        schema = {"$schema": _SCHEMAS["$schema"], "$defs": _SCHEMAS["$defs"],
+                  "$ref": f"#/$defs/{schema_name}"}
+        jsonschema.Draft202012Validator.check_schema(schema)
+        v = _VALIDATORS[schema_name] = jsonschema.Draft202012Validator(schema)
+    v.validate(obj)
 
 
 class ServerThread:
@@ -48,3 +56,27 @@ class ServerThread:
         self.call(self.runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+class Response:
+    def __init__(self, status: int, headers, body: bytes):
+        self.status_code, self.headers, self.content = status, headers, body
+        self.text = body.decode("utf-8", "replace")
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def http(method: str, url: str, body=None, headers: dict | None = None, raw: bytes | None = None,
+         timeout: float = 30) -> Response:
+    """A blocking HTTP call that returns error statuses instead of raising."""
+    import urllib.error
+    import urllib.request
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Response(r.status, r.headers, r.read())
+    except urllib.error.HTTPError as e:
+        return Response(e.code, e.headers, e.read())
