@@ -27,6 +27,9 @@ def template_messages(messages) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         content = m.content
+        if content is None and m.role != "assistant":
+            raise APIError(400, f"messages[{i}].content: required for role {m.role!r}",
+                           param=f"messages[{i}].content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
