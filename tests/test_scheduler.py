@@ -41,6 +41,7 @@ class Rig:
         assert plan.num_tokens == sum(len(r.token_ids) for r in plan.rows)
         assert plan.num_tokens <= self.s.cfg.max_batch_input_tokens
         assert len(plan.rows) <= self.s.cfg.max_batch_size
+        assert len(self.s.running) <= self.s.cfg.max_batch_size
         assert len({r.request.request_id for r in plan.rows}) == len(plan.rows)
         ps = self.bm.page_size
         for row in plan.rows:
@@ -173,6 +174,33 @@ def test_chunking_off_prompt_goes_in_whole_or_waits():
     assert rows_of(g.step()) == [("b", 0, 8, True)]  # a finished: b fits whole
     g.run()
     assert all(r.output_token_ids == expect(r) for r in (a, b))
+
+
+def test_fcfs_a_big_request_is_not_overtaken():
+    g = Rig(pages=7, page_size=4, budget=32, prefix=False)    # 6 usable pages
+    a = g.add("a", range(14), n=6)               # 4 pages after its prefill, 5 at the end
+    g.step()
+    big = g.add("big", range(100, 112), n=2)     # needs 3 pages, 2 are free
+    small = g.add("small", [5], n=2)             # would fit, but comes after big
+    while a.status is not RequestStatus.FINISHED:
+        g.step()
+        assert big.status is small.status is RequestStatus.WAITING or a.is_finished
+    plan = g.step()
+    assert [r[0] for r in rows_of(plan)] == ["big", "small"]
+    g.run()
+    assert all(r.output_token_ids == expect(r) for r in (a, big, small))
+
+
+def test_running_requests_are_capped_at_max_batch_size():
+    g = Rig(budget=16, rows=2, min_chunk=4)
+    a = g.add("a", range(30), n=3)
+    b = g.add("b", [1], n=3)
+    c = g.add("c", [2], n=3)
+    while not a.is_finished:
+        g.step()
+        assert g.s.num_running <= 2
+    g.run()
+    assert all(r.output_token_ids == expect(r) for r in (a, b, c))
 
 
 def test_add_rejects_what_can_never_run():

@@ -236,9 +236,12 @@ class BlockManager:
         admitting = not req.pages
         if prefix.pages and not admitting:
             raise ValueError(f"request {req.request_id!r} already holds pages; no prefix to add")
+        if not admitting and (req.num_computed_tokens + num_new_tokens
+                              <= len(req.pages) * self.page_size):
+            return True       # the common decode step: the last page has room
         if self._pages_short(req, num_new_tokens, prefix) > 0:
             return False
-        if admitting:
+        if admitting and self.enable_prefix_caching:
             self.prefix_queries += 1
             self.prefix_query_tokens += req.num_tokens
             self.prefix_query_pages += (req.num_tokens - 1) // self.page_size

@@ -9,9 +9,9 @@ prefilling (a prompt, or everything a preempted request had). Each step holds at
 max_batch_input_tokens tokens in at most max_batch_size rows, filled in this order:
   1. running decodes, one token each (oldest first);
   2. running partial prefills, the next chunk each;
-  3. waiting requests, first come first served: the cached prefix is reused, the rest is prefilled
-     in chunks; admission stops at the first request whose chunk or pages do not fit, so a big
-     request is never overtaken (no starvation).
+  3. waiting requests, first come first served, while fewer than max_batch_size run: the cached
+     prefix is reused, the rest is prefilled in chunks; admission stops at the first request whose
+     chunk or pages do not fit, so a big request is never overtaken (no starvation).
 When a running request needs a page and none is left, the newest running request not yet in this
 step is preempted by recompute: its pages are freed and it goes back to the front of the queue, its
 generated tokens kept and re-prefilled with its prompt. add() rejects requests that could never fit.
@@ -213,8 +213,9 @@ class Scheduler:
                 budget -= chunk
                 i += 1
 
-        # 3. admissions, FCFS: stop at the first that does not fit.
-        while self.waiting and len(rows) < max_rows and budget > 0:
+        # 3. admissions, FCFS: stop at the first that does not fit. Running requests are capped
+        # at max_batch_size too, so every decode finds a row in every step.
+        while self.waiting and len(self.running) < max_rows and len(rows) < max_rows and budget > 0:
             req = self.waiting[0]
             prefix = self.bm.match_prefix(req)
             chunk = self._chunk(req, budget, req.num_tokens - len(prefix.pages) * ps)
