@@ -1,4 +1,6 @@
 """On-device sampling: determinism, distributions, penalties, logprobs, compile count."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +35,12 @@ def test_temperature_zero_and_top_k_one_are_argmax():
     # a mixed batch takes the sampling path; greedy and top_k=1 rows must still be argmax
     mixed = [SP(temperature=0), SP(temperature=0.7, top_k=1), SP(temperature=1.5, top_k=1),
              SP(temperature=1.0, top_p=0.5)]
-    out = sample(logits, arrays(mixed, 4), num_top_logprobs=0)
+    a = arrays(mixed, 4)
+    out = sample(logits, a, num_top_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[:3], want[:3])
+    # top_k=1 rows are sent down the greedy path; through the sampling path they give the same
+    forced = dataclasses.replace(a, temperature=np.array([0.0, 0.7, 1.5, 1.0], np.float32))
+    out = sample(logits, forced, num_top_logprobs=0)
     np.testing.assert_array_equal(np.asarray(out.token_ids)[:3], want[:3])
 
 
@@ -241,3 +248,17 @@ def test_build_rejects_too_many_rows_and_pads_greedy():
     assert isinstance(a, SamplingArrays)
     np.testing.assert_allclose(a.temperature, [0.9, 0, 0, 0])
     assert (a.history == -1).all()                 # no penalties: history left unfilled
+
+
+def test_abstract_arrays_lower_ahead_of_time():
+    R, V = 4, 32
+    spec = SamplingArrays.abstract(R, H)
+    concrete = arrays([SP(top_k=3)] * R, R)
+    for f in dataclasses.fields(SamplingArrays):
+        x, y = getattr(spec, f.name), getattr(concrete, f.name)
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), f.name
+    compiled = sample.lower(jax.ShapeDtypeStruct((R, V), jnp.float32), spec,
+                            num_top_logprobs=2).compile()
+    logits = np.random.default_rng(8).normal(size=(R, V)).astype(np.float32)
+    np.testing.assert_array_equal(compiled(logits, concrete).token_ids,
+                                  sample(logits, concrete, num_top_logprobs=2).token_ids)

@@ -69,6 +69,20 @@ class SamplingArrays:
     history: jax.Array            # i32[R, H]: prompt then output ids, -1 padded
     output_start: jax.Array       # i32[R]: index in `history` of the first generated token
 
+    @classmethod
+    def abstract(cls, R: int, history_len: int, max_logit_bias: int = MAX_LOGIT_BIAS,
+                 max_suppress: int = MAX_SUPPRESS) -> "SamplingArrays":
+        """ShapeDtypeStructs of a bucket, for ahead-of-time lowering (`sample.lower`)."""
+        f32, i32 = jnp.float32, jnp.int32
+        s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+        return cls(temperature=s((R,), f32), top_k=s((R,), i32), top_p=s((R,), f32),
+                   min_p=s((R,), f32), frequency_penalty=s((R,), f32),
+                   presence_penalty=s((R,), f32), repetition_penalty=s((R,), f32),
+                   seed=s((R, 2), jnp.uint32), step=s((R,), i32),
+                   bias_ids=s((R, max_logit_bias), i32), bias_values=s((R, max_logit_bias), f32),
+                   suppress_ids=s((R, max_suppress), i32), history=s((R, history_len), i32),
+                   output_start=s((R,), i32))
+
 
 class SampleOutput(NamedTuple):
     token_ids: jax.Array      # i32[R]
@@ -104,7 +118,7 @@ def build_sampling_arrays(rows: Sequence[tuple[SamplingParams, Sequence[int], Se
         suppress_ids=np.full((R, max_suppress), -1, np.int32),
         history=np.full((R, H), -1, np.int32), output_start=np.zeros(R, np.int32))
     for r, (p, prompt_ids, output_ids, seed) in enumerate(rows):
-        a["temperature"][r] = p.temperature
+        a["temperature"][r] = 0.0 if p.greedy else p.temperature   # top_k=1: the argmax fast path
         a["top_k"][r] = p.top_k
         a["top_p"][r] = p.top_p
         a["min_p"][r] = p.min_p
