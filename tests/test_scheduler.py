@@ -45,6 +45,7 @@ class Rig:
         assert len({r.request.request_id for r in plan.rows}) == len(plan.rows)
         ps = self.bm.page_size
         for row in plan.rows:
+            assert len(row.pages) <= self.s.max_pages_per_row
             assert len(row.token_ids) > 0 and row.start_pos == row.request.num_computed_tokens
             for pos in range(row.start_pos, row.start_pos + len(row.token_ids)):
                 page = row.pages[pos // ps]
@@ -474,3 +475,30 @@ def test_random_configs(seed):
         if r.finish_reason != "abort":
             assert r.finish_reason == "length"
             assert len(r.output_token_ids) == r.sampling.max_new_tokens or r.num_tokens == 64
+
+
+def test_mock_model_notices_wrong_pages():
+    from maxjax.engine.mock_model import MockModel
+    from maxjax.graphs.step import RowSlice
+    prompt = list(range(10))
+    ref = reference_generate(prompt, 1, VOCAB)
+    m = MockModel(4, VOCAB)
+    assert m.run([RowSlice(prompt, 0, [1, 2, 3])]) == ref
+    m.run([RowSlice([9, 9, 9, 9], 0, [4])])       # another sequence's first page
+    assert m.run([RowSlice(prompt[8:], 8, [4, 2, 3])]) != ref   # reuses the wrong first page
+    with pytest.raises(AssertionError, match="unwritten"):
+        m.run([RowSlice([1], 8, [1, 6, 5])])
+
+
+def test_plan_rows_pack_into_step_inputs():
+    from maxjax.graphs.step import build_step_inputs
+    g = Rig(budget=16)
+    g.add("a", range(3), n=4)
+    g.step()
+    g.add("b", range(20, 30), n=2)
+    plan = g.s.schedule()
+    step = build_step_inputs(plan.rows, 16, 4, g.s.max_pages_per_row, 4)
+    assert list(step.positions[:11]) == [3] + list(range(10))
+    assert list(step.sample_idx[:2]) == [0, 10]
+    g.s.update(plan, g.model.run(plan))
+    g.run()

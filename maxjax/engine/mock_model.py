@@ -63,8 +63,9 @@ class MockModel:
         return self.kv[slot]
 
     def run(self, rows) -> list[int]:
-        """One step: rows carry token_ids, start_pos, pages (a StepPlan's rows or RowSlices).
+        """One step: a StepPlan, or rows carrying token_ids, start_pos, pages (RowSlices).
         Returns one token per row (meaningless for rows whose last token samples nothing)."""
+        rows = getattr(rows, "rows", rows)
         self.num_steps += 1
         out = []
         for row in rows:

@@ -119,6 +119,11 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
 
+    @property
+    def max_pages_per_row(self) -> int:
+        """The most pages any row can hold: the page-table width P the graphs need."""
+        return self.bm.pages_for(self.max_length - 1)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
