@@ -207,8 +207,8 @@ class Scheduler:
                 fit = (len(req.pages) + self.bm.num_free_pages) * ps - req.num_computed_tokens
                 chunk = self._chunk(req, min(budget, fit), remaining)
                 if chunk:
-                    ok = self.bm.allocate(req, chunk)
-                    assert ok
+                    if not self.bm.allocate(req, chunk):
+                        raise RuntimeError(f"{chunk} tokens fit the free pages but allocation failed")
                     break
                 if self._preempt_newest(scheduled, preempted) is req:
                     break
