@@ -262,3 +262,16 @@ def test_abstract_arrays_lower_ahead_of_time():
     logits = np.random.default_rng(8).normal(size=(R, V)).astype(np.float32)
     np.testing.assert_array_equal(compiled(logits, concrete).token_ids,
                                   sample(logits, concrete, num_top_logprobs=2).token_ids)
+
+
+def test_export_round_trip():
+    R, V = 2, 16
+    exp = jax.export.export(sample, platforms=("cpu",))(
+        jax.ShapeDtypeStruct((R, V), jnp.float32), SamplingArrays.abstract(R, H),
+        num_top_logprobs=1)
+    loaded = jax.export.deserialize(exp.serialize())
+    a = arrays([SP(temperature=0.8, top_p=0.9), SP(temperature=0)], R)
+    logits = np.random.default_rng(9).normal(size=(R, V)).astype(np.float32)
+    got, want = loaded.call(logits, a), sample(logits, a, num_top_logprobs=1)
+    np.testing.assert_array_equal(got.token_ids, want.token_ids)
+    np.testing.assert_allclose(got.top_logprobs, want.top_logprobs)

@@ -91,6 +91,13 @@ class SampleOutput(NamedTuple):
     top_logprobs: jax.Array   # f32[R, K]
 
 
+# exported step/sampling graphs carry these types in their calling convention (jax.export)
+jax.export.register_pytree_node_serialization(
+    SamplingArrays, serialized_name="maxjax.SamplingArrays",
+    serialize_auxdata=lambda aux: b"", deserialize_auxdata=lambda b: ())
+jax.export.register_namedtuple_serialization(SampleOutput, serialized_name="maxjax.SampleOutput")
+
+
 def new_seed(rng: np.random.Generator | None = None) -> int:
     """A fresh 64-bit seed for a request that gave none (drawn once, at admission)."""
     rng = rng or np.random.default_rng()
