@@ -1,2 +1,13 @@
 """maxjax: an OpenAI-compatible LLM inference server on JAX/XLA."""
 __version__ = "0.1.0"
+
+from maxjax.engine.types import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name):
+    if name == "LLM":   # lazy: importing maxjax should not import jax
+        from maxjax.llm import LLM
+        return LLM
+    raise AttributeError(name)

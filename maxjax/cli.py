@@ -1,0 +1,226 @@
+"""The `maxjax` command: serve, warm-cache, generate, list, benchmark.
+
+User errors (bad flag, model, checkpoint, artifact) print one line and exit 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from maxjax.cli_args import (GenerateOptions, ModelOptions, add_dataclass_args, build,
+                             check_config_keys, read_config_file)
+from maxjax.engine.config import EngineConfig
+from maxjax.errors import UserError
+
+
+def _setup(args) -> tuple[ModelOptions, EngineConfig]:
+    base = {}
+    if getattr(args, "config_file", None):
+        base = read_config_file(args.config_file)
+        check_config_keys(base, _config_classes(args), args.config_file)
+    model_opts = build(ModelOptions, args, base)
+    logging.basicConfig(level=getattr(logging, model_opts.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _select_devices(model_opts.devices)
+    from maxjax import registry
+    for spec in model_opts.custom_architectures:
+        registry.register_custom(spec)
+    return model_opts, build(EngineConfig, args, base)
+
+
+def _config_classes(args):
+    from maxjax.server.config import ServeConfig
+    classes = [ModelOptions, EngineConfig]
+    return classes + [ServeConfig] if args.command == "serve" else classes
+
+
+def _select_devices(devices: str | None) -> None:
+    if devices is None:
+        return
+    kind = devices.split(":")[0].lower()
+    platforms = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+    if kind not in platforms:
+        raise UserError(f"--devices {devices!r}: expected cpu or gpu[:IDS]")
+    import jax
+    try:
+        jax.config.update("jax_platforms", platforms[kind])
+        jax.devices()
+    except RuntimeError as e:
+        raise UserError(f"--devices {devices}: no such device on this machine ({e})") from e
+
+
+def cmd_list(args) -> int:
+    from maxjax import registry
+    for spec in getattr(args, "custom_architectures", None) or []:
+        registry.register_custom(spec)
+    archs = registry.architectures()
+    if args.json:
+        print(json.dumps([{"name": a.name, "gguf_archs": list(a.gguf_archs),
+                           "description": a.description} for a in archs.values()], indent=2))
+    else:
+        width = max(len(n) for n in archs)
+        for a in archs.values():
+            gguf = f"  [gguf: {', '.join(a.gguf_archs)}]" if a.gguf_archs else ""
+            print(f"{a.name:<{width}}  {a.description}{gguf}")
+    return 0
+
+
+def _read_prompts(gen: GenerateOptions) -> list:
+    prompts = list(gen.prompt)
+    if gen.prompts_file:
+        try:
+            with open(gen.prompts_file) as f:
+                lines = [ln for ln in f if ln.strip()]
+        except OSError as e:
+            raise UserError(f"--prompts-file {gen.prompts_file}: {e.strerror}") from e
+        for i, line in enumerate(lines, 1):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--prompts-file line {i}: not JSON ({e})") from e
+            item = obj.get("messages") if gen.chat and isinstance(obj, dict) else None
+            item = item or (obj.get("prompt") if isinstance(obj, dict) else obj)
+            if item is None:
+                raise UserError(f"--prompts-file line {i}: needs a 'prompt' (or 'messages') field")
+            prompts.append(item)
+    if not prompts:
+        raise UserError("generate needs --prompt TEXT or --prompts-file FILE")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    model_opts, engine_cfg = _setup(args)
+    gen = build(GenerateOptions, args)
+    from maxjax.engine.types import SamplingParams
+    from maxjax.llm import LLM
+    params = SamplingParams(
+        max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
+        top_p=gen.top_p, min_p=gen.min_p, seed=gen.seed, frequency_penalty=gen.frequency_penalty,
+        presence_penalty=gen.presence_penalty, repetition_penalty=gen.repetition_penalty,
+        stop=gen.stop, ignore_eos=gen.ignore_eos)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    prompts = _read_prompts(gen)
+    llm = LLM(model_opts.model_path, chat_template=model_opts.chat_template,
+              precompiled_artifacts=model_opts.precompiled_artifacts or None,
+              progress=not gen.json, **vars(engine_cfg))
+    if gen.chat:
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        try:
+            token_prompts = [llm.apply_chat_template(p) for p in prompts]
+        except ValueError as e:
+            raise UserError(str(e)) from e
+    else:
+        token_prompts = prompts
+    try:
+        outs = llm.generate(token_prompts, params)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    if model_opts.export_artifacts:
+        from maxjax import aot
+        aot.export_engine(model_opts.export_artifacts, llm.core)
+    for prompt, out in zip(prompts, outs):
+        if gen.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "usage": out.usage}))
+        else:
+            print(out.text if gen.chat else f"{prompt}{out.text}")
+            print(f"--- [{out.finish_reason}; {out.usage['completion_tokens']} tokens]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from maxjax.server.config import ServeConfig
+    model_opts, engine_cfg = _setup(args)
+    base = read_config_file(args.config_file) if getattr(args, "config_file", None) else {}
+    serve_cfg = build(ServeConfig, args, base)
+    if args.pretty_print_config:
+        import dataclasses
+        print(json.dumps({"model": dataclasses.asdict(model_opts), "engine": dataclasses.asdict(engine_cfg),
+                          "server": {k: ("***" if k == "api_key" and v else v)
+                                     for k, v in dataclasses.asdict(serve_cfg).items()}}, indent=2))
+    from maxjax.serve import serve
+    return serve(model_opts, engine_cfg, serve_cfg)
+
+
+def cmd_warm_cache(args) -> int:
+    model_opts, engine_cfg = _setup(args)
+    from maxjax import aot
+    return aot.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs)
+
+
+def cmd_benchmark(args) -> int:
+    from maxjax import benchmark
+    return benchmark.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="maxjax", description="LLM inference on JAX/XLA with an "
+                                "OpenAI-compatible server.")
+    p.add_argument("--version", action="version", version=f"maxjax {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_cmd(name, help_text):
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        add_dataclass_args(sp, ModelOptions, "model")
+        add_dataclass_args(sp, EngineConfig, "engine")
+        sp.add_argument("--config-file", help="YAML or JSON file of flag values (the command line wins)")
+        return sp
+
+    sp = model_cmd("serve", "Serve a model over the OpenAI API")
+    from maxjax.server.config import ServeConfig
+    add_dataclass_args(sp, ServeConfig, "server")
+    sp.add_argument("--pretty-print-config", action="store_true", help="Print the resolved configuration")
+    sp.set_defaults(func=cmd_serve)
+
+    sp = model_cmd("generate", "Generate text offline")
+    add_dataclass_args(sp, GenerateOptions, "generation")
+    sp.set_defaults(func=cmd_generate)
+
+    sp = model_cmd("warm-cache", "Compile every graph for a config and save the artifacts")
+    sp.add_argument("--artifacts-dir", help="Where to write (default: under artifacts/)")
+    sp.add_argument("--target", action="extend", nargs="+", default=None,
+                    help="Platforms to export for: cpu, cuda, rocm, tpu (default: this machine's)")
+    sp.add_argument("--jobs", type=int, default=1, help="Parallel compilations")
+    sp.set_defaults(func=cmd_warm_cache)
+
+    sp = sub.add_parser("list", help="List the supported architectures")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--custom-architectures", action="extend", nargs="+")
+    sp.set_defaults(func=cmd_list)
+
+    sp = sub.add_parser("benchmark", help="Benchmark an OpenAI-compatible server")
+    try:
+        from maxjax import benchmark
+        benchmark.add_args(sp)
+    except ImportError:
+        pass
+    sp.set_defaults(func=cmd_benchmark)
+    return p
+
+
+def _version() -> str:
+    from maxjax import __version__
+    return __version__
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"maxjax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Flags from dataclasses: each config dataclass field becomes `--field-name`, its help from the
+field's metadata, so config, CLI help and README come from one place.
+
+argparse-dataclass cannot express `--x/--no-x` with a default or PEP 604 optionals (`int | None`),
+which every max-serve-style flag needs, so this is a small adapter of our own.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+
+from maxjax.errors import UserError
+
+
+def _unwrap(t):
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return _unwrap(args[0]) if len(args) == 1 else (str, None)
+    if origin in (list, tuple):
+        return (typing.get_args(t)[0], "list")
+    return (t, None)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None = None) -> None:
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(title or cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
+        names = f.metadata.get("args") or [f"--{f.name.replace('_', '-')}"]
+        base, kind = _unwrap(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "")
+        if default not in (None, [], ()) and not isinstance(default, bool):
+            help_text += f" (default: {default})"
+        kw = dict(dest=f.name, help=help_text, default=argparse.SUPPRESS)
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind == "list":
+            kw.update(action="extend", nargs="+", type=base)
+        else:
+            kw["type"] = base
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        group.add_argument(*names, **kw)
+
+
+def build(cls, ns: argparse.Namespace, base: dict | None = None):
+    """The dataclass from (config-file values, then) the flags the user actually gave."""
+    values = dict(base or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in values.items() if k in names}
+    values.update({k: v for k, v in vars(ns).items() if k in names})
+    return cls(**values)
+
+
+def read_config_file(path: str) -> dict:
+    """YAML or JSON; keys may use dashes or underscores."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f"--config-file {path}: {e.strerror}") from e
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+            data = yaml.safe_load(text)
+    except Exception as e:
+        raise UserError(f"--config-file {path}: cannot parse: {e}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"--config-file {path}: expected a mapping of flag names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def check_config_keys(data: dict, classes, path: str) -> None:
+    known = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known - {"config_file"})
+    if unknown:
+        raise UserError(f"--config-file {path}: unknown settings: {', '.join(unknown)}")
+
+
+@dataclass
+class ModelOptions:
+    model_path: str | None = field(default=None, metadata={
+        "args": ["--model-path", "--model"],
+        "help": "HF repo id, HF directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "Jinja chat template file, or JSON with a chat_template key, overriding the model's"})
+    custom_architectures: list[str] = field(default_factory=list, metadata={
+        "help": "Architecture packages to register: a directory or IMPORT_PATH:ATTR exposing ARCHITECTURES"})
+    devices: str | None = field(default=None, metadata={
+        "help": "cpu or gpu (default: the first platform JAX finds)"})
+    precompiled_artifacts: list[str] = field(default_factory=list, metadata={
+        "help": "Artifact directories from `maxjax warm-cache` to load instead of compiling"})
+    require_compiled_artifacts: bool = field(default=False, metadata={
+        "help": "With --precompiled-artifacts: fail instead of compiling a portable export"})
+    export_artifacts: str | None = field(default=None, metadata={
+        "help": "Write artifacts for every graph this run compiles into this directory"})
+    log_level: str = field(default="INFO", metadata={
+        "help": "DEBUG, INFO, WARNING or ERROR"})
+
+
+@dataclass
+class GenerateOptions:
+    prompt: list[str] = field(default_factory=list, metadata={"help": "A prompt (repeatable)"})
+    prompts_file: str | None = field(default=None, metadata={
+        "help": "JSONL file: one {\"prompt\": ...} (or {\"messages\": [...]} with --chat) per line"})
+    chat: bool = field(default=False, metadata={"help": "Apply the chat template to each prompt"})
+    max_new_tokens: int = field(default=64, metadata={"help": "Tokens to generate per prompt"})
+    temperature: float = field(default=0.0, metadata={"help": "Sampling temperature (0: greedy)"})
+    top_k: int = field(default=0, metadata={"help": "Top-k (0: off)"})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass"})
+    min_p: float = field(default=0.0, metadata={"help": "Min-p filter"})
+    seed: int | None = field(default=None, metadata={"help": "Sampling seed"})
+    frequency_penalty: float = field(default=0.0, metadata={"help": "OpenAI frequency penalty"})
+    presence_penalty: float = field(default=0.0, metadata={"help": "OpenAI presence penalty"})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "HF repetition penalty"})
+    stop: list[str] = field(default_factory=list, metadata={"help": "Stop string (repeatable)"})
+    ignore_eos: bool = field(default=False, metadata={"help": "Keep generating past EOS"})
+    json: bool = field(default=False, metadata={
+        "help": "Print one JSON object per prompt: text, token_ids, finish_reason, usage"})

@@ -1,0 +1,40 @@
+"""The set of compiled step shapes: a pure function of the engine config, known before start-up.
+
+Token buckets T are powers of two up to the step's token budget. Rows R follow T (R = min(T,
+max_batch_size)): decode-only steps have T == R, and for bigger T padding R costs only R
+logit rows, which is small next to T tokens through every layer. One graph per T keeps the
+bucket count (and start-up compile time) at log2(budget) + 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    num_tokens: int      # T
+    num_rows: int        # R
+
+    @property
+    def name(self) -> str:
+        return f"step_t{self.num_tokens}_r{self.num_rows}"
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket_set(max_batch_input_tokens: int, max_batch_size: int) -> list[Bucket]:
+    top = _pow2_at_least(max(max_batch_input_tokens, max_batch_size))
+    out, t = [], 1
+    while t <= top:
+        out.append(Bucket(t, min(t, _pow2_at_least(max_batch_size))))
+        t *= 2
+    return out
+
+
+def pick_bucket(buckets: list[Bucket], num_tokens: int, num_rows: int) -> Bucket:
+    for b in buckets:
+        if b.num_tokens >= num_tokens and b.num_rows >= num_rows:
+            return b
+    raise ValueError(f"no bucket holds {num_tokens} tokens in {num_rows} rows")

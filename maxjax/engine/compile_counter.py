@@ -1,0 +1,32 @@
+"""Counts XLA backend compilations in this process (jax.monitoring), for the no-recompile rule."""
+from __future__ import annotations
+
+import threading
+
+import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+_lock = threading.Lock()
+_count = 0
+_installed = False
+
+
+def _listener(event: str, duration: float, **_kw) -> None:
+    global _count
+    if event == BACKEND_COMPILE_EVENT:
+        with _lock:
+            _count += 1
+
+
+def install() -> None:
+    global _installed
+    with _lock:
+        if not _installed:
+            jax.monitoring.register_event_duration_secs_listener(_listener)
+            _installed = True
+
+
+def count() -> int:
+    install()
+    return _count

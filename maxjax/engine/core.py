@@ -1,0 +1,184 @@
+"""EngineCore: the synchronous engine. One `step()` = Scheduler.schedule -> ModelRunner.run ->
+Scheduler.update. Not thread-safe: the AsyncEngine's loop thread (or LLM.generate) owns it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from maxjax.engine import compile_counter
+from maxjax.engine.block_manager import BlockManager
+from maxjax.engine.buckets import bucket_set
+from maxjax.engine.config import EngineConfig
+from maxjax.engine.request import Request, RequestStatus
+from maxjax.engine.runner import ModelRunner, RowRequest
+from maxjax.engine.sampling import new_seed
+from maxjax.engine.scheduler import Scheduler
+from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.errors import UserError
+from maxjax.graphs.step import RowSlice
+
+log = logging.getLogger("maxjax.engine")
+DEFAULT_MAX_LENGTH_CAP = 4096
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request."""
+    request_id: str
+    token_id: int
+    logprob: TokenLogprob | None
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class EngineLayout:
+    """Sizes derived from the config and the machine; pinned in artifacts."""
+    max_length: int
+    page_size: int
+    num_pages: int
+    max_pages_per_row: int
+    buckets: list = field(default_factory=list)
+
+
+def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
+    limit = model_cfg.max_position_embeddings
+    if cfg.max_length is None:
+        return min(limit, DEFAULT_MAX_LENGTH_CAP)
+    if cfg.max_length < 2:
+        raise UserError(f"--max-length must be >= 2 (got {cfg.max_length})")
+    return cfg.max_length
+
+
+def _available_bytes() -> int:
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
+    mc = model.config
+    if cfg.kv_cache_page_size < 1:
+        raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
+    if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
+        raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
+    max_length = resolve_max_length(cfg, mc)
+    page = cfg.kv_cache_page_size
+    per_row = math.ceil(max_length / page)
+    if cfg.num_kv_pages is not None:
+        num_pages = cfg.num_kv_pages
+    else:
+        itemsize = np.dtype(model.params["embed"].dtype).itemsize
+        page_bytes = 2 * mc.num_layers * page * mc.num_kv_heads * mc.head_dim * itemsize
+        budget = int(_available_bytes() * cfg.device_memory_utilization)
+        # No more than every row at max_length could use, plus the scratch page.
+        num_pages = min(budget // page_bytes, cfg.max_batch_size * per_row + 1)
+    if num_pages < 2:
+        raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
+                        "(raise --device-memory-utilization or set --num-kv-pages)")
+    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size)
+    return EngineLayout(max_length, page, int(num_pages), per_row, buckets)
+
+
+class EngineCore:
+    def __init__(self, model, cfg: EngineConfig, layout: EngineLayout | None = None):
+        compile_counter.install()
+        self.model = model
+        self.cfg = cfg
+        self.layout = layout or plan_layout(cfg, model)
+        lay = self.layout
+        self.max_length = lay.max_length
+        self.eos_token_ids = tuple(model.config.eos_token_ids)
+        self.block_manager = BlockManager(lay.num_pages, lay.page_size, cfg.enable_prefix_caching,
+                                          cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
+        self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids)
+        self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
+                                  lay.max_pages_per_row, lay.max_length)
+        self.seeds: dict[str, int] = {}
+        self.compiles_at_ready: int | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def warmup(self, progress=None) -> None:
+        """Compile (or check loaded) every bucket; after this no step compiles."""
+        self.runner.compile_all(progress)
+        self.compiles_at_ready = compile_counter.count()
+
+    @property
+    def compiles_since_ready(self) -> int:
+        base = self.compiles_at_ready
+        return 0 if base is None else compile_counter.count() - base
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_length:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens do not fit max_length "
+                             f"{self.max_length} (at most {self.max_length - 1} prompt tokens)")
+        for tid in params.logit_bias:
+            if not 0 <= int(tid) < vocab:
+                raise ValueError(f"logit_bias: token id {tid} is outside the vocabulary")
+        req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
+        self.scheduler.add(req)
+        self.seeds[request_id] = params.seed if params.seed is not None else new_seed()
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        self.seeds.pop(request_id, None)
+        return self.scheduler.finish(request_id, reason) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        plan = self.scheduler.schedule()
+        if plan is None or not plan.rows:
+            return []
+        rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages), r.request.sampling,
+                           r.request.prompt_token_ids, r.request.output_token_ids,
+                           self.seeds[r.request.request_id]) for r in plan.rows]
+        results = self.runner.run(rows)
+        updated = self.scheduler.update(plan, [res.token_id for res in results])
+        by_req = {row.request.request_id: res for row, res in zip(plan.rows, results) if row.sample}
+        events = []
+        for req in updated:
+            res = by_req[req.request_id]
+            lp = None
+            if req.sampling.logprobs:
+                k = req.sampling.top_logprobs
+                lp = TokenLogprob(res.token_id, res.logprob,
+                                  [(int(i), float(v)) for i, v in zip(res.top_ids[:k], res.top_logprobs[:k])])
+            done = req.status is RequestStatus.FINISHED
+            if done:
+                self.seeds.pop(req.request_id, None)
+            events.append(TokenEvent(req.request_id, res.token_id, lp, done, req.finish_reason,
+                                     req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+        return events
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        s["xla_compiles"] = compile_counter.count()
+        s["xla_compiles_since_ready"] = self.compiles_since_ready
+        s["kv_pages_total"] = self.layout.num_pages - 1
+        return s
