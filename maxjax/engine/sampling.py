@@ -201,26 +201,33 @@ def _bisect_threshold(bits: jax.Array, ok_fn, hi: jax.Array) -> jax.Array:
     return lo
 
 
-def _exact_thresholds(probs: jax.Array, k: jax.Array, top_p: jax.Array):
-    """Exact top-k and top-p probability thresholds by bisection over float bits (p >= 0, so the
-    int32 bit patterns are ordered like the values)."""
+def _exact_top_p_threshold(probs: jax.Array, k: jax.Array, k_fast: jax.Array,
+                           top_p: jax.Array) -> jax.Array:
+    """Exact top-k then top-p probability threshold by bisection over the float bits (p >= 0, so
+    the int32 bit patterns are ordered like the values). `k_fast` is the top-k threshold from the
+    candidates, already exact where k <= CANDIDATES."""
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
     hi = jnp.max(bits, axis=-1)
-    k_bits = _bisect_threshold(bits, lambda keep: jnp.sum(keep, -1) >= k, hi)
+    k_fast_bits = jax.lax.bitcast_convert_type(k_fast, jnp.int32)
+
+    def bisect_k(_):
+        k_bits = _bisect_threshold(bits, lambda keep: jnp.sum(keep, -1) >= k, hi)
+        return jnp.where(k > CANDIDATES, k_bits, k_fast_bits)
+    k_bits = jax.lax.cond(jnp.any(k > CANDIDATES), bisect_k, lambda _: k_fast_bits, None)
     k_bits = jnp.where(k > 0, k_bits, 0)
-    kept = jnp.where(bits >= k_bits[:, None], probs, 0.0)
-    total = jnp.sum(kept, -1)
-    kept_bits = jnp.where(bits >= k_bits[:, None], bits, -1)
+    in_k = bits >= k_bits[:, None]
+    total = jnp.sum(jnp.where(in_k, probs, 0.0), -1)
+    kept_bits = jnp.where(in_k, bits, -1)
     p_bits = _bisect_threshold(kept_bits, lambda keep: jnp.sum(jnp.where(keep, probs, 0.0), -1)
                                >= top_p * total, hi)
-    as_f = lambda b: jax.lax.bitcast_convert_type(b, jnp.float32)
-    return as_f(k_bits), as_f(jnp.maximum(p_bits, k_bits))
+    p_bits = jnp.where(top_p < 1, p_bits, 0)
+    return jax.lax.bitcast_convert_type(jnp.maximum(p_bits, k_bits), jnp.float32)
 
 
 def _filter_threshold(probs: jax.Array, a: SamplingArrays) -> jax.Array:
     """Per-row probability threshold implementing top-k then top-p (keep p >= threshold)."""
     R, V = probs.shape
-    C = min(V, CANDIDATES)
+    C = min(V, CANDIDATES)    # V < CANDIDATES: k > C never happens (k >= V is off)
     cand, _ = jax.lax.top_k(probs, C)                               # [R, C], descending
     k = jnp.where(a.top_k >= V, 0, a.top_k)
     k_thr = jnp.where(k > 0, jnp.take_along_axis(cand, jnp.clip(k - 1, 0, C - 1)[:, None], 1)[:, 0],
@@ -236,9 +243,7 @@ def _filter_threshold(probs: jax.Array, a: SamplingArrays) -> jax.Array:
     fast = jnp.maximum(k_thr, p_thr)
 
     def exact(_):
-        k_e, p_e = _exact_thresholds(probs, k, a.top_p)
-        exact_thr = jnp.maximum(k_e, jnp.where(a.top_p < 1, p_e, 0.0))
-        return jnp.where(need_exact, exact_thr, fast)
+        return jnp.where(need_exact, _exact_top_p_threshold(probs, k, k_thr, a.top_p), fast)
     return jax.lax.cond(jnp.any(need_exact), exact, lambda _: fast, None)
 
 
