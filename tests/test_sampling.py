@@ -275,3 +275,20 @@ def test_export_round_trip():
     got, want = loaded.call(logits, a), sample(logits, a, num_top_logprobs=1)
     np.testing.assert_array_equal(got.token_ids, want.token_ids)
     np.testing.assert_allclose(got.top_logprobs, want.top_logprobs)
+
+
+def test_sampling_across_inverse_cdf_blocks():
+    R, V = 4096, 1000                       # 4 blocks of 256, the last one padded
+    ids, p = np.array([3, 300, 555, 999]), np.array([0.4, 0.3, 0.2, 0.1])
+    row = np.full(V, -np.inf, np.float32)
+    row[ids] = np.log(p)
+    logits = np.broadcast_to(row, (R, V))
+    counts = np.zeros(V)
+    for b in range(3):
+        rows = [(SP(temperature=1.0), [1], [], 7 * R * b + i) for i in range(R)]
+        toks = np.asarray(sample(logits, build_sampling_arrays(rows, R, H),
+                                 num_top_logprobs=0).token_ids)
+        counts += np.bincount(toks, minlength=V)
+    n = 3 * R
+    assert counts.sum() == counts[ids].sum() == n
+    assert np.all(np.abs(counts[ids] - n * p) <= 5 * np.sqrt(n * p * (1 - p))), counts[ids] / n
