@@ -104,6 +104,7 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
     else:
         from maxjax.weights import hf as hfw
         hf = hfw.read_config(path)
+        registry.get_architecture(hf["architectures"][0])   # fail before reading weights
         reader = hfw.SafetensorsReader(path)
         tokenizer = load_hf_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
