@@ -137,6 +137,10 @@ class MockEngine:
                 self.pages[rid] = math.ceil((len(prompt) + i + 1) / PAGE_SIZE)
                 last = i == len(ids) - 1
                 new_text = text[i] if i < len(text) else ""
+                if last:   # done before the last output is handed over, as in a real engine
+                    self.finished.append(rid)
+                    self.running.discard(rid)
+                    self.pages.pop(rid, None)
                 yield RequestOutput(
                     request_id=rid, new_token_ids=[t], new_text=new_text,
                     new_logprobs=[TokenLogprob(t, token_logprob(t), self._top(t, p.top_logprobs))]
@@ -144,7 +148,6 @@ class MockEngine:
                     finished=last, finish_reason=reason if last else None,
                     prompt_tokens=len(prompt), completion_tokens=i + 1, cached_tokens=0,
                     prompt_logprobs=plps if i == 0 else None)
-            self.finished.append(rid)
         finally:
             # Closing the iteration early (client gone) is an abort.
             if rid in self.running and rid not in self.finished:

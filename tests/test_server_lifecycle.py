@@ -1,0 +1,177 @@
+"""Server behaviour over time: 64 concurrent streams, client disconnects abort the engine
+request (the mock's KV pages return to zero), /metrics, and SIGTERM drain of a real
+`run_server` process."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+from mock_engine import MockEngine, expected_text
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import ServerThread, http
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def wait_until(cond, what: str, timeout: float = 20.0):
+    """Poll for an event that happens asynchronously (not a timing assertion: a generous cap)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_64_concurrent_streams():
+    s = ServerThread(MockEngine(delay=0.005))
+    try:
+        async def one(client, i):
+            text, usage, finishes = "", None, 0
+            stream = await client.chat.completions.create(
+                model="mock-model", messages=[{"role": "user", "content": f"req {i}"}],
+                max_tokens=10 + i % 7, seed=i, stream=True,
+                stream_options={"include_usage": True})
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    finishes += chunk.choices[0].finish_reason is not None
+                if chunk.usage:
+                    usage = chunk.usage
+            return text, usage, finishes
+
+        async def main():
+            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+            try:
+                return await asyncio.gather(*(one(client, i) for i in range(64)))
+            finally:
+                await client.close()
+        results = asyncio.run(main())
+        for i, (text, usage, finishes) in enumerate(results):
+            assert text == expected_text(10 + i % 7, seed=i)[0]
+            assert finishes == 1
+            assert usage.completion_tokens == 10 + i % 7
+            assert usage.prompt_tokens == len(f"req {i}") + 19
+        assert s.engine.pages_used == 0 and not s.engine.running
+        assert not s.engine.aborted
+    finally:
+        s.close()
+
+
+def _raw_request(port: int, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(data)).encode() +
+                 b"\r\n\r\n" + data)
+    return sock
+
+
+def test_client_disconnect_aborts_the_request():
+    engine = MockEngine(delay=0.02)
+    s = ServerThread(engine)
+    try:
+        sock = _raw_request(s.port, {"messages": MSGS, "max_tokens": 400, "stream": True})
+        got = b""
+        while got.count(b"data: ") < 4:
+            data = sock.recv(4096)
+            assert data and b"200 OK" in got + data, got + data
+            got += data
+        assert engine.pages_used > 0
+        sock.close()
+        wait_until(lambda: len(engine.aborted) == 1, "the engine abort")
+        wait_until(lambda: engine.pages_used == 0, "pages back to baseline")
+        assert not engine.finished
+        # A non-streaming request whose client goes away is aborted too.
+        sock = _raw_request(s.port, {"messages": MSGS, "max_tokens": 400})
+        wait_until(lambda: engine.pages_used > 0, "the second request to start")
+        sock.close()
+        wait_until(lambda: len(engine.aborted) == 2, "the second abort")
+        wait_until(lambda: engine.pages_used == 0, "pages back to baseline")
+        # ... and the server still serves.
+        r = http("POST", s.url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert r.json()["choices"][0]["text"] == "Th"
+    finally:
+        s.close()
+
+
+def _metrics(url: str) -> dict:
+    text = http("GET", url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_metrics():
+    s = ServerThread(MockEngine())
+    try:
+        before = _metrics(s.url)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        client.chat.completions.create(model="mock-model", messages=MSGS, max_tokens=5)
+        list(client.completions.create(model="mock-model", prompt="abc", max_tokens=3,
+                                       stream=True))
+        http("POST", s.url + "/v1/chat/completions", {"model": "nope", "messages": MSGS})
+        after = _metrics(s.url)
+        ok = ("maxjax_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))
+        assert before.get(ok, 0) == 0 and after[ok] == 1
+        assert after[("maxjax_requests_total", (("endpoint", "/v1/completions"),
+                                                ("status", "200")))] == 1
+        assert after[("maxjax_requests_total", (("endpoint", "/v1/chat/completions"),
+                                                ("status", "404")))] == 1
+        assert after[("maxjax_prompt_tokens_total", ())] == 21 + 3
+        assert after[("maxjax_generation_tokens_total", ())] == 5 + 3
+        assert after[("maxjax_time_to_first_token_seconds_count", ())] == 2
+        assert after[("maxjax_request_latency_seconds_count", ())] == 2
+        assert after[("maxjax_inter_token_latency_seconds_count", ())] == 4 + 2
+        assert after[("maxjax_kv_cache_pages_total", ())] == 1000
+        assert after[("maxjax_kv_cache_pages_used", ())] == 0
+        assert after[("maxjax_xla_compiles_total", ())] == 3
+        assert after[("maxjax_prefix_cache_queries_total", ())] == 20
+        assert after[("maxjax_prefix_cache_hits_total", ())] == 10
+        for name in ("maxjax_num_requests_waiting", "maxjax_num_requests_running",
+                     "maxjax_preemptions_total"):
+            assert (name, ()) in after
+    finally:
+        s.close()
+
+
+def test_sigterm_drains_in_flight_requests():
+    script = os.path.join(os.path.dirname(__file__), "serve_mock.py")
+    proc = subprocess.Popen([sys.executable, script, "0.02"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("Server ready on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        assert http("GET", url + "/health").status_code == 200
+        result = {}
+
+        def request():
+            result["r"] = http("POST", url + "/v1/completions",
+                               {"prompt": "x", "max_tokens": 60, "stream": True})
+        t = threading.Thread(target=request)
+        t.start()
+        time.sleep(0.3)     # let the request start streaming (60 tokens take ~1.2 s)
+        proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        r = result["r"]
+        assert r.status_code == 200
+        events = [ln[6:] for ln in r.text.split("\n\n") if ln]
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        assert text == expected_text(60)[0]
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "drained: 1 finished, 0 aborted" in out
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
