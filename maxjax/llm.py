@@ -64,9 +64,10 @@ class LLM:
                                                   add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[CompletionOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[CompletionOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists. Requests with a
+        `cache_salt` share prefix-cache pages only with requests of the same salt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -78,7 +79,7 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{next(_ids)}"
-                self.core.add_request(rid, ids, p)
+                self.core.add_request(rid, ids, p, cache_salt)
                 pending.append(rid)
                 outs[rid] = CompletionOutput(prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs else None)

@@ -111,18 +111,13 @@ class EngineCore:
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length)
         self.seeds: dict[str, int] = {}
-        self.compiles_at_ready: int | None = None
+        # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
+        self.step_compiles = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def warmup(self, progress=None) -> None:
         """Compile (or check loaded) every bucket; after this no step compiles."""
         self.runner.compile_all(progress)
-        self.compiles_at_ready = compile_counter.count()
-
-    @property
-    def compiles_since_ready(self) -> int:
-        base = self.compiles_at_ready
-        return 0 if base is None else compile_counter.count() - base
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -158,7 +153,9 @@ class EngineCore:
         rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages), r.request.sampling,
                            r.request.prompt_token_ids, r.request.output_token_ids,
                            self.seeds[r.request.request_id]) for r in plan.rows]
+        before = compile_counter.count()
         results = self.runner.run(rows)
+        self.step_compiles += compile_counter.count() - before
         updated = self.scheduler.update(plan, [res.token_id for res in results])
         by_req = {row.request.request_id: res for row, res in zip(plan.rows, results) if row.sample}
         events = []
@@ -179,6 +176,5 @@ class EngineCore:
     def stats(self) -> dict:
         s = self.scheduler.stats()
         s["xla_compiles"] = compile_counter.count()
-        s["xla_compiles_since_ready"] = self.compiles_since_ready
-        s["kv_pages_total"] = self.layout.num_pages - 1
+        s["xla_compiles_since_ready"] = self.step_compiles
         return s

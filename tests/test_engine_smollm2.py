@@ -1,0 +1,149 @@
+"""The engine on real SmolLM2 weights: batch invariance, chunked prefill, preemption, prefix
+cache, seeded sampling, no compilation after warm-up, no leaked pages, bad input."""
+import pytest
+
+from maxjax.engine.types import SamplingParams
+from maxjax.llm import LLM
+from maxjax.models import load_model
+
+ENGINE = dict(max_length=512, max_batch_size=8, max_batch_input_tokens=32, kv_cache_page_size=16,
+              num_kv_pages=48)
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(None, "float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(model, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def llm_no_prefix(model):
+    return LLM(model, enable_prefix_caching=False, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    base = ("The history of the printing press begins in the fifteenth century, when "
+            "Johannes Gutenberg combined movable metal type, oil-based ink and a wooden press. ")
+    texts = ["Hello", "The capital of France is", "def fibonacci(n):",
+             "List three colors:", base, base * 2 + "In summary,", "1, 2, 3, 4,",
+             "Once upon a time there was a"]
+    return [llm.encode(t) for t in texts]
+
+
+@pytest.fixture(autouse=True)
+def pool_empty_after(request):
+    yield
+    for name in ("llm", "llm_no_prefix"):
+        if name in request.fixturenames:
+            engine = request.getfixturevalue(name)
+            stats = engine.stats()
+            assert stats["pages_used"] == 0, stats
+            assert stats["running"] == 0 and stats["waiting"] == 0, stats
+
+
+def alone(llm, prompts, params=GREEDY):
+    return [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_batch_invariance_with_chunked_prefill_and_preemption(llm, prompts):
+    # Each request grows to ~12 pages; 8 of them cannot all fit the 47-page pool.
+    long = [p + prompts[4] * 3 for p in prompts]
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    singles = alone(llm, long, params)
+    before = llm.stats()["preemptions"]
+    together = [o.token_ids for o in llm.generate(long, params)]
+    assert together == singles
+    assert llm.stats()["preemptions"] > before, "the 47-page pool should force preemption"
+    assert all(len(t) == params.max_new_tokens for t in together)
+
+
+def test_batch_invariance_short_prompts(llm, prompts):
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == alone(llm, prompts)
+
+
+def test_prefix_caching_off_gives_same_tokens(llm, llm_no_prefix, prompts):
+    assert [o.token_ids for o in llm_no_prefix.generate(prompts, GREEDY)] == alone(llm, prompts)
+    assert llm_no_prefix.stats()["prefix_hit_pages"] == 0
+
+
+def test_prefix_cache_reuses_shared_pages(llm, prompts):
+    shared = prompts[5][:48]                      # exactly three 16-token pages
+    first = shared + llm.encode(" Question one:")
+    second = shared + llm.encode(" A different ending")
+    llm.generate([first], GREEDY)
+    hits = llm.stats()["prefix_hit_pages"]
+    cached = llm.generate([second], GREEDY)[0]
+    assert llm.stats()["prefix_hit_pages"] - hits >= 3
+    assert cached.cached_tokens >= 48
+    hits = llm.stats()["prefix_hit_pages"]
+    salted = llm.generate([second], GREEDY, cache_salt="fresh-salt")[0]
+    assert llm.stats()["prefix_hit_pages"] == hits, "a new cache_salt must reuse nothing"
+    assert salted.cached_tokens == 0 and salted.token_ids == cached.token_ids
+
+
+def test_seeded_sampling_reproducible_alone_and_in_batch(llm, prompts):
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    a = llm.generate([prompts[1]], params)[0].token_ids
+    b = llm.generate([prompts[1]], params)[0].token_ids
+    batch = llm.generate([prompts[0], prompts[1], prompts[3]],
+                         [SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+                          params, SamplingParams(max_new_tokens=5, temperature=0.0)])
+    assert a == b == batch[1].token_ids
+    top1 = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=1, seed=5, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    assert llm.generate([prompts[2]], top1)[0].token_ids == llm.generate([prompts[2]], greedy)[0].token_ids
+
+
+def test_logprobs_are_consistent(llm, prompts):
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5)
+    out = llm.generate([prompts[1]], params)[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert len(lp.top) == 5 and lp.top[0][0] == tok          # greedy: best is chosen
+        assert abs(lp.top[0][1] - lp.logprob) < 1e-5
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+def test_stop_string_and_max_tokens_free_pages(llm, prompts):
+    out = llm.generate([prompts[6]], SamplingParams(max_new_tokens=30, temperature=0.0,
+                                                    stop=[" 7"]))[0]
+    assert out.finish_reason == "stop" and " 7" not in out.text and out.text.startswith(" 5")
+    out = llm.generate([prompts[6]], SamplingParams(max_new_tokens=3, temperature=0.0))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_abort_frees_pages(llm, prompts):
+    core = llm.core
+    core.add_request("abort-me", prompts[5], SamplingParams(max_new_tokens=50))
+    core.step()                                   # mid-prefill: 32 of ~70 prompt tokens
+    assert llm.stats()["pages_used"] > 0
+    assert core.abort("abort-me")
+    assert llm.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ([], SamplingParams(), "prompt"),
+    (list(range(600)), SamplingParams(), "prompt"),
+    ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+    ([1, 2], SamplingParams(top_p=1.5), "top_p"),
+    ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+    ([1, 2], SamplingParams(logprobs=True, top_logprobs=21), "top_logprobs"),
+])
+def test_bad_input_names_the_field(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], params)
+    assert llm.stats()["pages_used"] == 0
+
+
+def test_no_compilation_after_warmup(llm, llm_no_prefix):
+    # Runs last in this module: every workload above went through the compiled buckets only.
+    assert llm.stats()["xla_compiles_since_ready"] == 0
+    assert llm_no_prefix.stats()["xla_compiles_since_ready"] == 0
