@@ -75,12 +75,14 @@ async def health(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    st.check_ready()
     return web.json_response({"object": "list", "data": [
         model_card(st.model_id, st.created, st.engine.max_length)]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    st.check_ready()
     st.check_model(request.match_info["model_id"])
     return web.json_response(model_card(st.model_id, st.created, st.engine.max_length))
 
@@ -93,6 +95,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     st: ServerState = request.app[STATE]
     req = parse_request(TokenizeRequest, await read_json(request), False)
+    st.check_ready()
     st.check_model(req.model)
     tok = st.engine.tokenizer
     if (req.prompt is None) == (req.messages is None):
@@ -115,6 +118,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     st: ServerState = request.app[STATE]
     req = parse_request(DetokenizeRequest, await read_json(request), False)
+    st.check_ready()
     st.check_model(req.model)
     bad = next((t for t in req.tokens if not 0 <= t < st.vocab_size), None)
     if bad is not None:
@@ -128,8 +132,7 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     cfg = cfg or ServeConfig()
     app = web.Application(middlewares=[_middleware], client_max_size=cfg.max_request_body_bytes)
     m = ServerMetrics(engine)
-    state = ServerState(engine=engine, cfg=cfg, model_id=cfg.served_model_name or
-                        engine.model_name, metrics=m,
+    state = ServerState(engine=engine, cfg=cfg, metrics=m,
                         admission=AdmissionState(cfg.max_queue_size, m), created=now())
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)

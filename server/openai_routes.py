@@ -219,11 +219,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     st: ServerState = request.app[STATE]
     req = parse_request(ChatCompletionRequest, await read_json(request),
                         st.cfg.allow_extra_request_fields)
+    st.check_ready()
     st.check_model(req.model)
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
-    st.check_ready()
     prompt = await chat_prompt(st, req)
     max_new = check_length(st, len(prompt), req.max_completion_tokens or req.max_tokens,
                            "messages")
@@ -272,11 +272,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     st: ServerState = request.app[STATE]
     req = parse_request(CompletionRequest, await read_json(request),
                         st.cfg.allow_extra_request_fields)
+    st.check_ready()
     st.check_model(req.model)
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
-    st.check_ready()
     prompts, texts = await completion_prompts(st, req.prompt)
     max_new = req.max_tokens
     for p in prompts:

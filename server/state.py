@@ -7,7 +7,7 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -25,7 +25,6 @@ log = logging.getLogger("maxjax.server")
 class ServerState:
     engine: EngineClient
     cfg: ServeConfig
-    model_id: str
     metrics: ServerMetrics
     admission: AdmissionState
     created: int
@@ -34,11 +33,23 @@ class ServerState:
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenize"))
 
-    def __post_init__(self):
+    # The engine may still be loading when the app is built (its tokenizer and name appear once
+    # is_ready), so everything derived from them is read on first use.
+    @property
+    def model_id(self) -> str:
+        return self.cfg.served_model_name or self.engine.model_name
+
+    @cached_property
+    def vocab_size(self) -> int:
+        return len(self.engine.tokenizer)
+
+    @cached_property
+    def _token_str(self):
         tok = self.engine.tokenizer
-        self.vocab_size = len(tok)
-        self.token_str = lru_cache(maxsize=65536)(
-            lambda tid: tok.decode([tid], skip_special_tokens=False))
+        return lru_cache(maxsize=65536)(lambda tid: tok.decode([tid], skip_special_tokens=False))
+
+    def token_str(self, token_id: int) -> str:
+        return self._token_str(token_id)
 
     async def in_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)

@@ -61,18 +61,44 @@ def test_models_and_health(server):
         assert get(server.url + path).status_code == 200
 
 
+class Loading:
+    """An engine still loading: no tokenizer, name or max_length yet (like maxjax/serve.py's
+    LoadingEngine); the server must be built and answer 503 without touching them."""
+
+    def __init__(self):
+        self.inner = None
+
+    @property
+    def is_ready(self):
+        return self.inner is not None
+
+    def __getattr__(self, name):
+        if self.__dict__.get("inner") is None:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def stats(self):
+        return {}
+
+
 def test_not_ready_is_503():
-    engine = MockEngine()
-    engine.is_ready = False
+    engine = Loading()
     s = ServerThread(engine)
     try:
         assert get(s.url + "/health").status_code == 503
         assert get(s.url + "/v1/health").status_code == 503
-        r = post(s, "/v1/chat/completions", {"model": "mock-model", "messages": MSGS})
-        assert r.status_code == 503
-        validate(r.json(), "ErrorResponse")
-        engine.is_ready = True
+        for path, body in [("/v1/chat/completions", {"model": "mock-model", "messages": MSGS}),
+                           ("/v1/completions", {"prompt": "x"}), ("/v1/tokenize", {"prompt": "x"})]:
+            r = post(s, path, body)
+            assert r.status_code == 503, r.text
+            validate(r.json(), "ErrorResponse")
+        assert get(s.url + "/v1/models").status_code == 503
+        assert get(s.url + "/metrics").status_code == 200
+        engine.inner = MockEngine()
         assert get(s.url + "/health").status_code == 200
+        r = post(s, "/v1/chat/completions", {"model": "mock-model", "messages": MSGS,
+                                             "max_tokens": 2})
+        assert r.json()["choices"][0]["message"]["content"] == "Th"
     finally:
         s.close()
 
