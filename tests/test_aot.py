@@ -1,0 +1,336 @@
+"""AOT artifacts (maxjax/aot.py): warm-cache in one "machine" (subprocess with its own HOME, cwd
+and JAX cache), generate from a copy in another with the persistent cache off; CUDA exports from
+this CPU host; every mutation of the manifest, the files or the run's config is refused before
+anything is deserialized. The model is a tiny random Llama written without torch."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from maxjax import aot
+from maxjax.aot_manifest import MANIFEST
+from maxjax.engine.config import EngineConfig
+from maxjax.errors import UserError
+
+ENGINE = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=64, num_kv_pages=16,
+              kv_cache_page_size=16)
+FLAGS = ["--max-batch-size", "2", "--max-batch-input-tokens", "8", "--max-length", "64",
+         "--num-kv-pages", "16", "--kv-cache-page-size", "16"]
+GEN = ["generate", "--prompt", "w5 w7 w9", "--prompt", "w11 w3 w8 w20 w31 w4 w9 w100 w7 w2 w12",
+       "--max-new-tokens", "10", "--ignore-eos", "--json"]
+
+
+def write_tiny_llama(path, rms_norm_eps=1e-5) -> str:
+    """A 2-layer random Llama as an HF directory (config.json, safetensors, word-level tokenizer)."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    os.makedirs(path, exist_ok=True)
+    V, H, I, L, NH, KV, D = 512, 64, 128, 2, 4, 2, 16
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
+           "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
+           "num_attention_heads": NH, "num_key_value_heads": KV, "max_position_embeddings": 512,
+           "rms_norm_eps": rms_norm_eps, "rope_theta": 10000.0, "tie_word_embeddings": True,
+           "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "float32"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    rng = np.random.default_rng(0)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)
+    t = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": np.ones(H, np.float32)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": w(NH * D, H), p + "self_attn.k_proj.weight": w(KV * D, H),
+                  p + "self_attn.v_proj.weight": w(KV * D, H), p + "self_attn.o_proj.weight": w(H, NH * D),
+                  p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
+                  p + "mlp.down_proj.weight": w(H, I),
+                  p + "input_layernorm.weight": np.ones(H, np.float32),
+                  p + "post_attention_layernorm.weight": np.ones(H, np.float32)})
+    save_file(t, os.path.join(path, "model.safetensors"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return str(path)
+
+
+def machine_env(root, name: str, cache: bool) -> tuple[dict, str]:
+    """Environment and cwd of a simulated machine: own HOME, cwd and JAX cache."""
+    home = os.path.join(root, name, "home")
+    cwd = os.path.join(root, name, "cwd")
+    jcache = os.path.join(root, name, "jax-cache")
+    for d in (home, cwd, jcache):
+        os.makedirs(d, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "MAXJAX_"))}
+    env.update(HOME=home, HF_HOME=os.path.join(home, "hf"), HF_HUB_OFFLINE="1",
+               JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=jcache,
+               JAX_ENABLE_COMPILATION_CACHE="true" if cache else "false",
+               TOKENIZERS_PARALLELISM="false")
+    return env, cwd
+
+
+def maxjax(args, env, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "maxjax.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=900)
+
+
+def compiles(stderr: str) -> tuple[int, int]:
+    m = re.search(r"xla compiles: (\d+) total, (\d+) since ready", stderr)
+    assert m, stderr[-2000:]
+    return int(m.group(1)), int(m.group(2))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("aot")
+
+
+@pytest.fixture(scope="module")
+def model_dir(root):
+    return write_tiny_llama(root / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def warmed(root, model_dir):
+    """warm-cache on machine A (default directory under $MAXJAX_ARTIFACTS_DIR), cpu + cuda."""
+    env, cwd = machine_env(root, "machine-a", cache=True)
+    env["MAXJAX_ARTIFACTS_DIR"] = os.path.join(root, "machine-a", "artifacts")
+    r = maxjax(["warm-cache", "--model-path", model_dir, *FLAGS, "--target", "cpu", "cuda"], env, cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    directory = re.search(r"^artifacts: (.+)$", r.stdout, re.M).group(1)
+    assert directory.startswith(env["MAXJAX_ARTIFACTS_DIR"] + "/tiny-llama-")
+    assert f"maxjax serve --model-path {model_dir} --precompiled-artifacts {directory}" in r.stdout
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    from maxjax.models import load_model
+    return load_model(model_dir, "float32", progress=False)
+
+
+def test_cross_machine_generate_is_identical_and_compiles_no_graph(root, model_dir, warmed):
+    copy = os.path.join(root, "machine-b", "copied-artifacts")
+    shutil.copytree(warmed, copy)
+    env_b, cwd_b = machine_env(root, "machine-b", cache=False)
+    loaded = maxjax([*GEN, "--model-path", model_dir, "--precompiled-artifacts", copy], env_b, cwd_b)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    env_c, cwd_c = machine_env(root, "machine-c", cache=False)
+    cold = maxjax([*GEN, "--model-path", model_dir, *FLAGS], env_c, cwd_c)
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    assert loaded.stdout == cold.stdout and len(loaded.stdout.splitlines()) == 2
+    assert "(4 executables, 0 compiled from exports)" in loaded.stderr
+    total, since_ready = compiles(loaded.stderr)
+    cold_total, cold_since = compiles(cold.stderr)
+    assert since_ready == 0 and cold_since == 0
+    # the only compilations left are the engine's own non-graph ones (KV pool zeros): every
+    # one of the 4 step graphs came from an executable
+    assert total == cold_total - 4
+    assert os.listdir(os.path.join(root, "machine-b", "jax-cache")) == []
+
+
+def test_manifest_and_cuda_exports(warmed):
+    with open(os.path.join(warmed, MANIFEST)) as f:
+        data = json.load(f)
+    assert data["targets"] == ["cpu", "cuda"] and data["compiled_for"]["platform"] == "cpu"
+    assert [g["bucket"] for g in data["graphs"]] == data["engine"]["buckets"] == \
+        [[1, 1], [2, 2], [4, 2], [8, 2]]
+    assert data["engine"]["num_kv_pages"] == 16 and data["engine"]["max_pages_per_row"] == 4
+    for g in data["graphs"]:
+        with open(os.path.join(warmed, g["files"]["export"]["path"]), "rb") as f:
+            exp = jax.export.deserialize(bytearray(f.read()))
+        assert exp.platforms == ("cpu", "cuda")
+        sig = g["signature"]
+        assert aot.mf.avals(exp.in_avals) == aot.mf.flat_in(sig)
+        assert aot.mf.avals(exp.out_avals) == sig["out"]["sample"] + sig["out"]["kv"]
+        T, R = g["bucket"]
+        assert sig["in"]["step"][0] == [[T], "int32"]
+        assert sig["out"]["sample"][0] == [[R], "int32"]          # sampled token ids
+        assert sig["out"]["kv"] == sig["in"]["kv"]                  # the donated pool comes back
+
+
+def test_cuda_only_target_writes_exports_and_is_refused_here(tmp_path, model):
+    cfg = EngineConfig(**ENGINE, quantization_encoding="float32")
+    from maxjax.engine.core import plan_layout
+    layout = plan_layout(cfg, model)
+    layout.buckets = layout.buckets[:1]     # one graph keeps this fast
+    d = str(tmp_path / "cuda")
+    data = aot.write_artifacts(d, model, cfg, layout, ["cuda"], progress=False)
+    assert data["compiled_for"] is None and data["targets"] == ["cuda"]
+    (g,) = data["graphs"]
+    assert set(g["files"]) == {"export"}
+    with open(os.path.join(d, g["files"]["export"]["path"]), "rb") as f:
+        exp = jax.export.deserialize(bytearray(f.read()))
+    assert exp.platforms == ("cuda",)
+    assert aot.mf.avals(exp.in_avals) == aot.mf.flat_in(g["signature"])
+    with pytest.raises(UserError, match=r"built for cuda, this machine is cpu.*--target cpu"):
+        aot.load_for_engine([d], model, EngineConfig(**ENGINE))
+
+
+# ---- mutations: each refused, naming what differs, before any deserialization -------------------
+@pytest.fixture
+def calls(monkeypatch):
+    """Records every deserialization."""
+    from jax.experimental import serialize_executable
+    seen = []
+    real_exe, real_exp = serialize_executable.deserialize_and_load, jax.export.deserialize
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load",
+                        lambda *a, **k: seen.append("executable") or real_exe(*a, **k))
+    monkeypatch.setattr(jax.export, "deserialize", lambda *a, **k: seen.append("export") or real_exp(*a, **k))
+    return seen
+
+
+def _copy(warmed, tmp_path) -> str:
+    d = str(tmp_path / "art")
+    shutil.copytree(warmed, d)
+    return d
+
+
+def _edit_manifest(d, edit):
+    p = os.path.join(d, MANIFEST)
+    with open(p) as f:
+        data = json.load(f)
+    edit(data)
+    with open(p, "w") as f:
+        json.dump(data, f)
+
+
+def _flip_byte(d, kind):
+    with open(os.path.join(d, MANIFEST)) as f:
+        path = os.path.join(d, json.load(f)["graphs"][2]["files"][kind]["path"])
+    blob = bytearray(open(path, "rb").read())
+    blob[len(blob) // 2] ^= 0x01
+    open(path, "wb").write(bytes(blob))
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ({"max_batch_size": 4}, r"--max-batch-size 4 differs from the 2 .*--max-batch-size 4"),
+    ({"kv_cache_page_size": 32}, r"--kv-cache-page-size 32 differs from the 16"),
+    ({"num_kv_pages": 100}, r"--num-kv-pages 100 differs from the 16 .*--num-kv-pages 100"),
+    ({"max_length": 128}, r"--max-length 128 differs from the 64"),
+    ({"max_batch_input_tokens": 16}, r"--max-batch-input-tokens 16 differs from the 8"),
+])
+def test_explicit_engine_value_that_differs_is_refused(warmed, model, calls, override, pattern):
+    with pytest.raises(UserError, match=pattern) as e:
+        aot.load_for_engine([warmed], model, EngineConfig(**{**ENGINE, **override}))
+    assert "maxjax warm-cache --model-path" in str(e.value) and "\n" not in str(e.value)
+    assert calls == []
+
+
+def test_dtype_differs(warmed, model_dir, calls):
+    from maxjax.models import load_model
+    bf16 = load_model(model_dir, "bfloat16", progress=False)
+    with pytest.raises(UserError, match=r"model dtype: artifacts float32, this run bfloat16"):
+        aot.load_for_engine([warmed], bf16, EngineConfig())
+    assert calls == []
+
+
+def test_model_config_field_differs(warmed, tmp_path, calls):
+    from maxjax.models import load_model
+    other = load_model(write_tiny_llama(tmp_path / "other", rms_norm_eps=1e-6), "float32",
+                       progress=False)
+    with pytest.raises(UserError, match=r"model config field rms_norm_eps: artifacts 1e-05, this model 1e-06"):
+        aot.load_for_engine([warmed], other, EngineConfig())
+    assert calls == []
+
+
+@pytest.mark.parametrize("mutation,pattern", [
+    (lambda d: _edit_manifest(d, lambda m: m["versions"].update(jax="0.0.1")),
+     r"built with jax 0\.0\.1, this is jax " + re.escape(jax.__version__)),
+    (lambda d: _edit_manifest(d, lambda m: m.update(format_version=99)), r"format_version 99"),
+    (lambda d: _edit_manifest(d, lambda m: m["model"]["config"].update(num_layers=3)),
+     r"model config field num_layers: artifacts 3, this model 2"),
+    (lambda d: _flip_byte(d, "executable"), r"step_t4_r2: executable file .* fails its sha256"),
+    (lambda d: _flip_byte(d, "export"), r"step_t4_r2: export file .* fails its sha256"),
+    (lambda d: os.remove(os.path.join(d, "step_t2_r2.cpu-cuda.jaxexport")),
+     r"step_t2_r2: export file step_t2_r2.cpu-cuda.jaxexport is missing"),
+    (lambda d: _edit_manifest(d, lambda m: m.update(graphs=m["graphs"][:3])),
+     r"graph step_t8_r2 is missing"),
+    (lambda d: open(os.path.join(d, MANIFEST), "w").write("{not json"), r"manifest is not valid JSON"),
+    (lambda d: os.remove(os.path.join(d, MANIFEST)), r"manifest.json: missing"),
+], ids=["jax-version", "format-version", "config-in-manifest", "exe-byte", "export-byte",
+        "deleted-file", "missing-graph", "not-json", "no-manifest"])
+def test_mutated_artifacts_are_refused_before_deserializing(warmed, tmp_path, model, calls,
+                                                            mutation, pattern):
+    d = _copy(warmed, tmp_path)
+    mutation(d)
+    with pytest.raises(UserError, match=pattern) as e:
+        aot.load_for_engine([d], model, EngineConfig())
+    assert "maxjax warm-cache" in str(e.value)
+    assert calls == []
+
+
+def test_cli_exits_2_with_one_line(warmed, model_dir, capsys):
+    from maxjax import cli
+    code = cli.main(["generate", "--model-path", model_dir, "--precompiled-artifacts", warmed,
+                     "--num-kv-pages", "100", "--prompt", "w5", "--log-level", "ERROR", "--json"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("maxjax: error: --num-kv-pages 100 differs from the 16") and "\n" not in err
+    assert "Traceback" not in err
+
+
+# ---- loading: pinned values, donation, export fallback -------------------------------------------
+def _one_step(core):
+    from maxjax.engine.types import SamplingParams
+    core.add_request("r", [5, 7, 9], SamplingParams(max_new_tokens=2))
+    old = jax.tree.leaves(core.runner.kv)
+    core.step()
+    return old
+
+
+def test_loaded_executables_adopt_pinned_values_and_donate_the_pool(warmed, model, calls):
+    from maxjax.engine.core import EngineCore
+    cfg = EngineConfig()                                  # nothing set: everything pinned
+    layout, exes = aot.load_for_engine([warmed], model, cfg)
+    assert (cfg.max_batch_size, cfg.num_kv_pages, cfg.max_length, cfg.kv_cache_page_size) == \
+        (2, 16, 64, 16)
+    assert {e.source for e in exes.values()} == {"executable"} and len(exes) == 4
+    assert calls == ["executable"] * 4
+    core = EngineCore(model, cfg, layout)
+    core.runner.set_executables(exes)
+    core.warmup()
+    old = _one_step(core)
+    assert all(a.is_deleted() for a in old)               # donated: updated in place, not copied
+    assert core.stats()["xla_compiles_since_ready"] == 0
+
+
+def test_other_device_compiles_the_export_or_refuses(warmed, tmp_path, model, calls):
+    from maxjax.engine.core import EngineCore
+    d = _copy(warmed, tmp_path)
+    _edit_manifest(d, lambda m: m["compiled_for"].update(device_kind="some other cpu"))
+    with pytest.raises(UserError, match="no executable compiled for this device"):
+        aot.load_for_engine([d], model, EngineConfig(), require_compiled=True)
+    cfg = EngineConfig()
+    layout, exes = aot.load_for_engine([d], model, cfg)
+    assert {e.source for e in exes.values()} == {"export"} and "executable" not in calls
+    core = EngineCore(model, cfg, layout)
+    core.runner.set_executables(exes)
+    core.warmup()
+    old = _one_step(core)
+    assert all(a.is_deleted() for a in old)               # jit(exp.call, donate_argnums) donates
+    assert core.stats()["xla_compiles_since_ready"] == 0
+
+
+def test_export_engine_round_trips(tmp_path, model):
+    from maxjax.engine.core import EngineCore, plan_layout
+    cfg = EngineConfig(**ENGINE, quantization_encoding="float32")
+    layout = plan_layout(cfg, model)
+    layout.buckets = layout.buckets[:2]
+    core = EngineCore(model, cfg, layout)
+    d = str(tmp_path / "exported")
+    aot.export_engine(d, core)
+    with open(os.path.join(d, MANIFEST)) as f:
+        data = json.load(f)
+    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "step_t2_r2"]
+    assert all(set(g["files"]) == {"export", "executable"} for g in data["graphs"])
+    assert data["engine"]["buckets"] == [[1, 1], [2, 2]]
