@@ -10,7 +10,8 @@ def hf_greedy(hf_model, prompt, new_tokens: int):
     import torch
     logits, tokens = [], []
     with torch.no_grad():
-        out = hf_model(torch.tensor([list(prompt)]), use_cache=True)
+        # logits_to_keep=1: the prompt's other logits would cost prompt x vocab (262k for Gemma3).
+        out = hf_model(torch.tensor([list(prompt)]), use_cache=True, logits_to_keep=1)
         for _ in range(new_tokens):
             row = out.logits[0, -1].float().numpy()
             logits.append(row)
