@@ -123,3 +123,17 @@ def test_qwen2_sliding_window_only_above_max_window_layers():
     hf["use_sliding_window"] = False
     assert registry.get_architecture("Qwen2ForCausalLM").config_from_hf(hf).layer_windows == \
         (0,) * 4
+
+
+def test_unsupported_variants_are_rejected_by_name():
+    base = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4}
+    with pytest.raises(ValueError, match="attention_bias"):
+        registry.get_architecture("Qwen3ForCausalLM").config_from_hf(
+            base | {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True})
+    with pytest.raises(ValueError, match="bidirectional"):
+        registry.get_architecture("Gemma3ForCausalLM").config_from_hf(
+            base | {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
+    mistral = registry.get_architecture("MistralForCausalLM").config_from_hf(
+        base | {"architectures": ["MistralForCausalLM"], "sliding_window": None})
+    assert mistral.layer_windows == (0, 0)
