@@ -15,7 +15,8 @@ _GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0   # transformers' Gemma3Text
 
 def config_from_hf(hf: dict):
     if hf.get("use_bidirectional_attention"):
-        raise ValueError("Gemma3 with use_bidirectional_attention (EmbeddingGemma) is not supported")
+        raise ValueError("Gemma3 with use_bidirectional_attention (EmbeddingGemma) "
+                         "is not supported")
     n = hf["num_hidden_layers"]
     pattern = int(hf.get("sliding_window_pattern", 6))
     types = hf.get("layer_types") or [
@@ -28,7 +29,8 @@ def config_from_hf(hf: dict):
     return base_config(
         hf,
         rope_theta=float(full.get("rope_theta", hf.get("rope_theta", _GLOBAL_THETA))),
-        rope_local_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", _LOCAL_THETA))),
+        rope_local_theta=float(local.get("rope_theta",
+                                         hf.get("rope_local_base_freq", _LOCAL_THETA))),
         layer_windows=layer_windows(types, hf.get("sliding_window", 4096)),
         layer_local_rope=tuple(t == "sliding_attention" for t in types),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),

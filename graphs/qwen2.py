@@ -1,4 +1,5 @@
-"""Qwen2ForCausalLM (Qwen2, Qwen2.5): Llama with q/k/v biases and optional upper-layer sliding window."""
+"""Qwen2ForCausalLM (Qwen2, Qwen2.5): Llama with q/k/v biases and an optional sliding window
+on the upper layers."""
 from maxjax.graphs.arch import Architecture, base_config, layer_windows
 
 

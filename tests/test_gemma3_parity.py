@@ -11,8 +11,8 @@ from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 
 NEW_TOKENS = 32
-LONG_TEXT = " ".join(f"Step {i}: put {i} apples in the basket, which now holds {i * (i + 1) // 2} apples."
-                     for i in range(1, 40))
+LONG_TEXT = " ".join(f"Step {i}: put {i} apples in the basket, which now holds "
+                     f"{i * (i + 1) // 2} apples." for i in range(1, 40))
 
 
 @pytest.fixture(scope="module")
