@@ -1,5 +1,5 @@
 """Parity of each built-in architecture with transformers on a tiny random model: the paged
-graph (chunked prefill, several sequences per step) against transformers' greedy decoding with its cache."""
+graph (chunked prefill, several sequences per step) against transformers' cached greedy decoding."""
 from __future__ import annotations
 
 import jax.numpy as jnp
