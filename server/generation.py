@@ -85,18 +85,24 @@ class Generation:
     async def start(self) -> None:
         self.admission.add(len(self.choices))
         self._admitted = len(self.choices)
-        for c in self.choices:
-            self.tasks.append(asyncio.create_task(self._pump(c)))
-        unstarted = len(self.choices)
-        while unstarted:
-            item = await self.queue.get()
-            c, out, exc = item
-            if exc is not None:
-                raise _api_error(exc)
-            self.pending.append(item)
-            if not c.started:
-                c.started = True
-                unstarted -= 1
+        # __aexit__ does not run when __aenter__ fails, so a failure or a cancellation (client
+        # gone) while waiting for the first outputs must clean up here.
+        try:
+            for c in self.choices:
+                self.tasks.append(asyncio.create_task(self._pump(c)))
+            unstarted = len(self.choices)
+            while unstarted:
+                item = await self.queue.get()
+                c, out, exc = item
+                if exc is not None:
+                    raise _api_error(exc)
+                self.pending.append(item)
+                if not c.started:
+                    c.started = True
+                    unstarted -= 1
+        except BaseException:
+            await asyncio.shield(self.close())
+            raise
 
     async def _pump(self, c: Choice) -> None:
         gen = None

@@ -8,6 +8,7 @@ from mock_engine import MockEngine
 from server_harness import ServerThread, http, validate
 
 from maxjax.server.config import ServeConfig
+from maxjax.server.state import STATE
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -154,6 +155,15 @@ def test_queue_full_is_429():
         r = chat(s)
         error(r, 429)
         assert r.headers["Retry-After"]
+    finally:
+        s.close()
+    # n=2 where the engine takes only one: 429, and the admitted choice is aborted.
+    engine = MockEngine(max_queue=1, delay=0.2)
+    s = ServerThread(engine)
+    try:
+        error(chat(s, n=2), 429)
+        assert len(engine.requests) == 1 and engine.aborted == [engine.requests[0][0]]
+        assert engine.pages_used == 0 and s.app[STATE].admission.waiting == 0
     finally:
         s.close()
     # The server's own cap: one slow request waiting holds the only slot.

@@ -16,6 +16,8 @@ from mock_engine import MockEngine, expected_text
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerThread, http
 
+from maxjax.server.state import STATE
+
 MSGS = [{"role": "user", "content": "hi"}]
 
 
@@ -96,6 +98,20 @@ def test_client_disconnect_aborts_the_request():
         # ... and the server still serves.
         r = http("POST", s.url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert r.json()["choices"][0]["text"] == "Th"
+    finally:
+        s.close()
+
+
+def test_disconnect_before_the_first_token_aborts():
+    engine = MockEngine(delay=1.0)
+    s = ServerThread(engine)
+    try:
+        sock = _raw_request(s.port, {"messages": MSGS, "max_tokens": 5, "n": 2})
+        wait_until(lambda: len(engine.requests) == 2, "both choices to be submitted")
+        sock.close()
+        wait_until(lambda: len(engine.aborted) == 2, "both choices to be aborted")
+        assert not engine.running and not engine.finished and engine.pages_used == 0
+        assert s.app[STATE].admission.waiting == 0
     finally:
         s.close()
 
