@@ -20,7 +20,7 @@ from .state import STATE, ServerState, parse_request, read_json
 _DONE = b"data: [DONE]\n\n"
 
 
-# ---- prompts -----------------------------------------------------------------------------------
+# ---- prompts ------------------------------------------------------------------------------------
 
 def template_messages(messages) -> list[dict]:
     """Messages as the dicts a chat template expects, with content-part arrays joined to text."""
@@ -156,7 +156,7 @@ def per_choice(params: SamplingParams, count: int, n: int) -> list[SamplingParam
     return [replace(params, seed=(params.seed + i % n) % 2**63) for i in range(count)]
 
 
-# ---- logprobs ------------------------------------------------------------------------------------
+# ---- logprobs -----------------------------------------------------------------------------------
 
 def chat_logprobs(st: ServerState, lps: list[TokenLogprob] | None, top_n: int) -> dict:
     def entry(tid, lp):
@@ -193,7 +193,7 @@ class CompletionLogprobs:
         return out
 
 
-# ---- SSE ------------------------------------------------------------------------------------------
+# ---- SSE ----------------------------------------------------------------------------------------
 
 async def sse_start(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -212,7 +212,7 @@ async def sse_error(resp: web.StreamResponse, e: APIError) -> None:
     await resp.write(_DONE)
 
 
-# ---- handlers -------------------------------------------------------------------------------------
+# ---- handlers -----------------------------------------------------------------------------------
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()

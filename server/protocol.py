@@ -18,8 +18,9 @@ SYSTEM_FINGERPRINT = "fp_maxjax"
 class APIError(Exception):
     """An error the client caused (or a server failure), rendered as the OpenAI envelope."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error",
+             404: "invalid_request_error", 405: "invalid_request_error",
+             413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -33,8 +34,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
-    return {"error": {"message": message, "type": APIError.TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    kind = APIError.TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class _Strict(BaseModel):

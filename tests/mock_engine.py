@@ -57,7 +57,8 @@ def token_logprob(t: int) -> float:
     return -(t % 10) / 10
 
 
-def expected_text(max_tokens: int, seed: int | None = None, stop: list[str] = ()) -> tuple[str, str]:
+def expected_text(max_tokens: int, seed: int | None = None,
+                  stop: list[str] = ()) -> tuple[str, str]:
     """(text, finish_reason) the mock produces: what the tests compare against."""
     start = (seed or 0) % len(OUTPUT_TEXT)
     full = (OUTPUT_TEXT * (max_tokens // len(OUTPUT_TEXT) + 2))[start:start + max_tokens]
