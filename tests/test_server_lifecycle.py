@@ -171,18 +171,27 @@ def test_sigterm_drains_in_flight_requests():
 
         def request():
             result["r"] = http("POST", url + "/v1/completions",
-                               {"prompt": "x", "max_tokens": 60, "stream": True})
+                               {"prompt": "x", "max_tokens": 150, "stream": True})
         t = threading.Thread(target=request)
         t.start()
-        time.sleep(0.3)     # let the request start streaming (60 tokens take ~1.2 s)
+        time.sleep(0.3)     # let the request start streaming (150 tokens take ~3 s)
         proc.send_signal(signal.SIGTERM)
+
+        def refused():
+            try:
+                socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), 1).close()
+                return False
+            except OSError:
+                return True
+        wait_until(refused, "the listening socket to close")
+        assert t.is_alive()      # new connections refused while the old request still runs
         t.join(30)
         r = result["r"]
         assert r.status_code == 200
         events = [ln[6:] for ln in r.text.split("\n\n") if ln]
         assert events[-1] == "[DONE]"
         text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
-        assert text == expected_text(60)[0]
+        assert text == expected_text(150)[0]
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         assert "drained: 1 finished, 0 aborted" in out
