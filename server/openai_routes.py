@@ -152,7 +152,7 @@ def per_choice(params: SamplingParams, count: int, n: int) -> list[SamplingParam
     n samples differ but stay reproducible."""
     from dataclasses import replace
     if params.seed is None:
-        return [params] * count
+        return [replace(params) for _ in range(count)]   # copies: an engine may annotate them
     return [replace(params, seed=(params.seed + i % n) % 2**63) for i in range(count)]
 
 
