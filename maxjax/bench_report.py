@@ -119,7 +119,7 @@ def plot(series: dict[str, list[dict]], path: str, title: str = "") -> None:
     except ImportError as e:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from e
     fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
-    xlabel = "concurrency"
+    xlabel, ticks = "concurrency", set()
     for name, summaries in series.items():
         key = "concurrency" if all("concurrency" in s for s in summaries) else "request_rate"
         xlabel = "concurrency" if key == "concurrency" else "request rate (req/s)"
@@ -127,12 +127,16 @@ def plot(series: dict[str, list[dict]], path: str, title: str = "") -> None:
         if not pts:
             continue
         xs = [x for x, _ in pts]
+        ticks.update(xs)
         ax_tp.plot(xs, [s["output_tok_per_s"] for _, s in pts], marker="o", label=name)
         ax_ttft.plot(xs, [s["ttft_ms"]["p50"] for _, s in pts], marker="o", label=name)
     for ax, ylabel in ((ax_tp, "output tokens/s"), (ax_ttft, "TTFT p50 (ms)")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_xscale("log", base=2)
+        if ticks:
+            ax.set_xticks(sorted(ticks), [f"{t:g}" for t in sorted(ticks)])
+            ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend()
     ax_ttft.set_yscale("log")

@@ -272,7 +272,7 @@ def main(args) -> int:
         except OSError as e:
             raise UserError(f"--result-json {args.result_json}: {e.strerror}") from e
     if args.plot:
-        report.plot({label: summaries}, args.plot, title=f"{label}: {workload}")
+        report.plot({label: summaries}, args.plot, title=f"{label}: {workload}, {args.output_len} output tokens")
     failed = sum(s["errors"] for s in summaries)
     if failed:
         total = sum(s["num_requests"] for s in summaries)
