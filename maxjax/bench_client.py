@@ -42,6 +42,7 @@ class RequestResult:
     prompt_tokens: int = 0            # the server's usage count, else the client's estimate
     output_tokens: int = 0            # usage.completion_tokens, else the number of content chunks
     usage_reported: bool = False
+    requested_tokens: int = 0         # max_tokens
     ttft: float = 0.0                 # send -> first content chunk
     latency: float = 0.0              # send -> end of stream
     itl: list[float] = field(default_factory=list)   # gaps between content chunks
@@ -78,39 +79,47 @@ async def _post_json(session: aiohttp.ClientSession, url: str, body: dict) -> di
         return None
 
 
+# (name, tokenize path, detokenize path, request text field, detokenize response text field)
+_FLAVOURS = [("vllm", "/tokenize", "/detokenize", "prompt", "prompt"),
+             ("llama-cpp-python", "/extras/tokenize", "/extras/detokenize", "input", "text"),
+             ("llama-cpp-python", "/tokenize", "/detokenize", "input", "text")]   # before 0.2.60
+
+
 class RemoteTokenizer:
     """The server's tokenizer over HTTP (see the module docstring), or None from `probe`."""
 
-    def __init__(self, session, root: str, flavour: str):
-        self.session, self.root, self.flavour = session, root, flavour
+    def __init__(self, session, root: str, flavour: tuple):
+        self.session, self.root = session, root
+        self.flavour, self._tok_path, self._detok_path, self._in, self._out = flavour
+        self._prefix: list[int] = []
 
     @classmethod
     async def probe(cls, session: aiohttp.ClientSession, root: str) -> "RemoteTokenizer | None":
-        for flavour in ("vllm", "llama-cpp-python"):
+        for flavour in _FLAVOURS:
             tok = cls(session, root, flavour)
-            if await tok.encode("hello world") is not None:
+            prefix = await tok.encode("")
+            if prefix is not None and await tok.encode("hello world"):
+                # llama-cpp-python always adds BOS: strip whatever an empty text encodes to.
+                tok._prefix = prefix
                 return tok
         return None
 
     async def encode(self, text: str) -> list[int] | None:
+        # No model field: a wrong --model must show up as request errors, not as a missing
+        # tokenizer. add_special_tokens is vLLM's (maxjax's) flag; llama-cpp-python ignores it.
+        body = {self._in: text}
         if self.flavour == "vllm":
-            # No model field: a wrong --model must show up as request errors, not as a missing
-            # tokenizer.
-            out = await _post_json(self.session, f"{self.root}/tokenize",
-                                   {"prompt": text, "add_special_tokens": False})
-        else:
-            out = await _post_json(self.session, f"{self.root}/extras/tokenize", {"input": text})
+            body["add_special_tokens"] = False
+        out = await _post_json(self.session, self.root + self._tok_path, body)
         toks = out.get("tokens") if isinstance(out, dict) else None
-        return toks if isinstance(toks, list) else None
+        if not isinstance(toks, list):
+            return None
+        n = len(self._prefix)
+        return toks[n:] if n and toks[:n] == self._prefix else toks
 
     async def decode(self, tokens: list[int]) -> str | None:
-        if self.flavour == "vllm":
-            out = await _post_json(self.session, f"{self.root}/detokenize", {"tokens": tokens})
-            text = out.get("prompt") if isinstance(out, dict) else None
-        else:
-            out = await _post_json(self.session, f"{self.root}/extras/detokenize",
-                                   {"tokens": tokens})
-            text = out.get("text") if isinstance(out, dict) else None
+        out = await _post_json(self.session, self.root + self._detok_path, {"tokens": tokens})
+        text = out.get(self._out) if isinstance(out, dict) else None
         return text if isinstance(text, str) else None
 
 
@@ -183,7 +192,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, endpoint: str, 
                        prompt: Prompt) -> RequestResult:
     """POST one streaming request and time it. Never raises for server or network errors: they
     come back as RequestResult(ok=False, error=...)."""
-    res = RequestResult(prompt_tokens=prompt.tokens or 0)
+    res = RequestResult(prompt_tokens=prompt.tokens or 0, requested_tokens=prompt.output_len)
     chunks = 0
     last = None
     t0 = time.perf_counter()

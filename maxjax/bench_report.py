@@ -40,6 +40,9 @@ def summarize(results: list, duration_s: float, **level) -> dict:
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
         "usage_reported": bool(ok) and all(r.usage_reported for r in ok),
+        # Answers shorter than max_tokens: EOS, or a server that cut the stream (with
+        # ignore_eos this means the server ignored it, or interrupted the request).
+        "short_outputs": sum(r.output_tokens < r.requested_tokens for r in ok),
         "requests_per_s": len(ok) / duration_s,
         "output_tok_per_s": out_tokens / duration_s,
         "total_tok_per_s": (in_tokens + out_tokens) / duration_s,

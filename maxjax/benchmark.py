@@ -53,8 +53,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Let requests stop at EOS (default: ignore_eos + min_tokens, so every "
                    "request generates exactly --output-len tokens where the server supports it)")
     p.add_argument("--temperature", type=float, default=0.0, help="(default %(default)s)")
-    p.add_argument("--warmup-requests", type=int, default=0,
-                   help="Unmeasured requests sent at each level's load before measuring")
+    p.add_argument("--warmup", action="store_true",
+                   help="Before measuring each level, send one unmeasured round at its load "
+                   "(concurrency-many requests; 4 at a request rate), so compilation and "
+                   "cache warm-up stay out of the numbers")
     p.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrival times")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds per request")
     p.add_argument("--result-json", help="Write the results here")
@@ -85,8 +87,6 @@ def check_args(args) -> list[dict]:
                     ("--output-len", args.output_len)):
         if v is not None and v < 1:
             raise UserError(f"{flag} {v}: must be at least 1")
-    if args.warmup_requests < 0:
-        raise UserError(f"--warmup-requests {args.warmup_requests}: must be >= 0")
     if args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout}: must be positive")
     if args.temperature < 0:
@@ -222,8 +222,9 @@ class Run:
                           "reported are the server's", file=sys.stderr)
             summaries = []
             for level in self.levels:
-                if self.args.warmup_requests:
-                    await self.level(session, level, await self.prompts(self.args.warmup_requests))
+                if self.args.warmup:
+                    n = level.get("concurrency", 4)
+                    await self.level(session, level, await self.prompts(n))
                 prompts = await self.prompts(self.num_prompts(level))
                 bar = _progress(self.args.progress, len(prompts), report.level_label(level))
                 try:
@@ -251,7 +252,7 @@ def main(args) -> int:
         "label": label, "base_url": args.base_url, "model": run.model, "endpoint": args.endpoint,
         "input_len": None if args.dataset else (args.input_len or 128),
         "output_len": args.output_len, "dataset": args.dataset, "ignore_eos": args.ignore_eos,
-        "temperature": args.temperature, "seed": args.seed,
+        "temperature": args.temperature, "seed": args.seed, "warmup": args.warmup,
         "tokenizer": run.tokenizer.flavour if run.tokenizer else None,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "levels": summaries,
@@ -273,6 +274,11 @@ def main(args) -> int:
             raise UserError(f"--result-json {args.result_json}: {e.strerror}") from e
     if args.plot:
         report.plot({label: summaries}, args.plot, title=f"{label}: {workload}, {args.output_len} output tokens")
+    short = sum(s["short_outputs"] for s in summaries)
+    if short and args.ignore_eos:
+        print(f"warning: {short} requests stopped before max_tokens although ignore_eos and "
+              "min_tokens were sent: the server ignores both, or cut streams short (throughput "
+              "counts the tokens actually generated)", file=sys.stderr)
     failed = sum(s["errors"] for s in summaries)
     if failed:
         total = sum(s["num_requests"] for s in summaries)

@@ -47,7 +47,7 @@ def check_level(level, n, output_len, input_len=None):
     assert level["output_tokens"] == n * output_len
     if input_len is not None:
         assert level["input_tokens"] == n * input_len
-    assert level["usage_reported"]
+    assert level["usage_reported"] and level["short_outputs"] == 0
     assert level["duration_s"] > 0
     for key in ("requests_per_s", "output_tok_per_s", "total_tok_per_s"):
         assert level[key] > 0
@@ -81,8 +81,9 @@ def test_completions_counts_and_json(server, engine, tmp_path, capsys):
 
 def test_chat_and_request_rate(server, engine, tmp_path):
     rc, res = bench(server.url + "/v1", tmp_path, "--endpoint", "chat", "--request-rate", "200",
-                    "--num-prompts", "5", "--input-len", "16", "--output-len", "7")
+                    "--num-prompts", "5", "--input-len", "16", "--output-len", "7", "--warmup")
     assert rc == 0
+    assert len(engine.requests) == 4 + 5      # the warm-up round is sent but not counted
     (lv,) = res["levels"]
     assert lv["request_rate"] == 200
     # The chat template adds tokens around the 16-token message.
@@ -157,13 +158,16 @@ def test_unreachable_server_is_a_user_error(capsys):
 class BareServer:
     """/v1/models and a /v1/completions stream of one-word chunks, nothing else."""
 
-    def __init__(self):
-        self.prompts = []
+    def __init__(self, short: bool = False, tokenizer: bool = False):
+        self.prompts, self.short = [], short
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        if tokenizer:   # llama-cpp-python's shape: bytes as tokens, after a BOS of 999
+            app.router.add_post("/extras/tokenize", self.tokenize)
+            app.router.add_post("/extras/detokenize", self.detokenize)
         self.runner = web.AppRunner(app)
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
 
@@ -175,12 +179,19 @@ class BareServer:
     async def models(self, request):
         return web.json_response({"data": [{"id": "bare"}]})
 
+    async def tokenize(self, request):
+        return web.json_response({"tokens": [999] + list((await request.json())["input"].encode())})
+
+    async def detokenize(self, request):
+        tokens = (await request.json())["tokens"]
+        return web.json_response({"text": bytes(t for t in tokens if t < 256).decode()})
+
     async def completions(self, request):
         body = await request.json()
         self.prompts.append(body["prompt"])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(body["max_tokens"]):
+        for i in range(body["max_tokens"] - self.short):
             await asyncio.sleep(0.001)
             chunk = {"choices": [{"index": 0, "text": f" w{i}"}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -204,7 +215,20 @@ def test_server_without_tokenizer_or_usage(tmp_path, capsys):
     assert lv["completed"] == 3 and not lv["usage_reported"]
     assert lv["output_tokens"] == 3 * 6          # counted from the chunks
     assert all(len(p.split()) == 12 for p in s.prompts)
+    assert lv["short_outputs"] == 0
     assert "no /tokenize endpoint" in capsys.readouterr().err
+
+
+def test_short_answers_are_counted_and_reported(tmp_path, capsys):
+    s = BareServer(short=True)
+    try:
+        rc, res = bench(s.url, tmp_path, "--num-prompts", "2", "--input-len", "4",
+                        "--output-len", "5")
+    finally:
+        s.close()
+    (lv,) = res["levels"]
+    assert rc == 0 and lv["short_outputs"] == 2 and lv["output_tokens"] == 2 * 4
+    assert "2 requests stopped before max_tokens" in capsys.readouterr().err
 
 
 def test_summary_of_hand_made_results():
@@ -228,3 +252,15 @@ def test_plot(server, engine, tmp_path):
                   "--input-len", "8", "--output-len", "4", "--plot", str(png))
     assert rc == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 1000
+
+
+def test_llama_cpp_python_tokenizer_shape(tmp_path):
+    s = BareServer(tokenizer=True)
+    try:
+        rc, res = bench(s.url, tmp_path, "--num-prompts", "3", "--input-len", "20",
+                        "--output-len", "2")
+    finally:
+        s.close()
+    assert rc == 0 and res["tokenizer"] == "llama-cpp-python"
+    # The BOS the server adds to every encoding is not counted in the prompt.
+    assert [len(p.encode()) for p in s.prompts] == [20, 20, 20]
