@@ -77,9 +77,11 @@ def test_config_from_gguf(ours):
 
 
 def test_tokenizer_matches_transformers(ours):
-    from transformers import AutoTokenizer
+    # transformers' GGUF tokenizer path (what AutoTokenizer builds for this file, without its
+    # ~8 s detour through gguf's reader to derive a model config)
+    from transformers import TokenizersBackend
     directory, name = os.path.split(embedded_model_path())
-    ref = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    ref = TokenizersBackend.from_pretrained(directory, gguf_file=name)
     for text in ["Hello world", "  spaces\n\nand ünïcödé — 12345 <|im_start|>user\nhi<|im_end|>", ""]:
         assert ours.tokenizer(text).input_ids == ref(text).input_ids
     msgs = [{"role": "user", "content": "hi"}]
