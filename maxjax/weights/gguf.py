@@ -54,8 +54,11 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
               "lm_head.weight": "output.weight"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
-# GGUF general.architecture -> transformers model_type (for the tokenizer class).
+# GGUF general.architecture -> transformers model_type, and the tokenizer class AutoTokenizer
+# picks for it (transformers 5 TOKENIZER_MAPPING_NAMES).
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
+_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "gemma3": "GemmaTokenizer",
+                      "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
 
 
 class GGUFFile:
@@ -390,7 +393,6 @@ def load_tokenizer(gf: GGUFFile, gguf_arch: str):
     import transformers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
     md = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in gf.metadata.items()
           if k.startswith("tokenizer.")}
     grouped = {group: {name: md[f"tokenizer.{key}"] for key, name in renames.items()
@@ -402,7 +404,10 @@ def load_tokenizer(gf: GGUFFile, gguf_arch: str):
     for name, key in _SPECIAL_TOKENS.items():
         token_id = md.get(f"tokenizer.ggml.{key}")
         config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
-    cls_name = TOKENIZER_MAPPING_NAMES.get(_MODEL_TYPES.get(gguf_arch, gguf_arch))
+    cls_name = _TOKENIZER_CLASSES.get(gguf_arch)
+    if cls_name is None:    # AutoTokenizer's choice; its module imports torch (~3 s), so only here
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+        cls_name = TOKENIZER_MAPPING_NAMES.get(_MODEL_TYPES.get(gguf_arch, gguf_arch))
     cls = getattr(transformers, cls_name, None) if isinstance(cls_name, str) else None
     cls = cls or transformers.TokenizersBackend
     try:
