@@ -126,13 +126,13 @@ def plot(series: dict[str, list[dict]], path: str, title: str = "") -> None:
     for name, summaries in series.items():
         key = "concurrency" if all("concurrency" in s for s in summaries) else "request_rate"
         xlabel = "concurrency" if key == "concurrency" else "request rate (req/s)"
-        pts = sorted((s[key], s) for s in summaries if s["completed"])
-        if not pts:
-            continue
-        xs = [x for x, _ in pts]
-        ticks.update(xs)
-        ax_tp.plot(xs, [s["output_tok_per_s"] for _, s in pts], marker="o", label=name)
-        ax_ttft.plot(xs, [s["ttft_ms"]["p50"] for _, s in pts], marker="o", label=name)
+        pts = sorted(((s[key], s) for s in summaries if s["completed"]), key=lambda p: p[0])
+        ticks.update(x for x, _ in pts)
+        for ax, value in ((ax_tp, lambda s: s["output_tok_per_s"]),
+                          (ax_ttft, lambda s: s["ttft_ms"]["p50"])):
+            xy = [(x, value(s)) for x, s in pts if value(s) is not None]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", label=name)
     for ax, ylabel in ((ax_tp, "output tokens/s"), (ax_ttft, "TTFT p50 (ms)")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)

@@ -29,7 +29,7 @@ from maxjax.errors import UserError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = __doc__.split("\n\n")[0].replace("`maxjax benchmark`: l", "L")
     p.epilog = ("exit status: 0 if every request succeeded, 1 if any failed (results are still "
                 "written), 2 for a bad flag or an unreachable server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
