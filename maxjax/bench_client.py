@@ -29,9 +29,10 @@ WORDS = ("the of and to in is it you that he was for on are with as his they be 
          "does set three want air well also play small end put home read hand port large spell add "
          "even land here must big high such follow act why ask men change went light kind off need "
          "house picture try us again animal point mother world near build self earth father head "
-         "stand own page should country found answer school grow study still learn plant cover food "
-         "sun four between state keep eye never last let thought city tree cross farm hard start "
-         "might story saw far sea draw left late run while press close night real life few north").split()
+         "stand own page should country found answer school grow study still learn plant cover "
+         "food sun four between state keep eye never last let thought city tree cross farm hard "
+         "start might story saw far sea draw left late run while press close night real life few "
+         "north").split()
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Prompt:
 
 
 def api_root(base_url: str) -> str:
-    """`http://host:port`, `http://host:port/` and `http://host:port/v1` all name the same server."""
+    """`http://host:port`, `http://host:port/` and `http://host:port/v1` name one server."""
     root = base_url.rstrip("/")
     return root[:-3] if root.endswith("/v1") else root
 
@@ -231,7 +232,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, endpoint: str, 
                     else:
                         res.itl.append(now - last)
                     last = now
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:   # Value: line too long
         res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         return res
     res.latency = time.perf_counter() - t0

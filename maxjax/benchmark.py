@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import random
 import sys
 import time
@@ -82,7 +83,8 @@ def check_args(args) -> list[dict]:
     if args.request_rate:
         levels = [{"request_rate": r} for r in _numbers("--request-rate", args.request_rate, float)]
     else:
-        levels = [{"concurrency": c} for c in _numbers("--concurrency", args.concurrency or "1", int)]
+        levels = [{"concurrency": c}
+                  for c in _numbers("--concurrency", args.concurrency or "1", int)]
     for flag, v in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
                     ("--output-len", args.output_len)):
         if v is not None and v < 1:
@@ -92,7 +94,11 @@ def check_args(args) -> list[dict]:
     if args.temperature < 0:
         raise UserError(f"--temperature {args.temperature}: must be >= 0")
     if args.dataset and args.input_len is not None:
-        raise UserError("--input-len and --dataset exclude each other (the dataset sets the prompts)")
+        raise UserError("--input-len and --dataset exclude each other (the dataset sets the "
+                        "prompts)")
+    for flag, path in (("--result-json", args.result_json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UserError(f"{flag} {path}: no such directory")
     if not args.base_url.startswith(("http://", "https://")):
         raise UserError(f"--base-url {args.base_url!r}: expected http://HOST:PORT")
     if args.plot:
@@ -138,6 +144,9 @@ async def _pick_model(session: aiohttp.ClientSession, root: str, wanted: str | N
             status = r.status
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
         raise UserError(f"cannot reach the server at {root}: {str(e) or type(e).__name__}") from e
+    if status in (401, 403):
+        raise UserError(f"{root}/v1/models answered {status}: the server wants an API key "
+                        "(--api-key)")
     served = [m.get("id") for m in (body or {}).get("data", []) if isinstance(m, dict)]
     if wanted:
         if served and wanted not in served:
@@ -273,7 +282,8 @@ def main(args) -> int:
         except OSError as e:
             raise UserError(f"--result-json {args.result_json}: {e.strerror}") from e
     if args.plot:
-        report.plot({label: summaries}, args.plot, title=f"{label}: {workload}, {args.output_len} output tokens")
+        report.plot({label: summaries}, args.plot,
+                    title=f"{label}: {workload}, {args.output_len} output tokens")
     short = sum(s["short_outputs"] for s in summaries)
     if short and args.ignore_eos:
         print(f"warning: {short} requests stopped before max_tokens although ignore_eos and "

@@ -128,6 +128,7 @@ def test_wrong_model_counts_every_request_as_an_error(server, engine, tmp_path, 
     (["--dataset", "/nonexistent/x.jsonl"], "--dataset"),
     (["--dataset", "x.jsonl", "--input-len", "8"], "--input-len"),
     (["--base-url", "localhost:8000"], "--base-url"),
+    (["--result-json", "/nonexistent/r.json"], "--result-json"),
 ])
 def test_bad_flags_are_user_errors(flags, message, capsys):
     assert main(["benchmark", "--no-progress", *flags]) == 2
@@ -264,3 +265,17 @@ def test_llama_cpp_python_tokenizer_shape(tmp_path):
     assert rc == 0 and res["tokenizer"] == "llama-cpp-python"
     # The BOS the server adds to every encoding is not counted in the prompt.
     assert [len(p.encode()) for p in s.prompts] == [20, 20, 20]
+
+
+def test_api_key(tmp_path, capsys):
+    from maxjax.server.config import ServeConfig
+    s = ServerThread(MockEngine(), ServeConfig(api_key="sesame"))
+    try:
+        assert main(["benchmark", "--no-progress", "--base-url", s.url]) == 2
+        assert "--api-key" in capsys.readouterr().err
+        rc, res = bench(s.url, tmp_path, "--api-key", "sesame", "--num-prompts", "2",
+                        "--input-len", "4", "--output-len", "3")
+        assert rc == 0 and res["tokenizer"] == "vllm"
+        check_level(res["levels"][0], 2, 3, input_len=4)
+    finally:
+        s.close()
