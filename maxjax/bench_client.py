@@ -70,13 +70,17 @@ def api_root(base_url: str) -> str:
     return root[:-3] if root.endswith("/v1") else root
 
 
+# For the small calls before a run (model list, tokenizer): a hung server fails fast.
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=60)
+
+
 async def _post_json(session: aiohttp.ClientSession, url: str, body: dict) -> dict | None:
     try:
-        async with session.post(url, json=body) as r:
+        async with session.post(url, json=body, timeout=PROBE_TIMEOUT) as r:
             if r.status != 200:
                 return None
             return await r.json(content_type=None)
-    except (aiohttp.ClientError, ValueError):
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
 
 

@@ -139,11 +139,14 @@ def read_dataset(path: str, endpoint: str, output_len: int) -> list[client.Promp
 
 async def _pick_model(session: aiohttp.ClientSession, root: str, wanted: str | None) -> str:
     try:
-        async with session.get(f"{root}/v1/models") as r:
+        async with session.get(f"{root}/v1/models", timeout=client.PROBE_TIMEOUT) as r:
             body = await r.json(content_type=None) if r.status == 200 else None
             status = r.status
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
         raise UserError(f"cannot reach the server at {root}: {str(e) or type(e).__name__}") from e
+    if status == 503:
+        raise UserError(f"{root}/v1/models answered 503: the server is still loading; retry "
+                        "when /health answers 200")
     if status in (401, 403):
         raise UserError(f"{root}/v1/models answered {status}: the server wants an API key "
                         "(--api-key)")

@@ -279,3 +279,14 @@ def test_api_key(tmp_path, capsys):
         check_level(res["levels"][0], 2, 3, input_len=4)
     finally:
         s.close()
+
+
+def test_loading_server_is_a_user_error(capsys):
+    engine = MockEngine()
+    engine.is_ready = False
+    s = ServerThread(engine)
+    try:
+        assert main(["benchmark", "--no-progress", "--base-url", s.url]) == 2
+        assert "still loading" in capsys.readouterr().err
+    finally:
+        s.close()
