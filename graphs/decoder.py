@@ -1,8 +1,10 @@
 """The decoder-only transformer every built-in architecture runs, as pure functions.
 
-Parameters are one pytree with the layers stacked on a leading axis, so the layer loop is a
-`lax.scan` (compiles ~4x faster than unrolled; measured in ../shared/DESIGN.md). Projections are
-fused (q|k|v and gate|up) to give XLA bigger matmuls. Architecture differences are fields of
+Parameters are one pytree; `params["layers"]` is a list with one dict of arrays per layer and the
+layer loop is unrolled. A `lax.scan` over stacked layers compiles faster, but XLA:CPU then copies
+each layer's weights out of the stack before every matmul (a dynamic-slice it cannot fuse into a
+dot), which triples the memory traffic of a memory-bound decode step. Projections are fused
+(q|k|v and gate|up) to give XLA bigger matmuls. Architecture differences are fields of
 `ModelConfig`; the architecture files only translate configs and checkpoint names.
 """
 from __future__ import annotations
@@ -22,19 +24,20 @@ KV = tuple  # (k_pool, v_pool), each [layers, pages, page_size, kv_heads, head_d
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """The shape of every parameter; the one place the pytree layout is spelled out."""
-    D, F, nl = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    D, F = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
-    lay = {"attn_norm": (nl, D), "wqkv": (nl, D, qkv), "wo": (nl, cfg.q_size, D),
-           "mlp_norm": (nl, D), "w_gate_up": (nl, D, 2 * F), "w_down": (nl, F, D)}
+    lay = {"attn_norm": (D,), "wqkv": (D, qkv), "wo": (cfg.q_size, D),
+           "mlp_norm": (D,), "w_gate_up": (D, 2 * F), "w_down": (F, D)}
     if cfg.attention_bias:
-        lay["bqkv"] = (nl, qkv)
+        lay["bqkv"] = (qkv,)
     if cfg.qk_norm:
-        lay["q_norm"] = (nl, cfg.head_dim)
-        lay["k_norm"] = (nl, cfg.head_dim)
+        lay["q_norm"] = (cfg.head_dim,)
+        lay["k_norm"] = (cfg.head_dim,)
     if cfg.post_norms:
-        lay["post_attn_norm"] = (nl, D)
-        lay["post_mlp_norm"] = (nl, D)
-    shapes = {"embed": (cfg.vocab_size, D), "final_norm": (D,), "layers": lay}
+        lay["post_attn_norm"] = (D,)
+        lay["post_mlp_norm"] = (D,)
+    shapes = {"embed": (cfg.vocab_size, D), "final_norm": (D,),
+              "layers": [dict(lay) for _ in range(cfg.num_layers)]}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, D)
     return shapes
@@ -54,9 +57,8 @@ def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
-def _layer(cfg: ModelConfig, step: StepInputs, rope, carry, xs):
-    h, k_pool, v_pool = carry
-    p, meta = xs
+def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
+    k_pool, v_pool = kv
     T = h.shape[0]
     eps, plus1 = cfg.rms_norm_eps, cfg.norm_plus_one
     page_size = k_pool.shape[2]
@@ -72,15 +74,12 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, carry, xs):
         if "q_norm" in p:
             q = L.rms_norm(q, p["q_norm"], eps, plus1)
             k = L.rms_norm(k, p["k_norm"], eps, plus1)
-        (cos_g, sin_g), (cos_l, sin_l) = rope
-        cos = jnp.where(meta["local_rope"], cos_l, cos_g)
-        sin = jnp.where(meta["local_rope"], sin_l, sin_g)
+        cos, sin = rope[1] if cfg.layer_local_rope[layer] else rope[0]
         q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-        layer = meta["index"]
         k_pool = L.write_kv(k_pool, layer, step.slot_mapping, k, page_size)
         v_pool = L.write_kv(v_pool, layer, step.slot_mapping, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
-        attn = L.paged_attention(q, k_pool, v_pool, layer, step, meta["window"], scale)
+        attn = L.paged_attention(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale)
         out = attn.reshape(T, cfg.q_size) @ p["wo"]
         if "post_attn_norm" in p:
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
@@ -91,7 +90,7 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, carry, xs):
         if "post_mlp_norm" in p:
             out = L.rms_norm(out, p["post_mlp_norm"], eps, plus1)
         h = h + out
-    return (h, k_pool, v_pool), None
+    return h, (k_pool, v_pool)
 
 
 def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
@@ -104,15 +103,15 @@ def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     local_theta = cfg.rope_local_theta or cfg.rope_theta
     inv_l = L.rope_inv_freq(cfg.head_dim, local_theta, None)
     rope = (L.rope_cos_sin(step.positions, inv_g), L.rope_cos_sin(step.positions, inv_l))
-    layer_fn = lambda c, xs: _layer(cfg, step, rope, c, xs)  # noqa: E731
-    (h, k_pool, v_pool), _ = jax.lax.scan(
-        layer_fn, (h, kv[0], kv[1]), (params["layers"], L.layer_arrays(cfg)))
+    for i, p in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{i}"):
+            h, kv = _layer(cfg, step, rope, i, h, kv, p)
     h = L.rms_norm(h[step.sample_idx], params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     head = params.get("lm_head", embed)
     logits = jnp.einsum("rd,vd->rv", h, head, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits, (k_pool, v_pool)
+    return logits, kv
 
 
 # --- checkpoint conversion -------------------------------------------------------------------
@@ -148,15 +147,15 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
     def put(x):
         return jnp.asarray(np.asarray(x, np.float32), dtype=dtype)
 
-    layers = {}
-    for key in shapes["layers"]:
-        per_layer = []
-        for i in range(cfg.num_layers):
+    layers = []
+    for i, layer_shapes in enumerate(shapes["layers"]):
+        layer = {}
+        for key in layer_shapes:
             parts = [np.asarray(get(n.format(i=i)), np.float32) for n in names[key]]
             if parts[0].ndim == 2:
                 parts = [p.T for p in parts]
-            per_layer.append(np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0])
-        layers[key] = put(np.stack(per_layer))
+            layer[key] = put(np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0])
+        layers.append(layer)
         if progress:
             progress(1)
     params = {"embed": put(get("model.embed_tokens.weight")),

@@ -72,7 +72,7 @@ def write_kv(pool, layer, slots, new, page_size: int):
     return pool.at[layer, slots // page_size, slots % page_size].set(new.astype(pool.dtype))
 
 
-def paged_attention(q, k_pool, v_pool, layer, step, window, scale: float, softcap=None):
+def paged_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):
     """Causal attention of each token over its request's KV pages, one page at a time.
 
     q [T, H, hd]; pools [L, N, page, KV, hd], already holding this step's keys. `window` is the
@@ -99,7 +99,8 @@ def paged_attention(q, k_pool, v_pool, layer, step, window, scale: float, softca
             s = softcap * jnp.tanh(s / softcap)
         kpos = j * page_size + offsets
         visible = kpos[None, :] <= pos[:, None]
-        visible &= (window == 0) | (kpos[None, :] > pos[:, None] - window)
+        if window:
+            visible &= kpos[None, :] > pos[:, None] - window
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
@@ -112,12 +113,3 @@ def paged_attention(q, k_pool, v_pool, layer, step, window, scale: float, softca
             jnp.zeros((T, KV, G, hd), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_pages, body, init)
     return (acc / l[..., None]).reshape(T, H, hd).astype(q.dtype)
-
-
-def layer_arrays(cfg: ModelConfig):
-    """Per-layer values that vary across layers, as arrays scanned alongside the weights."""
-    return {
-        "index": jnp.arange(cfg.num_layers, dtype=jnp.int32),
-        "window": jnp.asarray(cfg.layer_windows, jnp.int32),
-        "local_rope": jnp.asarray(cfg.layer_local_rope, jnp.bool_),
-    }
