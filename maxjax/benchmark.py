@@ -49,7 +49,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128,
                    help="Tokens to generate per request (max_tokens; default %(default)s)")
     p.add_argument("--dataset", help="JSONL prompts instead of synthetic ones: each line "
-                   '{"prompt": TEXT} or {"messages": [...]} (chat), optionally "output_len"')
+                   '{"prompt": TEXT} or {"messages": [...]} (chat), optionally "output_len" and '
+                   '"prompt_tokens" (counted when the server reports no usage)')
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="Let requests stop at EOS (default: ignore_eos + min_tokens, so every "
                    "request generates exactly --output-len tokens where the server supports it)")
@@ -130,8 +131,11 @@ def read_dataset(path: str, endpoint: str, output_len: int) -> list[client.Promp
         n = obj.get("output_len", output_len)
         if not isinstance(n, int) or n < 1:
             raise UserError(f"--dataset {path} line {i}: output_len must be a positive integer")
+        tokens = obj.get("prompt_tokens")
+        if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+            raise UserError(f"--dataset {path} line {i}: prompt_tokens must be a positive integer")
         prompts.append(client.Prompt(text=obj.get("prompt"), messages=obj.get("messages"),
-                                     output_len=n))
+                                     tokens=tokens, output_len=n))
     if not prompts:
         raise UserError(f"--dataset {path}: no prompts")
     return prompts

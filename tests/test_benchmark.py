@@ -139,6 +139,7 @@ def test_bad_flags_are_user_errors(flags, message, capsys):
 def test_bad_dataset_lines(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     for text, message in (('{"text": "x"}\n', "line 1"), ('{"prompt": "a"}\nnot json\n', "line 2"),
+                          ('{"prompt": "a", "prompt_tokens": "3"}\n', "prompt_tokens"),
                           ('{"messages": [{"role": "user", "content": "a"}]}\n', "--endpoint chat"),
                           ("", "no prompts")):
         data.write_text(text)
@@ -206,16 +207,22 @@ class BareServer:
 
 def test_server_without_tokenizer_or_usage(tmp_path, capsys):
     s = BareServer()
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "a b c", "prompt_tokens": 3}\n')
     try:
         rc, res = bench(s.url, tmp_path, "--concurrency", "2", "--num-prompts", "3",
                         "--input-len", "12", "--output-len", "6")
+        rc2, res2 = bench(s.url, tmp_path, "--num-prompts", "2", "--output-len", "2",
+                          "--dataset", str(data))
     finally:
         s.close()
+    # Without usage, a dataset's prompt_tokens are what is counted.
+    assert rc2 == 0 and res2["levels"][0]["input_tokens"] == 2 * 3
     assert rc == 0 and res["model"] == "bare" and res["tokenizer"] is None
     (lv,) = res["levels"]
     assert lv["completed"] == 3 and not lv["usage_reported"]
     assert lv["output_tokens"] == 3 * 6          # counted from the chunks
-    assert all(len(p.split()) == 12 for p in s.prompts)
+    assert all(len(p.split()) == 12 for p in s.prompts[:3])
     assert lv["short_outputs"] == 0
     assert "no /tokenize endpoint" in capsys.readouterr().err
 

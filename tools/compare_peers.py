@@ -52,6 +52,9 @@ def _no_extra_bufts():
     params = _defaults()
     if hasattr(params, "use_extra_bufts"):
         params.use_extra_bufts = False
+    else:
+        print("compare_peers: this llama-cpp-python has no use_extra_bufts; if it crashes in "
+              "AMX code, rebuild it with CMAKE_ARGS=-DGGML_AMX=OFF", file=sys.stderr)
     return params
 lib.llama_model_default_params = _no_extra_bufts
 from llama_cpp.server.__main__ import main
@@ -314,7 +317,9 @@ def main(argv=None) -> int:
                            args.input_len, args.seed)
     dataset = os.path.join(args.out_dir, "prompts.jsonl")
     with open(dataset, "w") as f:
-        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+        # prompt_tokens: what the benchmark counts for a server that reports no usage.
+        f.writelines(json.dumps({"prompt": p, "prompt_tokens": args.input_len}) + "\n"
+                     for p in prompts)
 
     results, notes, failed = {}, [], []
     for peer in args.peers:
