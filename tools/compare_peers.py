@@ -41,6 +41,9 @@ import time
 import urllib.request
 
 PEERS = ("maxjax", "llama.cpp", "transformers")
+# llama-cpp-python and what its OpenAI server imports.
+LLAMA_CPP_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "starlette_context",
+                     "pydantic_settings")
 
 # Runs llama-cpp-python's server with extra buffer types (AMX repacking) off: its AMX path
 # segfaults on this CPU. Llama() reads llama_model_default_params() from this module at call time.
@@ -323,9 +326,12 @@ def main(argv=None) -> int:
 
     results, notes, failed = {}, [], []
     for peer in args.peers:
-        if peer == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
-            notes.append("llama.cpp skipped: llama-cpp-python is not installed.")
-            continue
+        if peer == "llama.cpp":
+            missing = [m for m in LLAMA_CPP_MODULES if importlib.util.find_spec(m) is None]
+            if missing:
+                notes.append(f"llama.cpp skipped: {', '.join(missing)} not installed "
+                             "(pip install 'llama-cpp-python[server]').")
+                continue
         print(f"[{peer}] running", file=sys.stderr)
         try:
             if peer == "transformers":
