@@ -1,6 +1,10 @@
 """maxjax: an OpenAI-compatible LLM inference server on JAX/XLA."""
 __version__ = "0.1.0"
 
+from maxjax import xla_flags as _xla_flags  # noqa: E402
+
+_xla_flags.apply_defaults()
+
 from maxjax.engine.types import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
