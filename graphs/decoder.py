@@ -19,7 +19,7 @@ from maxjax.config import ModelConfig
 from maxjax.graphs import layers as L
 from maxjax.graphs.step import StepInputs
 
-KV = tuple  # (k_pool, v_pool), each [layers, pages, page_size, kv_heads, head_dim]
+KV = tuple  # (k_pool, v_pool), each [layers, pages, kv_heads, page_size, head_dim]
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -49,7 +49,7 @@ def abstract_params(cfg: ModelConfig, dtype) -> dict:
 
 
 def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple:
-    return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
 
 def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
@@ -61,7 +61,7 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
     k_pool, v_pool = kv
     T = h.shape[0]
     eps, plus1 = cfg.rms_norm_eps, cfg.norm_plus_one
-    page_size = k_pool.shape[2]
+    page_size = k_pool.shape[3]
     with jax.named_scope("attention"):
         x = L.rms_norm(h, p["attn_norm"], eps, plus1)
         qkv = x @ p["wqkv"]

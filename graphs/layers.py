@@ -68,20 +68,22 @@ def apply_rope(x, cos, sin):
 
 
 def write_kv(pool, layer, slots, new, page_size: int):
-    """pool [L, N, page, KV, hd]; new [T, KV, hd] written at flat slots (in place when donated)."""
-    return pool.at[layer, slots // page_size, slots % page_size].set(new.astype(pool.dtype))
+    """pool [L, N, KV, page, hd]; new [T, KV, hd] written at flat slots (in place when donated)."""
+    return pool.at[layer, slots // page_size, :, slots % page_size].set(new.astype(pool.dtype))
 
 
 def paged_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):
     """Causal attention of each token over its request's KV pages, one page at a time.
 
-    q [T, H, hd]; pools [L, N, page, KV, hd], already holding this step's keys. `window` is the
+    q [T, H, hd]; pools [L, N, KV, page, hd], already holding this step's keys. Heads before
+    offsets in a page make each gathered (token, kv head) block a contiguous [page, hd] matrix, so
+    both products are plain batched matmuls with no transposes. `window` is the
     layer's sliding window (0: none). An online softmax over pages keeps memory at
     O(T x page) instead of materializing T x context keys; the loop stops after the last page
     any token of the step can see.
     """
     T, H, hd = q.shape
-    page_size, KV = k_pool.shape[2], k_pool.shape[3]
+    KV, page_size = k_pool.shape[2], k_pool.shape[3]
     G = H // KV
     qg = (q.astype(jnp.float32) * scale).reshape(T, KV, G, hd)
     pos = step.positions
@@ -92,9 +94,9 @@ def paged_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: flo
     def body(j, carry):
         m, l, acc = carry
         page_ids = token_pages[:, j]
-        k = k_pool[layer, page_ids].astype(jnp.float32)      # [T, page, KV, hd]
+        k = k_pool[layer, page_ids].astype(jnp.float32)      # [T, KV, page, hd]
         v = v_pool[layer, page_ids].astype(jnp.float32)
-        s = jnp.einsum("tkgd,tpkd->tkgp", qg, k)
+        s = jnp.einsum("tkgd,tkpd->tkgp", qg, k)
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         kpos = j * page_size + offsets
@@ -106,7 +108,7 @@ def paged_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: flo
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("tkgp,tpkd->tkgd", p, v)
+        acc = acc * corr[..., None] + jnp.einsum("tkgp,tkpd->tkgd", p, v)
         return m_new, l, acc
 
     init = (jnp.full((T, KV, G), NEG_INF, jnp.float32), jnp.zeros((T, KV, G), jnp.float32),
