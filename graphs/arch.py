@@ -16,6 +16,10 @@ class Architecture:
     name: str                                   # HF config.json architectures[0]
     config_from_hf: Callable[[dict], ModelConfig]
     forward: Callable = decoder.forward         # (cfg, params, kv, step) -> (logits, kv)
+    # For prompt logprobs (echo): hidden states of every token, and logits of any of them. An
+    # architecture without them serves everything else.
+    hidden_states: Callable | None = decoder.hidden_states
+    lm_logits: Callable | None = decoder.lm_logits
     param_shapes: Callable = decoder.param_shapes
     params_from_hf: Callable = decoder.params_from_hf
     gguf_archs: tuple[str, ...] = ()            # GGUF general.architecture values it reads

@@ -95,6 +95,12 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
 
 def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     """One engine step: returns (float32 logits [R, vocab] at step.sample_idx, updated kv)."""
+    h, kv = hidden_states(cfg, params, kv, step)
+    return lm_logits(cfg, params, h[step.sample_idx]), kv
+
+
+def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
+    """Final-normed hidden states of every token slot [T, hidden], and the updated kv."""
     embed = params["embed"]
     h = embed[step.token_ids]
     if cfg.embed_scale is not None:
@@ -106,12 +112,16 @@ def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             h, kv = _layer(cfg, step, rope, i, h, kv, p)
-    h = L.rms_norm(h[step.sample_idx], params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-    head = params.get("lm_head", embed)
+    return L.rms_norm(h, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one), kv
+
+
+def lm_logits(cfg: ModelConfig, params: dict, h):
+    """float32 logits [N, vocab] of final hidden states h [N, hidden]."""
+    head = params.get("lm_head", params["embed"])
     logits = jnp.einsum("rd,vd->rv", h, head, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits, kv
+    return logits
 
 
 # --- checkpoint conversion -------------------------------------------------------------------

@@ -26,6 +26,7 @@ class StepInputs:
     token_row: jax.Array      # int32[T]  request row each token belongs to
     page_table: jax.Array     # int32[R, P] pages of each request row, in order
     sample_idx: jax.Array     # int32[R]  token slot whose logits are returned for each row
+    next_token: jax.Array     # int32[T]  prompt token after each slot, for prompt logprobs; -1: none
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -38,6 +39,7 @@ class RowSlice:
     token_ids: Sequence[int]
     start_pos: int            # position of token_ids[0]
     pages: Sequence[int]      # every page the request holds, covering start_pos + len(token_ids)
+    next_tokens: Sequence[int] | None = None   # per token: the prompt token after it (-1: none)
 
 
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int) -> StepInputs:
@@ -49,6 +51,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int) -> StepInpu
         token_row=jax.ShapeDtypeStruct((num_tokens,), i32),
         page_table=jax.ShapeDtypeStruct((num_rows, max_pages), i32),
         sample_idx=jax.ShapeDtypeStruct((num_rows,), i32),
+        next_token=jax.ShapeDtypeStruct((num_tokens,), i32),
     )
 
 
@@ -64,6 +67,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     token_row = np.zeros(num_tokens, np.int32)
     page_table = np.full((num_rows, max_pages), SCRATCH_PAGE, np.int32)
     sample_idx = np.zeros(num_rows, np.int32)
+    next_token = np.full(num_tokens, -1, np.int32)
     t = 0
     for r, row in enumerate(rows):
         k = len(row.token_ids)
@@ -77,5 +81,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         token_row[t:t + k] = r
         page_table[r, :len(pages)] = pages
         sample_idx[r] = t + k - 1
+        if row.next_tokens is not None:
+            next_token[t:t + k] = row.next_tokens
         t += k
-    return StepInputs(token_ids, positions, slots, token_row, page_table, sample_idx)
+    return StepInputs(token_ids, positions, slots, token_row, page_table, sample_idx, next_token)

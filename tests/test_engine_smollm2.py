@@ -147,3 +147,22 @@ def test_no_compilation_after_warmup(llm, llm_no_prefix):
     # Runs last in this module: every workload above went through the compiled buckets only.
     assert llm.stats()["xla_compiles_since_ready"] == 0
     assert llm_no_prefix.stats()["xla_compiles_since_ready"] == 0
+
+
+def test_prompt_logprobs_match_generated_logprobs(llm, prompts):
+    """Scoring a prompt + its greedy continuation gives, at the continuation's positions, the
+    logprobs the continuation was generated with (chunked prefill covers the prompt in pieces)."""
+    gen = SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3)
+    first = llm.generate([prompts[5]], gen)[0]
+    scored_ids = prompts[5] + first.token_ids
+    echo = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=True, top_logprobs=3)
+    scored = llm.generate([scored_ids], echo)[0]
+    plps = scored.prompt_logprobs
+    assert len(plps) == len(scored_ids) and plps[0] is None
+    n = len(prompts[5])
+    for i, lp in enumerate(first.logprobs):
+        got = plps[n + i]
+        assert got.token_id == scored_ids[n + i]
+        assert abs(got.logprob - lp.logprob) < 1e-4
+        assert [t for t, _ in got.top] == [t for t, _ in lp.top]
+    assert all(p.logprob <= 0 for p in plps[1:])

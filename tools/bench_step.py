@@ -21,6 +21,9 @@ from maxjax.engine.runner import step_and_sample
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import decoder
 from maxjax.graphs.step import RowSlice, build_step_inputs
+from maxjax.registry import get_architecture
+
+ARCH = get_architecture("LlamaForCausalLM")
 
 SMOLLM2 = ModelConfig("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, rope_theta=100000.0,
                       tie_word_embeddings=True)
@@ -42,7 +45,7 @@ def main():
     max_pages = 4096 // page
     rows_list = [int(r) for r in args.rows.split(",")]
     kv = decoder.init_kv(cfg, 1 + per_row * max(rows_list), page, jnp.float32)
-    fn = jax.jit(lambda p, kv, st, sa: step_and_sample(decoder.forward, cfg, p, kv, st, sa),
+    fn = jax.jit(lambda p, kv, st, sa: step_and_sample(ARCH, cfg, p, kv, st, sa),
                  donate_argnums=(1,))
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  backend={jax.default_backend()}")
     print("| step | tokens | compile s | step ms (median) | tok/s |")
@@ -66,7 +69,7 @@ def main():
         for _ in range(args.iters):
             t = time.perf_counter()
             out, kv = c(params, kv, st, sa)
-            jax.device_get(out.token_ids)
+            jax.device_get(out[0].token_ids)
             times.append(time.perf_counter() - t)
         ms = float(np.median(times)) * 1e3
         ntok = sum(len(r.token_ids) for r in rows)

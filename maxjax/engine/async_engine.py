@@ -162,6 +162,8 @@ class AsyncEngine:
             assert isinstance(ev, TokenEvent)
             out.prompt_tokens, out.completion_tokens = ev.prompt_tokens, ev.completion_tokens
             out.cached_tokens = ev.cached_tokens
+            if ev.prompt_logprobs is not None:
+                out.prompt_logprobs = ev.prompt_logprobs
             out.new_token_ids.append(ev.token_id)
             if ev.logprob is not None:
                 out.new_logprobs = (out.new_logprobs or []) + [ev.logprob]

@@ -38,6 +38,7 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    prompt_logprobs: list | None = None   # with the first token, when asked for
 
 
 @dataclass
@@ -111,6 +112,7 @@ class EngineCore:
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length)
         self.seeds: dict[str, int] = {}
+        self.prompt_lps: dict[str, dict[int, TokenLogprob]] = {}   # request -> position -> logprob
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
 
@@ -140,6 +142,7 @@ class EngineCore:
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         self.seeds.pop(request_id, None)
+        self.prompt_lps.pop(request_id, None)
         return self.scheduler.finish(request_id, reason) is not None
 
     def has_unfinished(self) -> bool:
@@ -150,12 +153,16 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
             return []
-        rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages), r.request.sampling,
-                           r.request.prompt_token_ids, r.request.output_token_ids,
-                           self.seeds[r.request.request_id]) for r in plan.rows]
+        rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages, self._next_tokens(r)),
+                           r.request.sampling, r.request.prompt_token_ids,
+                           r.request.output_token_ids, self.seeds[r.request.request_id])
+                for r in plan.rows]
         before = compile_counter.count()
         results = self.runner.run(rows)
         self.step_compiles += compile_counter.count() - before
+        for row, res in zip(plan.rows, results):
+            if res.prompt_logprobs is not None:
+                self._keep_prompt_logprobs(row, res.prompt_logprobs)
         updated = self.scheduler.update(plan, [res.token_id for res in results])
         by_req = {row.request.request_id: res for row, res in zip(plan.rows, results) if row.sample}
         events = []
@@ -169,9 +176,35 @@ class EngineCore:
             done = req.status is RequestStatus.FINISHED
             if done:
                 self.seeds.pop(req.request_id, None)
+            plps = None
+            if req.sampling.prompt_logprobs and req.num_output_tokens == 1:
+                got = self.prompt_lps.pop(req.request_id, {})
+                plps = [None] + [got.get(i) for i in range(1, req.num_prompt_tokens)]
             events.append(TokenEvent(req.request_id, res.token_id, lp, done, req.finish_reason,
-                                     req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+                                     req.num_prompt_tokens, req.num_output_tokens,
+                                     req.num_cached_tokens, plps))
         return events
+
+    @staticmethod
+    def _next_tokens(row) -> list[int] | None:
+        """For prompt logprobs: the prompt token following each token of the row (-1: none)."""
+        req = row.request
+        if not req.sampling.prompt_logprobs or row.start_pos >= req.num_prompt_tokens - 1:
+            return None
+        prompt = req.prompt_token_ids
+        return [prompt[p + 1] if p + 1 < len(prompt) else -1
+                for p in range(row.start_pos, row.start_pos + len(row.token_ids))]
+
+    def _keep_prompt_logprobs(self, row, plp) -> None:
+        lps, top_ids, top_lps = plp
+        k = row.request.sampling.top_logprobs
+        prompt = row.request.prompt_token_ids
+        kept = self.prompt_lps.setdefault(row.request.request_id, {})
+        for i in range(len(row.token_ids)):
+            pos = row.start_pos + i + 1
+            if pos < len(prompt):
+                kept[pos] = TokenLogprob(prompt[pos], float(lps[i]),
+                                         [(int(a), float(b)) for a, b in zip(top_ids[i][:k], top_lps[i][:k])])
 
     def stats(self) -> dict:
         s = self.scheduler.stats()

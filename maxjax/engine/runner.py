@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,14 @@ class RowResult:
     logprob: float
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    # Per token of the row with a next prompt token: (logprob, top ids, top logprobs) arrays.
+    prompt_logprobs: tuple | None = None
+
+
+class PromptLogprobs(NamedTuple):
+    logprobs: jax.Array       # f32[T]: logprob of step.next_token after each slot
+    top_ids: jax.Array        # i32[T, K]
+    top_logprobs: jax.Array   # f32[T, K]
 
 
 @dataclass(frozen=True)
@@ -54,10 +62,28 @@ class GraphSpec:
     donate_argnums: tuple
 
 
-def step_and_sample(forward, cfg, params, kv, step, samp):
-    logits, kv = forward(cfg, params, kv, step)
-    out = sampling._sample(logits, samp, MAX_TOP_LOGPROBS)
-    return out, kv
+def step_and_sample(arch, cfg, params, kv, step, samp):
+    """The compiled step: model, sampling, and (only in steps that ask) prompt logprobs."""
+    if arch.hidden_states is None:
+        logits, kv = arch.forward(cfg, params, kv, step)
+        return (sampling._sample(logits, samp, MAX_TOP_LOGPROBS), _no_prompt_logprobs(step)), kv
+    h, kv = arch.hidden_states(cfg, params, kv, step)
+    out = sampling._sample(arch.lm_logits(cfg, params, h[step.sample_idx]), samp, MAX_TOP_LOGPROBS)
+
+    def prompt_lps(h):
+        lps = sampling._prompt_logprobs(arch.lm_logits(cfg, params, h),
+                                        jnp.maximum(step.next_token, 0), MAX_TOP_LOGPROBS)
+        return PromptLogprobs(*lps)
+
+    plp = jax.lax.cond(jnp.any(step.next_token >= 0), prompt_lps,
+                       lambda h: _no_prompt_logprobs(step), h)
+    return (out, plp), kv
+
+
+def _no_prompt_logprobs(step) -> PromptLogprobs:
+    T = step.token_ids.shape[0]
+    return PromptLogprobs(jnp.zeros(T, jnp.float32), jnp.zeros((T, MAX_TOP_LOGPROBS), jnp.int32),
+                          jnp.zeros((T, MAX_TOP_LOGPROBS), jnp.float32))
 
 
 def _abstract(tree):
@@ -79,7 +105,7 @@ class ModelRunner:
         self.eos = tuple(self.cfg.eos_token_ids)
 
     def graph_specs(self) -> list[GraphSpec]:
-        fn = partial(step_and_sample, self.model.arch.forward, self.cfg)
+        fn = partial(step_and_sample, self.model.arch, self.cfg)
         params, kv = _abstract(self.model.params), _abstract(self.kv)
         specs = []
         for b in self.buckets:
@@ -111,7 +137,17 @@ class ModelRunner:
         samp = sampling.build_sampling_arrays(
             [(r.params, r.prompt_ids, r.output_ids, r.seed) for r in rows], bucket.num_rows,
             self.history_len, self.eos)
-        out, self.kv = self.executables[bucket](self.model.params, self.kv, step, samp)
+        (out, plp), self.kv = self.executables[bucket](self.model.params, self.kv, step, samp)
+        want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
-        return [RowResult(int(token_ids[i]), float(logprobs[i]), top_ids[i], top_lps[i])
-                for i in range(len(rows))]
+        plp = jax.device_get(tuple(plp)) if want_prompt else None
+        results, t = [], 0
+        for i, r in enumerate(rows):
+            n = len(r.slice.token_ids)
+            prompt = None
+            if plp is not None and r.slice.next_tokens is not None:
+                prompt = tuple(a[t:t + n] for a in plp)
+            results.append(RowResult(int(token_ids[i]), float(logprobs[i]), top_ids[i], top_lps[i],
+                                     prompt))
+            t += n
+        return results
