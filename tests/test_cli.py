@@ -1,0 +1,78 @@
+"""The CLI: user errors are one line on stderr and exit code 2, never a traceback; `list`."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maxjax import cli
+from maxjax.models import embedded_model_path
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys, match, *argv):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("maxjax: error:")]
+    assert len(lines) == 1 and match in lines[0], err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def truncated_gguf(tmp_path):
+    with open(embedded_model_path(), "rb") as f:
+        head = f.read(200_000)
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(head)
+    return str(path)
+
+
+def test_bad_models_exit_2(capsys, tmp_path, truncated_gguf):
+    one_line_error(capsys, "does not exist", "generate", "--model", str(tmp_path / "no.gguf"),
+                   "--prompt", "hi")
+    one_line_error(capsys, "no config.json", "generate", "--model", str(tmp_path), "--prompt", "hi")
+    one_line_error(capsys, "truncated", "generate", "--model", truncated_gguf, "--prompt", "hi")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    msg = one_line_error(capsys, "unsupported architecture", "generate", "--model", str(tmp_path),
+                         "--prompt", "hi")
+    assert "LlamaForCausalLM" in msg
+
+
+def test_bad_flags_exit_2(capsys, tmp_path):
+    msg = one_line_error(capsys, "--quantization-encoding", "generate", "--prompt", "hi",
+                         "--quantization-encoding", "q4_k")
+    assert "float32" in msg
+    one_line_error(capsys, "temperature", "generate", "--prompt", "hi", "--temperature", "-1")
+    one_line_error(capsys, "--prompt", "generate")
+    bad_pkg = tmp_path / "badarch"
+    bad_pkg.mkdir()
+    (bad_pkg / "__init__.py").write_text("X = 1\n")
+    one_line_error(capsys, "ARCHITECTURES", "list", "--custom-architectures", str(bad_pkg))
+    with pytest.raises(SystemExit) as e:      # argparse: an unknown flag is an error, not ignored
+        cli.main(["serve", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_list(capsys):
+    code, out, _ = run_cli(capsys, "list", "--json")
+    names = {a["name"] for a in json.loads(out)}
+    assert code == 0 and {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "MistralForCausalLM", "Gemma3ForCausalLM"} <= names
+    code, out, _ = run_cli(capsys, "list")
+    assert code == 0 and "Gemma3ForCausalLM" in out
+
+
+def test_no_traceback_from_a_real_process(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "maxjax.cli", "generate", "--model",
+                           str(tmp_path / "missing"), "--prompt", "hi"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "maxjax: error:" in proc.stderr
