@@ -58,28 +58,74 @@ def _flat_args(args) -> tuple:
     return tuple(tuple(jax.tree.leaves(a)) for a in args)
 
 
-def _flat_fn(fn, args):
+def _flat_fn(fn, args, out_spec: dict):
     defs = [jax.tree.structure(a) for a in args]
 
     def flat(*leaves):
         out, kv = fn(*(d.unflatten(x) for d, x in zip(defs, leaves)))
+        out_spec["spec"] = tree_spec(out)      # recorded while tracing, for the manifest
         return tuple(jax.tree.leaves(out)), tuple(jax.tree.leaves(kv))
     return flat
 
 
-class StepCallable:
-    """What ModelRunner calls: (params, kv, step, sampling) -> (SampleOutput, kv), kv donated."""
+def tree_spec(tree):
+    """A JSON description of a step output's structure (tuples, lists, None and NamedTuples of
+    maxjax), from which `rebuild` puts the flat output leaves back without tracing anything."""
+    if tree is None:
+        return None
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        cls = type(tree)
+        return {"namedtuple": f"{cls.__module__}:{cls.__qualname__}",
+                "children": [tree_spec(x) for x in tree]}
+    if isinstance(tree, (tuple, list)):
+        return {type(tree).__name__: [tree_spec(x) for x in tree]}
+    if isinstance(tree, dict):
+        return {"dict": {k: tree_spec(v) for k, v in sorted(tree.items())}}
+    return "leaf"
 
-    def __init__(self, compiled, source: str):
+
+def rebuild(spec, leaves):
+    """Inverse of `tree_spec` over an iterator of leaves."""
+    if spec is None:
+        return None
+    if spec == "leaf":
+        return next(leaves)
+    if "namedtuple" in spec:
+        import importlib
+        module, name = spec["namedtuple"].split(":")
+        if not module.startswith("maxjax."):
+            raise UserError(f"artifact output type {spec['namedtuple']} is not a maxjax type")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(*(rebuild(c, leaves) for c in spec["children"]))
+    if "tuple" in spec or "list" in spec:
+        kind = tuple if "tuple" in spec else list
+        return kind(rebuild(c, leaves) for c in spec[kind.__name__])
+    return {k: rebuild(v, leaves) for k, v in spec["dict"].items()}
+
+
+def spec_leaves(spec) -> int:
+    if spec is None:
+        return 0
+    if spec == "leaf":
+        return 1
+    children = (spec.get("children") or spec.get("tuple") or spec.get("list")
+                or list(spec.get("dict", {}).values()))
+    return sum(spec_leaves(c) for c in children)
+
+
+class StepCallable:
+    """What ModelRunner calls: (params, kv, step, sampling) -> (outputs, kv), kv donated."""
+
+    def __init__(self, compiled, source: str, out_spec):
         self.compiled = compiled
         self.source = source        # "executable" or "export"
+        self.out_spec = out_spec
 
     def __call__(self, params, kv, step, samp):
-        from maxjax.engine.sampling import SampleOutput
         kv_leaves, kv_def = jax.tree.flatten(kv)
         out, new_kv = self.compiled(tuple(jax.tree.leaves(params)), tuple(kv_leaves),
                                     tuple(jax.tree.leaves(step)), tuple(jax.tree.leaves(samp)))
-        return SampleOutput(*out), kv_def.unflatten(new_kv)
+        return rebuild(self.out_spec, iter(out)), kv_def.unflatten(new_kv)
 
 
 def _compile_export(exp, flat_args, donate) -> jax.stages.Compiled:
@@ -108,8 +154,9 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool)
     from jax.experimental import serialize_executable
     t0 = time.perf_counter()
     flat_args = _flat_args(spec.args)
-    exp = jax.export.export(jax.jit(_flat_fn(spec.fn, spec.args), donate_argnums=spec.donate_argnums),
-                            platforms=platforms)(*flat_args)
+    out_spec: dict = {}
+    exp = jax.export.export(jax.jit(_flat_fn(spec.fn, spec.args, out_spec),
+                                    donate_argnums=spec.donate_argnums), platforms=platforms)(*flat_args)
     n_sample = len(exp.out_avals) - len(flat_args[1])
     out_sample, out_kv = exp.out_avals[:n_sample], exp.out_avals[n_sample:]
     files = {"export": _write(directory, f"{spec.name}.{'-'.join(platforms)}.jaxexport",
@@ -127,6 +174,7 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool)
             directory, f"{spec.name}.{_safe(dev['platform'])}-{_safe(dev['device_kind'])}.xlaexe", blob)
     return {"name": spec.name, "bucket": [spec.bucket.num_tokens, spec.bucket.num_rows],
             "donate_argnums": list(spec.donate_argnums), "sample_outputs": n_sample,
+            "output_structure": out_spec["spec"],
             "signature": mf.signature(spec.args, (out_sample, out_kv)), "files": files,
             "seconds": {"export": round(t1 - t0, 3), "compile": round(time.perf_counter() - t1, 3)}}
 
@@ -139,7 +187,7 @@ def _write(directory: str, name: str, blob: bytes) -> dict:
 
 
 def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
-                    jobs: int = 1, progress: bool = True) -> dict:
+                    jobs: int = 1, progress: bool = True, store_weights: bool = True) -> dict:
     """Export (and compile locally) every bucket graph of `layout` into `directory`."""
     from tqdm import tqdm
     local = jax.export.default_export_platform()
@@ -165,6 +213,9 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                 "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
                 "targets": list(platforms), "compiled_for": local_device() if compile_local else None,
                 "graphs": [entries[s.name] for s in specs]}
+        if store_weights:
+            from maxjax import aot_weights
+            data["weights"] = aot_weights.save(tmp, model)
         mf.write_manifest(tmp, data)
         if os.path.exists(os.path.join(directory, mf.MANIFEST)) or (
                 os.path.isdir(directory) and not os.listdir(directory)):
@@ -266,11 +317,11 @@ def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
 
 def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False):
     """(EngineLayout, {Bucket: StepCallable}) from artifact directories, after verifying them."""
-    from maxjax.engine.core import EngineLayout, plan_layout
+    from maxjax.engine.core import plan_layout
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
     local = local_device()
     engine_cfg.quantization_encoding = model.dtype
-    manifests, layout, run_fp = [], None, None
+    manifests, layout = [], None
     for d in dirs:
         d = os.path.abspath(d)
         user = dataclasses.replace(engine_cfg)
@@ -303,10 +354,20 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         layout = layout or this
         manifests.append(m)
     assert layout is not None
-    return layout, _load_graphs(manifests, model, layout, local, require_compiled, run_fp)
+    return layout, _load_graphs(manifests, model, layout, local, require_compiled)
 
 
-def _load_graphs(manifests, model, layout, local, require_compiled, run_fp) -> dict:
+def _read_verified(m: mf.Manifest, name: str, entry: dict) -> bytes:
+    """The file's bytes, hashed again as read: what is deserialized is what was verified."""
+    import hashlib
+    with open(m.file(entry["path"]), "rb") as f:
+        blob = f.read()
+    if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+        raise UserError(f"{m.path}: graph {name}: file {entry['path']} changed while loading")
+    return blob
+
+
+def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
     from jax.experimental import serialize_executable
     specs = {s.name: s for s in graph_specs(model, layout)}
     out: dict[Bucket, StepCallable] = {}
@@ -319,15 +380,18 @@ def _load_graphs(manifests, model, layout, local, require_compiled, run_fp) -> d
             if g["signature"]["in"] != want_in:
                 raise UserError(f"{m.path}: graph {name}: input signature differs from this run's; "
                                 "recreate the artifacts")
+        for m, g in cands:
+            if spec_leaves(g.get("output_structure")) != g.get("sample_outputs"):
+                raise UserError(f"{m.path}: graph {name}: output_structure does not hold "
+                                f"{g.get('sample_outputs')} outputs; recreate the artifacts")
         exe = next(((m, g) for m, g in cands if "executable" in g["files"]
                     and m.data.get("compiled_for") == local), None)
         if exe is not None:
             m, g = exe
-            with open(m.file(g["files"]["executable"]["path"]), "rb") as f:
-                blob = f.read()
+            blob = _read_verified(m, name, g["files"]["executable"])
             in_tree, out_tree = _executable_trees(flat_args, g["sample_outputs"])
             compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
-            out[spec.bucket] = StepCallable(compiled, "executable")
+            out[spec.bucket] = StepCallable(compiled, "executable", g["output_structure"])
             counts["executable"] += 1
             continue
         m, g = cands[0]
@@ -336,8 +400,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled, run_fp) -> d
                             f"({local['platform']} {local['device_kind']}, "
                             f"{local['platform_version']}) for graph {name}, and "
                             "--require-compiled-artifacts is set; run warm-cache on this machine")
-        with open(m.file(g["files"]["export"]["path"]), "rb") as f:
-            exp = jax.export.deserialize(bytearray(f.read()))
+        exp = jax.export.deserialize(bytearray(_read_verified(m, name, g["files"]["export"])))
         if local["platform"] not in exp.platforms:
             raise UserError(f"{m.path}: graph {name} was exported for {', '.join(exp.platforms)}, "
                             f"not {local['platform']}")
@@ -345,7 +408,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled, run_fp) -> d
             raise UserError(f"{m.path}: graph {name}: the export's inputs differ from its manifest")
         log.info("compiling exported graph %s for %s (no executable for this device)", name,
                  local["device_kind"])
-        out[spec.bucket] = StepCallable(_compile_export(exp, flat_args, spec.donate_argnums), "export")
+        out[spec.bucket] = StepCallable(_compile_export(exp, flat_args, spec.donate_argnums), "export",
+                                        g["output_structure"])
         counts["export"] += 1
     log.info("loaded %d graphs in %.2f s (%d executables, %d compiled from exports)", len(out),
              time.perf_counter() - t0, counts["executable"], counts["export"])
