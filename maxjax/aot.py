@@ -187,7 +187,7 @@ def _write(directory: str, name: str, blob: bytes) -> dict:
 
 
 def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
-                    jobs: int = 1, progress: bool = True, store_weights: bool = True) -> dict:
+                    jobs: int = 1, progress: bool = True, store_weights: bool | None = None) -> dict:
     """Export (and compile locally) every bucket graph of `layout` into `directory`."""
     from tqdm import tqdm
     local = jax.export.default_export_platform()
@@ -213,6 +213,8 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                 "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
                 "targets": list(platforms), "compiled_for": local_device() if compile_local else None,
                 "graphs": [entries[s.name] for s in specs]}
+        if store_weights is None:   # converted GGUF weights: see maxjax/aot_weights.py
+            store_weights = os.environ.get("MAXJAX_ARTIFACT_WEIGHTS", "1") != "0"
         if store_weights:
             from maxjax import aot_weights
             data["weights"] = aot_weights.save(tmp, model)

@@ -29,7 +29,8 @@ EOF
 
 case "$MODE" in
 prepare)
-    JAX_PLATFORMS=cpu "$PY" -m maxjax.cli warm-cache "${ENGINE[@]}" --target cpu cuda --artifacts-dir "$DIR"
+    # no stored weights: 540 MB to carry, and the GPU side converts the GGUF itself
+    MAXJAX_ARTIFACT_WEIGHTS=0 JAX_PLATFORMS=cpu "$PY" -m maxjax.cli warm-cache "${ENGINE[@]}" --target cpu cuda --artifacts-dir "$DIR"
     # the reference: a cold CPU run, no artifacts involved
     JAX_PLATFORMS=cpu "$PY" -m maxjax.cli "${GEN[@]}" "${ENGINE[@]}" > "$DIR/expected.jsonl"
     echo "gpu_check: wrote $DIR (exports for cpu+cuda) and $DIR/expected.jsonl"
