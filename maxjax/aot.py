@@ -63,54 +63,9 @@ def _flat_fn(fn, args, out_spec: dict):
 
     def flat(*leaves):
         out, kv = fn(*(d.unflatten(x) for d, x in zip(defs, leaves)))
-        out_spec["spec"] = tree_spec(out)      # recorded while tracing, for the manifest
+        out_spec["spec"] = mf.tree_spec(out)      # recorded while tracing, for the manifest
         return tuple(jax.tree.leaves(out)), tuple(jax.tree.leaves(kv))
     return flat
-
-
-def tree_spec(tree):
-    """A JSON description of a step output's structure (tuples, lists, None and NamedTuples of
-    maxjax), from which `rebuild` puts the flat output leaves back without tracing anything."""
-    if tree is None:
-        return None
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        cls = type(tree)
-        return {"namedtuple": f"{cls.__module__}:{cls.__qualname__}",
-                "children": [tree_spec(x) for x in tree]}
-    if isinstance(tree, (tuple, list)):
-        return {type(tree).__name__: [tree_spec(x) for x in tree]}
-    if isinstance(tree, dict):
-        return {"dict": {k: tree_spec(v) for k, v in sorted(tree.items())}}
-    return "leaf"
-
-
-def rebuild(spec, leaves):
-    """Inverse of `tree_spec` over an iterator of leaves."""
-    if spec is None:
-        return None
-    if spec == "leaf":
-        return next(leaves)
-    if "namedtuple" in spec:
-        import importlib
-        module, name = spec["namedtuple"].split(":")
-        if not module.startswith("maxjax."):
-            raise UserError(f"artifact output type {spec['namedtuple']} is not a maxjax type")
-        cls = getattr(importlib.import_module(module), name)
-        return cls(*(rebuild(c, leaves) for c in spec["children"]))
-    if "tuple" in spec or "list" in spec:
-        kind = tuple if "tuple" in spec else list
-        return kind(rebuild(c, leaves) for c in spec[kind.__name__])
-    return {k: rebuild(v, leaves) for k, v in spec["dict"].items()}
-
-
-def spec_leaves(spec) -> int:
-    if spec is None:
-        return 0
-    if spec == "leaf":
-        return 1
-    children = (spec.get("children") or spec.get("tuple") or spec.get("list")
-                or list(spec.get("dict", {}).values()))
-    return sum(spec_leaves(c) for c in children)
 
 
 class StepCallable:
@@ -125,7 +80,7 @@ class StepCallable:
         kv_leaves, kv_def = jax.tree.flatten(kv)
         out, new_kv = self.compiled(tuple(jax.tree.leaves(params)), tuple(kv_leaves),
                                     tuple(jax.tree.leaves(step)), tuple(jax.tree.leaves(samp)))
-        return rebuild(self.out_spec, iter(out)), kv_def.unflatten(new_kv)
+        return mf.rebuild(self.out_spec, iter(out)), kv_def.unflatten(new_kv)
 
 
 def _compile_export(exp, flat_args, donate) -> jax.stages.Compiled:
@@ -214,7 +169,7 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                 "targets": list(platforms), "compiled_for": local_device() if compile_local else None,
                 "graphs": [entries[s.name] for s in specs]}
         if store_weights is None:   # converted GGUF weights: see maxjax/aot_weights.py
-            store_weights = os.environ.get("MAXJAX_ARTIFACT_WEIGHTS", "1") != "0"
+            store_weights = os.environ.get("MAXJAX_ARTIFACT_WEIGHTS", "0") == "1"
         if store_weights:
             from maxjax import aot_weights
             data["weights"] = aot_weights.save(tmp, model)
@@ -383,7 +338,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
                 raise UserError(f"{m.path}: graph {name}: input signature differs from this run's; "
                                 "recreate the artifacts")
         for m, g in cands:
-            if spec_leaves(g.get("output_structure")) != g.get("sample_outputs"):
+            if mf.spec_leaves(g.get("output_structure")) != g.get("sample_outputs"):
                 raise UserError(f"{m.path}: graph {name}: output_structure does not hold "
                                 f"{g.get('sample_outputs')} outputs; recreate the artifacts")
         exe = next(((m, g) for m, g in cands if "executable" in g["files"]

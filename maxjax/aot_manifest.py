@@ -143,6 +143,52 @@ def signature(args, out_leaves) -> dict:
     return sig
 
 
+# ---- step output structure ---------------------------------------------------------------------
+def tree_spec(tree):
+    """A JSON description of a step output's structure (tuples, lists, None and NamedTuples of
+    maxjax), from which `rebuild` puts the flat output leaves back without tracing anything."""
+    if tree is None:
+        return None
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        cls = type(tree)
+        return {"namedtuple": f"{cls.__module__}:{cls.__qualname__}",
+                "children": [tree_spec(x) for x in tree]}
+    if isinstance(tree, (tuple, list)):
+        return {type(tree).__name__: [tree_spec(x) for x in tree]}
+    if isinstance(tree, dict):
+        return {"dict": {k: tree_spec(v) for k, v in sorted(tree.items())}}
+    return "leaf"
+
+
+def rebuild(spec, leaves):
+    """Inverse of `tree_spec` over an iterator of leaves."""
+    if spec is None:
+        return None
+    if spec == "leaf":
+        return next(leaves)
+    if "namedtuple" in spec:
+        import importlib
+        module, name = spec["namedtuple"].split(":")
+        if not module.startswith("maxjax."):
+            raise UserError(f"artifact output type {spec['namedtuple']} is not a maxjax type")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(*(rebuild(c, leaves) for c in spec["children"]))
+    if "tuple" in spec or "list" in spec:
+        kind = tuple if "tuple" in spec else list
+        return kind(rebuild(c, leaves) for c in spec[kind.__name__])
+    return {k: rebuild(v, leaves) for k, v in spec["dict"].items()}
+
+
+def spec_leaves(spec) -> int:
+    if spec is None:
+        return 0
+    if spec == "leaf":
+        return 1
+    children = (spec.get("children") or spec.get("tuple") or spec.get("list")
+                or list(spec.get("dict", {}).values()))
+    return sum(spec_leaves(c) for c in children)
+
+
 # ---- manifest I/O and checks ---------------------------------------------------------------------
 @dataclass
 class Manifest:

@@ -1,10 +1,12 @@
 """Converted weights stored beside the graph artifacts, so a GGUF is not dequantized again.
+Opt-in (`MAXJAX_ARTIFACT_WEIGHTS=1 maxjax warm-cache ...`): it did not pay off when measured.
 
-Measured (tools/bench_startup.py, SmolLM2 f32, shared 2-core CPU): dequantizing the GGUF took
-8.5 s, reading the converted params back 0.6-2.7 s. Only GGUF sources are stored: an HF
-safetensors checkpoint already loads without conversion. The stored file belongs to one source
-checkpoint, identified by the sha256 of the GGUF file (0.4 s for 98 MB); a different file (same
-shapes or not) just loads the normal way.
+Measured (tools/bench_startup.py, SmolLM2 f32, default buckets, shared 2-core CPU): GGUF
+dequantization 2.4-3.0 s at load average ~3, against 2.9 s for the stored 538 MB file (its
+sha256, the GGUF's sha256 that ties it to its source, reading, device_put); only under heavy
+load (average ~7) did it win, 4.0 s -> 2.2 s in-process. Only GGUF sources are stored: an HF
+safetensors checkpoint already loads without conversion. A different GGUF file, or another
+dtype, just loads the normal way.
 
 maxjax/aot.py calls `save` from warm-cache; maxjax/models.py calls the `params_source` that
 serve.py / llm.py build with `params_source(dirs)` when --precompiled-artifacts is given.
