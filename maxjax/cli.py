@@ -124,6 +124,9 @@ def cmd_generate(args) -> int:
     if model_opts.export_artifacts:
         from maxjax import aot
         aot.export_engine(model_opts.export_artifacts, llm.core)
+    stats = llm.stats()
+    logging.getLogger("maxjax.generate").info(
+        "xla compiles: %d total, %d since ready", stats["xla_compiles"], stats["xla_compiles_since_ready"])
     for prompt, out in zip(prompts, outs):
         if gen.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,

@@ -23,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def usage(self) -> dict:
@@ -41,7 +42,12 @@ class LLM:
         for spec in custom_architectures:
             registry.register_custom(spec)
         if not isinstance(model, LoadedModel):
-            model = load_model(model, quantization_encoding, chat_template, progress=progress)
+            stored = None
+            if precompiled_artifacts:
+                from maxjax import aot_weights
+                stored = aot_weights.params_source(precompiled_artifacts)
+            model = load_model(model, quantization_encoding, chat_template, progress=progress,
+                               params_source=stored)
         self.model = model
         self.tokenizer = model.tokenizer
         self.engine_config = EngineConfig(quantization_encoding=model.dtype, **engine_options)
@@ -101,6 +107,8 @@ class LLM:
                 text, p = streams[ev.request_id]
                 out.token_ids.append(ev.token_id)
                 out.cached_tokens = ev.cached_tokens
+                if ev.prompt_logprobs is not None:
+                    out.prompt_logprobs = ev.prompt_logprobs
                 if ev.logprob is not None:
                     out.logprobs.append(ev.logprob)
                 if text is not None and not (ev.finished and ev.token_id in p.stop_token_ids):

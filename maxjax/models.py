@@ -91,7 +91,9 @@ def read_chat_template_file(path: str) -> str:
 
 
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, params_source=None) -> LoadedModel:
+    """params_source(arch, cfg, dtype, path) -> params or None: converted weights stored with
+    precompiled artifacts (maxjax/aot_weights.py), used instead of converting the checkpoint."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise UserError(f"unsupported --quantization-encoding {dtype!r} "
@@ -110,7 +112,9 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         template = getattr(tokenizer, "chat_template", None)
     arch = registry.get_architecture(hf["architectures"][0])
     cfg = arch.config_from_hf(hf)
-    params = load_params(arch, cfg, reader, DTYPES[dtype], progress, os.path.basename(path))
+    params = params_source(arch, cfg, dtype, path) if params_source else None
+    if params is None:
+        params = load_params(arch, cfg, reader, DTYPES[dtype], progress, os.path.basename(path))
     if chat_template:
         template = read_chat_template_file(chat_template)
     name = EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")

@@ -42,8 +42,12 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
     from maxjax.engine.core import EngineCore
     from maxjax.models import load_model
     t0 = time.perf_counter()
+    stored = None
+    if model_opts.precompiled_artifacts:
+        from maxjax import aot_weights
+        stored = aot_weights.params_source(model_opts.precompiled_artifacts)
     model = load_model(model_opts.model_path, engine_cfg.quantization_encoding,
-                       model_opts.chat_template, progress=progress)
+                       model_opts.chat_template, progress=progress, params_source=stored)
     engine_cfg.quantization_encoding = model.dtype
     log.info("loaded %s (%s) in %.1f s", model.name, model.dtype, time.perf_counter() - t0)
     layout, executables = None, {}
