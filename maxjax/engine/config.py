@@ -19,7 +19,8 @@ class EngineConfig:
         "help": "Smallest prefill chunk worth scheduling (0: no floor)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Reuse KV pages of identical prompt prefixes across requests"})
-    kv_cache_page_size: int = field(default=128, metadata={"help": "Tokens per KV cache page"})
+    kv_cache_page_size: int = field(default=32, metadata={
+        "help": "Tokens per KV cache page (32: fastest paged attention on CPU, see BENCHMARKS.md)"})
     kv_cache_hash_algo: str = field(default="fast", metadata={
         "help": "Hash of prefix-cache pages: fast (64-bit, non-cryptographic) or sha256"})
     kv_cache_hash_seed: str | None = field(default=None, metadata={
