@@ -89,7 +89,7 @@ def main():
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-batch-input-tokens", type=int, default=256)
-    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
