@@ -151,6 +151,8 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    stream = generate   # `async for out in engine.stream(...)`: the same API under its issue name
+
     def _merge(self, request_id: str, batch: list, text: TextStream | None,
                params: SamplingParams) -> RequestOutput:
         """Fold the events that arrived since the last yield into one output."""
