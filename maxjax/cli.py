@@ -124,6 +124,8 @@ def cmd_generate(args) -> int:
     if model_opts.export_artifacts:
         from maxjax import aot
         aot.export_engine(model_opts.export_artifacts, llm.core)
+    if gen.profile:
+        print(llm.profile_report(), file=sys.stderr)
     stats = llm.stats()
     logging.getLogger("maxjax.generate").info(
         "xla compiles: %d total, %d since ready", stats["xla_compiles"], stats["xla_compiles_since_ready"])

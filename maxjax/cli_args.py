@@ -126,3 +126,6 @@ class GenerateOptions:
     ignore_eos: bool = field(default=False, metadata={"help": "Keep generating past EOS"})
     json: bool = field(default=False, metadata={
         "help": "Print one JSON object per prompt: text, token_ids, finish_reason, usage"})
+    profile: bool = field(default=False, metadata={
+        "help": "Print where step time went: scheduling, input building, device step + transfer, "
+                "update, detokenization"})

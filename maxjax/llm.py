@@ -5,6 +5,7 @@ It drives EngineCore synchronously on the calling thread; the server uses AsyncE
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from maxjax.engine.config import EngineConfig
@@ -59,6 +60,7 @@ class LLM:
         if precompiled_artifacts:
             self.core.runner.set_executables(executables)
         self.core.warmup()
+        self.detokenize_seconds = 0.0
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -112,7 +114,9 @@ class LLM:
                 if ev.logprob is not None:
                     out.logprobs.append(ev.logprob)
                 if text is not None and not (ev.finished and ev.token_id in p.stop_token_ids):
+                    t0 = time.perf_counter()
                     out.text += text.add([ev.token_id])
+                    self.detokenize_seconds += time.perf_counter() - t0
                 if text is not None and text.stopped:
                     if not ev.finished:
                         self.core.abort(ev.request_id, "stop")
@@ -133,3 +137,14 @@ class LLM:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    def profile_report(self) -> str:
+        """Where the engine's step time went, per step and as a share of the total."""
+        prof = dict(self.core.profile, detokenize=self.detokenize_seconds)
+        steps = max(prof.pop("steps"), 1)
+        tokens = prof.pop("tokens")
+        total = sum(prof.values()) or 1.0
+        lines = [f"{steps} steps, {tokens} tokens, {total:.2f} s",
+                 "| phase | ms per step | share |", "|---|---|---|"]
+        lines += [f"| {k} | {v / steps * 1e3:.2f} | {100 * v / total:.1f}% |" for k, v in prof.items()]
+        return "\n".join(lines)

@@ -143,6 +143,16 @@ def test_bad_input_names_the_field(llm, prompt, params, field):
     assert llm.stats()["pages_used"] == 0
 
 
+def test_profile_accounts_for_every_step(llm, prompts):
+    before = dict(llm.core.profile)
+    llm.generate([prompts[1]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    prof = llm.core.profile
+    assert prof["steps"] - before["steps"] == 3          # one prefill step, two decodes
+    assert prof["device_step"] > before["device_step"] and prof["schedule"] > before["schedule"]
+    report = llm.profile_report()
+    assert "device_step" in report and "detokenize" in report
+
+
 def test_no_compilation_after_warmup(llm, llm_no_prefix):
     # Runs last in this module: every workload above went through the compiled buckets only.
     assert llm.stats()["xla_compiles_since_ready"] == 0

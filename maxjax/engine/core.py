@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
+import time
 from dataclasses import dataclass, field
 
 import jax
@@ -115,6 +115,9 @@ class EngineCore:
         self.prompt_lps: dict[str, dict[int, TokenLogprob]] = {}   # request -> position -> logprob
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
+        # Seconds spent per phase of a step, summed over steps (`maxjax generate --profile`).
+        self.profile = {"schedule": 0.0, "build_inputs": 0.0, "device_step": 0.0, "update": 0.0,
+                        "steps": 0, "tokens": 0}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def warmup(self, progress=None) -> None:
@@ -150,9 +153,11 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
             return []
+        t_sched = time.perf_counter() - t0
         rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages, self._next_tokens(r)),
                            r.request.sampling, r.request.prompt_token_ids,
                            r.request.output_token_ids, self.seeds[r.request.request_id])
@@ -163,6 +168,7 @@ class EngineCore:
         for row, res in zip(plan.rows, results):
             if res.prompt_logprobs is not None:
                 self._keep_prompt_logprobs(row, res.prompt_logprobs)
+        t1 = time.perf_counter()
         updated = self.scheduler.update(plan, [res.token_id for res in results])
         by_req = {row.request.request_id: res for row, res in zip(plan.rows, results) if row.sample}
         events = []
@@ -183,6 +189,13 @@ class EngineCore:
             events.append(TokenEvent(req.request_id, res.token_id, lp, done, req.finish_reason,
                                      req.num_prompt_tokens, req.num_output_tokens,
                                      req.num_cached_tokens, plps))
+        prof = self.profile
+        prof["schedule"] += t_sched
+        for k, v in self.runner.last_timing.items():
+            prof[k] += v
+        prof["update"] += time.perf_counter() - t1
+        prof["steps"] += 1
+        prof["tokens"] += plan.num_tokens
         return events
 
     @staticmethod

@@ -103,6 +103,7 @@ class ModelRunner:
         self.kv = init_kv(self.cfg, num_pages, page_size, model.params["embed"].dtype)
         self.executables: dict[Bucket, Callable] = {}
         self.eos = tuple(self.cfg.eos_token_ids)
+        self.last_timing: dict[str, float] = {}
 
     def graph_specs(self) -> list[GraphSpec]:
         fn = partial(step_and_sample, self.model.arch, self.cfg)
@@ -130,6 +131,7 @@ class ModelRunner:
         self.executables.update(executables)
 
     def run(self, rows: list[RowRequest]) -> list[RowResult]:
+        t0 = time.perf_counter()
         num_tokens = sum(len(r.slice.token_ids) for r in rows)
         bucket = pick_bucket(self.buckets, num_tokens, len(rows))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
@@ -137,10 +139,12 @@ class ModelRunner:
         samp = sampling.build_sampling_arrays(
             [(r.params, r.prompt_ids, r.output_ids, r.seed) for r in rows], bucket.num_rows,
             self.history_len, self.eos)
+        t1 = time.perf_counter()
         (out, plp), self.kv = self.executables[bucket](self.model.params, self.kv, step, samp)
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None
+        self.last_timing = {"build_inputs": t1 - t0, "device_step": time.perf_counter() - t1}
         results, t = [], 0
         for i, r in enumerate(rows):
             n = len(r.slice.token_ids)
