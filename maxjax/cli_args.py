@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from maxjax.errors import UserError
+from maxjax.errors import UserError, read_user_file
 
 
 def _unwrap(t):
@@ -61,11 +61,7 @@ def build(cls, ns: argparse.Namespace, base: dict | None = None):
 
 def read_config_file(path: str) -> dict:
     """YAML or JSON; keys may use dashes or underscores."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise UserError(f"--config-file {path}: {e.strerror}") from e
+    text = read_user_file(path, "--config-file")
     try:
         if path.endswith(".json"):
             data = json.loads(text)

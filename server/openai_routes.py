@@ -214,16 +214,22 @@ async def sse_error(resp: web.StreamResponse, e: APIError) -> None:
 
 # ---- handlers -----------------------------------------------------------------------------------
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    t0 = time.perf_counter()
+async def _accept(request: web.Request, model_cls):
+    """Parse and check what every generation route checks first: body, readiness, model,
+    unsupported fields."""
     st: ServerState = request.app[STATE]
-    req = parse_request(ChatCompletionRequest, await read_json(request),
-                        st.cfg.allow_extra_request_fields)
+    req = parse_request(model_cls, await read_json(request), st.cfg.allow_extra_request_fields)
     st.check_ready()
     st.check_model(req.model)
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+    return st, req
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    t0 = time.perf_counter()
+    st, req = await _accept(request, ChatCompletionRequest)
     prompt = await chat_prompt(st, req)
     max_new = check_length(st, len(prompt), req.max_completion_tokens or req.max_tokens,
                            "messages")
@@ -269,14 +275,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
-    st: ServerState = request.app[STATE]
-    req = parse_request(CompletionRequest, await read_json(request),
-                        st.cfg.allow_extra_request_fields)
-    st.check_ready()
-    st.check_model(req.model)
-    bad = req.unsupported()
-    if bad:
-        raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+    st, req = await _accept(request, CompletionRequest)
     prompts, texts = await completion_prompts(st, req.prompt)
     max_new = req.max_tokens
     for p in prompts:
