@@ -76,3 +76,19 @@ def test_no_traceback_from_a_real_process(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "maxjax: error:" in proc.stderr
+
+
+def test_chat_template_file_forms(tmp_path):
+    from maxjax.errors import UserError
+    from maxjax.models import read_chat_template_file
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template_file(str(jinja)).startswith("{% for")
+    js = tmp_path / "t.json"
+    js.write_text(json.dumps({"chat_template": "X{{ messages[0].content }}"}))
+    assert read_chat_template_file(str(js)) == "X{{ messages[0].content }}"
+    js.write_text(json.dumps({"template": "no key"}))
+    with pytest.raises(UserError, match="chat_template"):
+        read_chat_template_file(str(js))
+    with pytest.raises(UserError, match="--chat-template"):
+        read_chat_template_file(str(tmp_path / "missing.jinja"))
