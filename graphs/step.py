@@ -81,7 +81,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         token_row[t:t + k] = r
         page_table[r, :len(pages)] = pages
         sample_idx[r] = t + k - 1
-        if row.next_tokens is not None:
+        if getattr(row, "next_tokens", None) is not None:   # scheduler rows carry none
             next_token[t:t + k] = row.next_tokens
         t += k
     return StepInputs(token_ids, positions, slots, token_row, page_table, sample_idx, next_token)

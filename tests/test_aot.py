@@ -215,7 +215,7 @@ def _flip_byte(d, kind):
 
 @pytest.mark.parametrize("override,pattern", [
     ({"max_batch_size": 4}, r"--max-batch-size 4 differs from the 2 .*--max-batch-size 4"),
-    ({"kv_cache_page_size": 32}, r"--kv-cache-page-size 32 differs from the 16"),
+    ({"kv_cache_page_size": 64}, r"--kv-cache-page-size 64 differs from the 16"),
     ({"num_kv_pages": 100}, r"--num-kv-pages 100 differs from the 16 .*--num-kv-pages 100"),
     ({"max_length": 128}, r"--max-length 128 differs from the 64"),
     ({"max_batch_input_tokens": 16}, r"--max-batch-input-tokens 16 differs from the 8"),
