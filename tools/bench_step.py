@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--context", type=int, default=256, help="tokens already cached per decode row")
     ap.add_argument("--prefill", type=int, default=128, help="also time one prefill of this many tokens")
-    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     cfg, page = SMOLLM2, args.page_size
