@@ -92,3 +92,19 @@ def test_chat_template_file_forms(tmp_path):
         read_chat_template_file(str(js))
     with pytest.raises(UserError, match="--chat-template"):
         read_chat_template_file(str(tmp_path / "missing.jinja"))
+
+
+def test_config_file(capsys, tmp_path):
+    import argparse
+
+    from maxjax.cli_args import build, read_config_file
+    from maxjax.engine.config import EngineConfig
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max-batch-size: 4\nkv_cache_page_size: 16\n")
+    values = read_config_file(str(cfg))
+    ns = argparse.Namespace(max_batch_size=8)            # the command line wins
+    engine = build(EngineConfig, ns, values)
+    assert engine.max_batch_size == 8 and engine.kv_cache_page_size == 16
+    cfg.write_text("max-batch-sise: 4\n")
+    one_line_error(capsys, "unknown settings: max_batch_sise", "generate", "--config-file", str(cfg),
+                   "--prompt", "hi")
