@@ -18,6 +18,7 @@ donate; `jax.jit(exp.call, donate_argnums=(1,))` does, and a serialized executab
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -329,6 +330,9 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
     specs = {s.name: s for s in graph_specs(model, layout)}
     out: dict[Bucket, StepCallable] = {}
     t0, counts = time.perf_counter(), {"executable": 0, "export": 0}
+    # Deserializing an executable is native code that releases the GIL: overlap them.
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+    loads: dict = {}
     for name, spec in specs.items():
         flat_args = _flat_args(spec.args)
         want_in = mf.signature(spec.args, ((), ()))["in"]
@@ -347,8 +351,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
             m, g = exe
             blob = _read_verified(m, name, g["files"]["executable"])
             in_tree, out_tree = _executable_trees(flat_args, g["sample_outputs"])
-            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
-            out[spec.bucket] = StepCallable(compiled, "executable", g["output_structure"])
+            loads[spec.bucket] = (pool.submit(serialize_executable.deserialize_and_load, blob,
+                                              in_tree, out_tree), g["output_structure"])
             counts["executable"] += 1
             continue
         m, g = cands[0]
@@ -368,6 +372,9 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
         out[spec.bucket] = StepCallable(_compile_export(exp, flat_args, spec.donate_argnums), "export",
                                         g["output_structure"])
         counts["export"] += 1
+    with pool:
+        for bucket, (future, structure) in loads.items():
+            out[bucket] = StepCallable(future.result(), "executable", structure)
     log.info("loaded %d graphs in %.2f s (%d executables, %d compiled from exports)", len(out),
              time.perf_counter() - t0, counts["executable"], counts["export"])
     return out
