@@ -87,3 +87,14 @@ def layer_windows(layer_types, window) -> tuple[int, ...]:
     """Per-layer sliding windows from HF `layer_types` ("sliding_attention" / "full_attention")."""
     w = int(window or 0)
     return tuple(w if t == "sliding_attention" else 0 for t in layer_types)
+
+
+def qwen_layer_windows(hf: dict) -> tuple[int, ...]:
+    """Qwen2/Qwen3 windows: `layer_types`, or (older configs) transformers' default of a sliding
+    window on the layers from `max_window_layers` up when `use_sliding_window` is set."""
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window and i >= hf.get("max_window_layers", n) else "full_attention"
+        for i in range(n)]
+    return layer_windows(types, window)

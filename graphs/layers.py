@@ -6,7 +6,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from maxjax.config import ModelConfig
 
 NEG_INF = -1e30
 

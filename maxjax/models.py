@@ -107,7 +107,10 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         tokenizer = load_hf_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
     arch = registry.get_architecture(hf["architectures"][0])
-    cfg = arch.config_from_hf(hf)
+    try:
+        cfg = arch.config_from_hf(hf)
+    except (KeyError, ValueError) as e:   # an architecture file's word on a config it cannot run
+        raise UserError(f"{path}: {hf['architectures'][0]}: unsupported config: {e}") from e
     params = params_source(arch, cfg, dtype, path) if params_source else None
     if params is None:
         params = load_params(arch, cfg, reader, DTYPES[dtype], progress, os.path.basename(path))

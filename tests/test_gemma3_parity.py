@@ -3,7 +3,6 @@ loader and paged graph, against transformers loading the same file: chunked pref
 prompts (one longer than the 512-token sliding window), 32 greedy tokens each."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

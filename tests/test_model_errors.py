@@ -101,3 +101,10 @@ def test_custom_architecture_registers(tmp_path):
     assert name in registry.architectures()
     assert registry.get_architecture(name).description == "test custom"
     raises_one_line("clashes with a registered architecture", registry.register_custom, str(pkg))
+
+
+def test_config_an_architecture_rejects(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": True, "vocab_size": 8,
+        "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}))
+    raises_one_line("unsupported config: Qwen3 with attention_bias", load_model, str(tmp_path), "float32")
