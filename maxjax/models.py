@@ -99,18 +99,14 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
     if os.path.isfile(path):
         from maxjax.weights import gguf
         hf, reader, tokenizer, template = gguf.open_gguf(path)
+        arch, cfg = model_config(hf, path)
     else:
         from maxjax.weights import hf as hfw
         hf = hfw.read_config(path)
-        registry.get_architecture(hf["architectures"][0])   # fail before reading weights
+        arch, cfg = model_config(hf, path)       # fail before reading weights or the tokenizer
         reader = hfw.SafetensorsReader(path)
         tokenizer = load_hf_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
-    arch = registry.get_architecture(hf["architectures"][0])
-    try:
-        cfg = arch.config_from_hf(hf)
-    except (KeyError, ValueError) as e:   # an architecture file's word on a config it cannot run
-        raise UserError(f"{path}: {hf['architectures'][0]}: unsupported config: {e}") from e
     params = params_source(arch, cfg, dtype, path) if params_source else None
     if params is None:
         params = load_params(arch, cfg, reader, DTYPES[dtype], progress, os.path.basename(path))
@@ -119,6 +115,14 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
     name = EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
     return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype, name,
                        time.perf_counter() - t0)
+
+
+def model_config(hf: dict, path: str) -> tuple[Architecture, ModelConfig]:
+    arch = registry.get_architecture(hf["architectures"][0])
+    try:
+        return arch, arch.config_from_hf(hf)
+    except (KeyError, ValueError) as e:   # an architecture file's word on a config it cannot run
+        raise UserError(f"{path}: {arch.name}: unsupported config: {e}") from e
 
 
 def load_params(arch: Architecture, cfg: ModelConfig, reader, dtype, progress: bool, label: str):
@@ -138,4 +142,4 @@ def load_hf_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
-        raise UserError(f"{path}: cannot load the tokenizer: {e}") from e
+        raise UserError(f"{path}: cannot load the tokenizer: {' '.join(str(e).split())}") from e
