@@ -74,43 +74,48 @@ def write_kv(pool, layer, slots, new, page_size: int):
 def paged_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):
     """Causal attention of each token over its request's KV pages, one page at a time.
 
-    q [T, H, hd]; pools [L, N, KV, page, hd], already holding this step's keys. Heads before
-    offsets in a page make each gathered (token, kv head) block a contiguous [page, hd] matrix, so
-    both products are plain batched matmuls with no transposes. `window` is the
-    layer's sliding window (0: none). An online softmax over pages keeps memory at
-    O(T x page) instead of materializing T x context keys; the loop stops after the last page
-    any token of the step can see.
+    q [T, H, hd]; pools [L, N, KV, page, hd], already holding this step's keys. Queries are
+    regrouped into the step's attention blocks (B tokens of one row, `graphs/step.py`), so each
+    page is gathered once per block and both products are batched matmuls of (B x group) queries
+    against a contiguous [page, hd] block, with no transposes of K or V. `window` is the layer's
+    sliding window (0: none). An online softmax over pages keeps memory at O(T x page); the loop
+    stops after the last page any token of the step can see.
     """
     T, H, hd = q.shape
     KV, page_size = k_pool.shape[2], k_pool.shape[3]
     G = H // KV
-    qg = (q.astype(jnp.float32) * scale).reshape(T, KV, G, hd)
-    pos = step.positions
-    token_pages = step.page_table[step.token_row]           # [T, P]
-    num_pages = jnp.minimum(jnp.max(pos) // page_size + 1, token_pages.shape[1])
+    NB, B = step.block_tokens.shape
+    M = B * G
+    qb = (q.astype(jnp.float32) * scale)[step.block_tokens]            # [NB, B, H, hd]
+    qb = qb.reshape(NB, B, KV, G, hd).transpose(0, 2, 1, 3, 4).reshape(NB, KV, M, hd)
+    qpos = step.block_pos[:, None, :, None, None]                       # [NB, 1, B, 1, 1]
+    pages = step.page_table[step.block_row]                             # [NB, P]
+    num_pages = jnp.minimum(jnp.max(step.block_pos) // page_size + 1, pages.shape[1])
     offsets = jnp.arange(page_size, dtype=jnp.int32)
 
     def body(j, carry):
         m, l, acc = carry
-        page_ids = token_pages[:, j]
-        k = k_pool[layer, page_ids].astype(jnp.float32)      # [T, KV, page, hd]
-        v = v_pool[layer, page_ids].astype(jnp.float32)
-        s = jnp.einsum("tkgd,tkpd->tkgp", qg, k)
+        ids = pages[:, j]
+        k = k_pool[layer, ids].astype(jnp.float32)                      # [NB, KV, page, hd]
+        v = v_pool[layer, ids].astype(jnp.float32)
+        s = jnp.einsum("nkmd,nkpd->nkmp", qb, k)
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         kpos = j * page_size + offsets
-        visible = kpos[None, :] <= pos[:, None]
+        visible = kpos <= qpos
         if window:
-            visible &= kpos[None, :] > pos[:, None] - window
-        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+            visible &= kpos > qpos - window
+        s = jnp.where(visible, s.reshape(NB, KV, B, G, page_size), -jnp.inf).reshape(NB, KV, M, page_size)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("tkgp,tkpd->tkgd", p, v)
+        acc = acc * corr[..., None] + jnp.einsum("nkmp,nkpd->nkmd", p, v)
         return m_new, l, acc
 
-    init = (jnp.full((T, KV, G), NEG_INF, jnp.float32), jnp.zeros((T, KV, G), jnp.float32),
-            jnp.zeros((T, KV, G, hd), jnp.float32))
+    init = (jnp.full((NB, KV, M), NEG_INF, jnp.float32), jnp.zeros((NB, KV, M), jnp.float32),
+            jnp.zeros((NB, KV, M, hd), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_pages, body, init)
-    return (acc / l[..., None]).reshape(T, H, hd).astype(q.dtype)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]                     # padding queries: l == 0
+    out = out.reshape(NB, KV, B, G, hd).transpose(0, 2, 1, 3, 4).reshape(NB * B, H, hd)
+    return out[step.token_block].astype(q.dtype)

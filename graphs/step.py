@@ -5,6 +5,10 @@ flattened into T token slots and padded to the bucket (T, R). Every per-step val
 nothing per request is static, so one compiled executable serves every step of its bucket.
 
 Padding tokens write their K/V into page 0, which the block manager never hands out.
+
+Attention runs over query blocks: each block holds up to B consecutive tokens of one row, so a
+row's K/V pages are read once per block instead of once per token. (blocks, B) is a function of
+the bucket (`attention_blocks`); decode-only buckets get B = 1.
 """
 from __future__ import annotations
 
@@ -23,8 +27,11 @@ class StepInputs:
     token_ids: jax.Array      # int32[T]
     positions: jax.Array      # int32[T]  position of each token in its sequence
     slot_mapping: jax.Array   # int32[T]  page * page_size + offset each token's K/V is written to
-    token_row: jax.Array      # int32[T]  request row each token belongs to
     page_table: jax.Array     # int32[R, P] pages of each request row, in order
+    block_tokens: jax.Array   # int32[NB, B] token slot of each query of each attention block
+    block_pos: jax.Array      # int32[NB, B] position of each block query; -1: padding
+    block_row: jax.Array      # int32[NB] request row each block belongs to
+    token_block: jax.Array    # int32[T]  flat (block * B + query) index of each token slot
     sample_idx: jax.Array     # int32[R]  token slot whose logits are returned for each row
     next_token: jax.Array     # int32[T]  prompt token after each slot, for prompt logprobs; -1: none
 
@@ -42,14 +49,33 @@ class RowSlice:
     next_tokens: Sequence[int] | None = None   # per token: the prompt token after it (-1: none)
 
 
+def attention_blocks(num_tokens: int, num_rows: int) -> tuple[int, int]:
+    """(number of blocks, block size B) for a bucket: enough blocks for any mix of up to
+    `num_rows` rows and `num_tokens` tokens, B chosen by a cost measured on the CPU
+    (tools/bench_step.py): a block costs about one page gather plus B/8 of one in matmuls."""
+    best = None
+    b = 1
+    while b <= num_tokens:
+        blocks = min(num_tokens, -(-(num_tokens + num_rows * (b - 1)) // b))
+        cost = blocks * (8 + b)
+        if best is None or cost < best[0]:
+            best = (cost, blocks, b)
+        b *= 2
+    return best[1], best[2]
+
+
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int) -> StepInputs:
     i32 = np.int32
+    nb, b = attention_blocks(num_tokens, num_rows)
     return StepInputs(
         token_ids=jax.ShapeDtypeStruct((num_tokens,), i32),
         positions=jax.ShapeDtypeStruct((num_tokens,), i32),
         slot_mapping=jax.ShapeDtypeStruct((num_tokens,), i32),
-        token_row=jax.ShapeDtypeStruct((num_tokens,), i32),
         page_table=jax.ShapeDtypeStruct((num_rows, max_pages), i32),
+        block_tokens=jax.ShapeDtypeStruct((nb, b), i32),
+        block_pos=jax.ShapeDtypeStruct((nb, b), i32),
+        block_row=jax.ShapeDtypeStruct((nb,), i32),
+        token_block=jax.ShapeDtypeStruct((num_tokens,), i32),
         sample_idx=jax.ShapeDtypeStruct((num_rows,), i32),
         next_token=jax.ShapeDtypeStruct((num_tokens,), i32),
     )
@@ -64,7 +90,12 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slots = np.full(num_tokens, SCRATCH_PAGE * page_size, np.int32)
-    token_row = np.zeros(num_tokens, np.int32)
+    nb, b = attention_blocks(num_tokens, num_rows)
+    block_tokens = np.zeros((nb, b), np.int32)
+    block_pos = np.full((nb, b), -1, np.int32)
+    block_row = np.zeros(nb, np.int32)
+    token_block = np.zeros(num_tokens, np.int32)
+    blk = 0
     page_table = np.full((num_rows, max_pages), SCRATCH_PAGE, np.int32)
     sample_idx = np.zeros(num_rows, np.int32)
     next_token = np.full(num_tokens, -1, np.int32)
@@ -78,10 +109,17 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         token_ids[t:t + k] = row.token_ids
         positions[t:t + k] = pos
         slots[t:t + k] = pages[pos // page_size] * page_size + pos % page_size
-        token_row[t:t + k] = r
+        for i in range(0, k, b):
+            n = min(b, k - i)
+            block_tokens[blk, :n] = np.arange(t + i, t + i + n)
+            block_pos[blk, :n] = pos[i:i + n]
+            block_row[blk] = r
+            token_block[t + i:t + i + n] = blk * b + np.arange(n)
+            blk += 1
         page_table[r, :len(pages)] = pages
         sample_idx[r] = t + k - 1
         if getattr(row, "next_tokens", None) is not None:   # scheduler rows carry none
             next_token[t:t + k] = row.next_tokens
         t += k
-    return StepInputs(token_ids, positions, slots, token_row, page_table, sample_idx, next_token)
+    return StepInputs(token_ids, positions, slots, page_table, block_tokens, block_pos, block_row,
+                      token_block, sample_idx, next_token)

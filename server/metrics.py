@@ -24,6 +24,7 @@ _ENGINE_METRICS = (
      "Prompt tokens found in the prefix cache"),
     ("preemptions", "maxjax_preemptions", "counter", "Requests preempted for lack of KV pages"),
     ("xla_compiles", "maxjax_xla_compiles", "counter", "XLA compilations since start"),
+    ("steps", "maxjax_engine_steps", "counter", "Engine steps run"),
 )
 
 
@@ -41,6 +42,13 @@ class _EngineCollector:
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc)
             family.add_metric([], float(stats.get(key, 0) or 0))
             yield family
+        phases = CounterMetricFamily(
+            "maxjax_step_phase_seconds", "Engine step time by phase: schedule, build_inputs, "
+            "device_step (the compiled step and its transfer back), update, detokenize",
+            labels=["phase"])
+        for phase, seconds in (stats.get("step_seconds") or {}).items():
+            phases.add_metric([phase], float(seconds))
+        yield phases
 
 
 class ServerMetrics:

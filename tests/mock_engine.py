@@ -104,7 +104,8 @@ class MockEngine:
                 "kv_pages_used": self.pages_used, "kv_pages_total": 1000,
                 "prefix_cache_queries": 10 * len(self.requests),
                 "prefix_cache_hits": 5 * len(self.requests),
-                "preemptions": 0, "xla_compiles": self.compiles}
+                "preemptions": 0, "xla_compiles": self.compiles, "steps": 7,
+                "step_seconds": {"schedule": 0.25, "device_step": 1.5}}
 
     # -- helpers ----------------------------------------------------------------------------------
     @property

@@ -176,3 +176,14 @@ def test_prompt_logprobs_match_generated_logprobs(llm, prompts):
         assert abs(got.logprob - lp.logprob) < 1e-4
         assert [t for t, _ in got.top] == [t for t, _ in lp.top]
     assert all(p.logprob <= 0 for p in plps[1:])
+
+
+def test_priming_runs_every_executable_and_changes_nothing(llm, prompts):
+    before = alone(llm, prompts[:2])
+    llm.core.warmup()                      # compiles nothing new; re-arms the priming steps
+    runs = 0
+    while llm.core.prime_next():
+        runs += 1
+    assert runs == 2 * len(llm.core.runner.buckets)
+    assert not llm.core.prime_next()
+    assert alone(llm, prompts[:2]) == before

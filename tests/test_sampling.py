@@ -191,7 +191,7 @@ def test_logit_bias_and_min_tokens_suppression():
 def test_logprobs_and_top_logprobs():
     rng = np.random.default_rng(5)
     raw = rng.normal(size=(4, V)).astype(np.float32) * 2
-    params = [SP(temperature=0), SP(temperature=1.0), SP(temperature=0.5, top_k=4),
+    params = [SP(temperature=0, logprobs=True), SP(temperature=1.0), SP(temperature=0.5, top_k=4),
               SP(temperature=0, frequency_penalty=2.0)]
     a = arrays(params, 4, output=[int(raw[3].argmax())] * 3)
     out = sample(raw, a, num_top_logprobs=5)
@@ -208,6 +208,10 @@ def test_logprobs_and_top_logprobs():
     assert toks[2] in top_ids[2, :4]
     empty = sample(raw, a, num_top_logprobs=0)
     assert empty.top_ids.shape == (4, 0)
+    params[0].logprobs = False                                 # nobody asks: none are computed
+    skipped = sample(raw, arrays(params, 4, output=[int(raw[3].argmax())] * 3), num_top_logprobs=5)
+    np.testing.assert_array_equal(skipped.token_ids, toks)
+    assert not np.asarray(skipped.logprobs).any() and not np.asarray(skipped.top_logprobs).any()
 
 
 def test_prompt_logprobs():

@@ -151,6 +151,8 @@ def test_metrics():
         assert after[("maxjax_xla_compiles_total", ())] == 3
         assert after[("maxjax_prefix_cache_queries_total", ())] == 20
         assert after[("maxjax_prefix_cache_hits_total", ())] == 10
+        assert after[("maxjax_engine_steps_total", ())] == 7
+        assert after[("maxjax_step_phase_seconds_total", (("phase", "device_step"),))] == 1.5
         for name in ("maxjax_num_requests_waiting", "maxjax_num_requests_running",
                      "maxjax_preemptions_total"):
             assert (name, ()) in after

@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from maxjax.engine.core import EngineCore, TokenEvent
@@ -39,6 +40,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.num_step_errors = 0
+        self.detokenize_seconds = 0.0     # summed on the callers' side, where detokenizing runs
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -54,8 +56,9 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
+        priming = True
         while not self._stop.is_set():
-            block = not self.core.has_unfinished()
+            block = not self.core.has_unfinished() and not priming
             try:
                 cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
             except queue.Empty:
@@ -68,6 +71,12 @@ class AsyncEngine:
                     cmd = None
             if not self.core.has_unfinished():
                 self._stats = self.core.stats()
+                if priming:   # idle: run the next executable's first run before a request does
+                    try:
+                        priming = self.core.prime_next()
+                    except Exception:
+                        log.exception("priming step failed")
+                        priming = False
                 continue
             try:
                 events = self.core.step()
@@ -116,7 +125,9 @@ class AsyncEngine:
                 "prefix_cache_queries": s.get("prefix_query_tokens", 0),
                 "prefix_cache_hits": s.get("prefix_hit_tokens", 0),
                 "preemptions": s.get("preemptions", 0), "xla_compiles": s.get("xla_compiles", 0),
-                "xla_compiles_since_ready": s.get("xla_compiles_since_ready", 0)}
+                "xla_compiles_since_ready": s.get("xla_compiles_since_ready", 0),
+                "steps": s.get("steps", 0),
+                "step_seconds": dict(s.get("step_seconds", {}), detokenize=self.detokenize_seconds)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -173,7 +184,9 @@ class AsyncEngine:
             # and skipped by the detokenizer anyway).
             stop_token = ev.finished and ev.token_id in params.stop_token_ids
             if text is not None and not stop_token:
+                t = time.perf_counter()
                 out.new_text += text.add([ev.token_id])
+                self.detokenize_seconds += time.perf_counter() - t
             if text is not None and text.stopped:
                 if not ev.finished:
                     self.abort(request_id, "stop")

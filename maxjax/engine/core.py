@@ -115,6 +115,7 @@ class EngineCore:
         self.prompt_lps: dict[str, dict[int, TokenLogprob]] = {}   # request -> position -> logprob
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
+        self._priming = None
         # Seconds spent per phase of a step, summed over steps (`maxjax generate --profile`).
         self.profile = {"schedule": 0.0, "build_inputs": 0.0, "device_step": 0.0, "update": 0.0,
                         "steps": 0, "tokens": 0}
@@ -123,6 +124,18 @@ class EngineCore:
     def warmup(self, progress=None) -> None:
         """Compile (or check loaded) every bucket; after this no step compiles."""
         self.runner.compile_all(progress)
+        self._priming = self.runner.prime_steps()
+
+    @property
+    def primed(self) -> bool:
+        return self._priming is None
+
+    def prime_next(self) -> bool:
+        """Run one dummy step of the executables' first-run priming; False once all have run."""
+        if self._priming is None or next(self._priming, None) is None:
+            self._priming = None
+            return False
+        return True
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -223,4 +236,6 @@ class EngineCore:
         s = self.scheduler.stats()
         s["xla_compiles"] = compile_counter.count()
         s["xla_compiles_since_ready"] = self.step_compiles
+        s["steps"] = self.profile["steps"]
+        s["step_seconds"] = {k: v for k, v in self.profile.items() if k not in ("steps", "tokens")}
         return s
