@@ -137,6 +137,9 @@ def paged_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: flo
         return jax.lax.dynamic_update_slice_in_dim(out, acc, c * C, 0)
 
     # Blocks of real tokens come first, so the chunks holding any are a prefix.
-    out = jax.lax.fori_loop(0, jnp.sum(last >= 0), chunk, jnp.zeros_like(qb))
+    if n_chunks == 1:
+        out = chunk(0, jnp.zeros_like(qb))
+    else:
+        out = jax.lax.fori_loop(0, jnp.sum(last >= 0), chunk, jnp.zeros_like(qb))
     out = out[:NB].reshape(NB, KV, B, G, hd).transpose(0, 2, 1, 3, 4).reshape(NB * B, H, hd)
     return out[step.token_block].astype(q.dtype)
