@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 
 NEG_INF = -1e30
-# Query tokens per chunk of attention blocks: measured best at 8 on the CPU (tools/bench_step.py).
+# Query tokens per chunk of attention blocks: best of 4-32 on the CPU (tools/bench_attention.py).
 _CHUNK_QUERIES = 8
 
 

@@ -12,6 +12,7 @@ the bucket (`attention_blocks`); decode-only buckets get B = 1.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,10 +50,11 @@ class RowSlice:
     next_tokens: Sequence[int] | None = None   # per token: the prompt token after it (-1: none)
 
 
+@functools.cache
 def attention_blocks(num_tokens: int, num_rows: int) -> tuple[int, int]:
     """(number of blocks, block size B) for a bucket: enough blocks for any mix of up to
     `num_rows` rows and `num_tokens` tokens, B chosen by a cost measured on the CPU
-    (tools/bench_step.py): a block costs about one page gather plus B/8 of one in matmuls."""
+    (BENCHMARKS.md, step graph): a block costs about one page gather plus B/8 of one in matmuls."""
     best = None
     b = 1
     while b <= num_tokens:

@@ -74,6 +74,23 @@ def main():
         ms = float(np.median(times)) * 1e3
         ntok = sum(len(r.token_ids) for r in rows)
         print(f"| {name} | {ntok} | {compile_s:.1f} | {ms:.1f} | {ntok / ms * 1e3:.0f} |", flush=True)
+    bench_sampling(max(rows_list), cfg.vocab_size, args.iters)
+
+
+def bench_sampling(R: int, vocab: int, iters: int):
+    """Greedy sampling of R rows alone, with and without logprobs (top 20), interleaved."""
+    logits = jax.random.normal(jax.random.PRNGKey(1), (R, vocab), jnp.float32)
+    fn = jax.jit(lambda l, a: sampling._sample(l, a, 20))
+    arrays = {lp: sampling.build_sampling_arrays(
+        [(SamplingParams(temperature=0, logprobs=lp), [1], [], 0)] * R, R, 64) for lp in (False, True)}
+    times = {False: [], True: []}
+    for _ in range(iters + 1):
+        for lp, a in arrays.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(logits, a))
+            times[lp].append(time.perf_counter() - t)
+    no, yes = (float(np.median(times[lp][1:])) * 1e3 for lp in (False, True))
+    print(f"\ngreedy sampling of {R} rows: {no:.2f} ms; with logprobs + top 20: {yes:.2f} ms")
 
 
 if __name__ == "__main__":

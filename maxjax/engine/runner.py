@@ -81,9 +81,7 @@ def step_and_sample(arch, cfg, params, kv, step, samp):
 
 
 def _no_prompt_logprobs(step) -> PromptLogprobs:
-    T = step.token_ids.shape[0]
-    return PromptLogprobs(jnp.zeros(T, jnp.float32), jnp.zeros((T, MAX_TOP_LOGPROBS), jnp.int32),
-                          jnp.zeros((T, MAX_TOP_LOGPROBS), jnp.float32))
+    return PromptLogprobs(*sampling.no_logprobs(step.token_ids.shape[0], MAX_TOP_LOGPROBS))
 
 
 def _abstract(tree):
@@ -138,11 +136,11 @@ class ModelRunner:
         greedy = SamplingParams(temperature=0.0)
         sampled = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logprobs=True)
         for b in self.buckets:
+            n = min(b.num_tokens - b.num_rows + 1, self.max_pages * self.page_size)
+            rows = [RowSlice([0] * n, 0, [SCRATCH_PAGE] * -(-n // self.page_size))] + [
+                RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
+            step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size)
             for params in (greedy, sampled):
-                n = min(b.num_tokens - b.num_rows + 1, self.max_pages * self.page_size)
-                rows = [RowSlice([0] * n, 0, [SCRATCH_PAGE] * -(-n // self.page_size))] + [
-                    RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
-                step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size)
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_rows, b.num_rows,
                                                       self.history_len, self.eos)
                 out, self.kv = self.executables[b](self.model.params, self.kv, step, samp)

@@ -330,20 +330,10 @@ def _sample(logits: jax.Array, a: SamplingArrays, num_top_logprobs: int) -> Samp
     all_greedy = jnp.all(a.temperature == 0)
     token_ids = jax.lax.cond(all_greedy, lambda l, _: jnp.argmax(l, -1).astype(jnp.int32),
                              _sample_rows, logits, a)
-    def logprobs(logits, token_ids):
-        # log_softmax without materializing it: logit - logsumexp, for the few values we return
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        chosen = jnp.take_along_axis(logits, token_ids[:, None], 1)[:, 0] - lse
-        top_ids, top_lp = _top(logits, num_top_logprobs)
-        return chosen, top_ids, top_lp - lse[:, None]
-
-    def none(logits, token_ids):
-        R = logits.shape[0]
-        return (jnp.zeros(R, jnp.float32), jnp.zeros((R, num_top_logprobs), jnp.int32),
-                jnp.zeros((R, num_top_logprobs), jnp.float32))
-
-    # ~40% of a greedy 32-row sampling step on the CPU: only in steps where some row asks
-    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(a.logprobs), logprobs, none, logits, token_ids)
+    # ~70% of a greedy 32-row sampling step on the CPU (tools/bench_step.py): only when asked
+    chosen, top_ids, top_lp = jax.lax.cond(
+        jnp.any(a.logprobs), lambda l, t: _prompt_logprobs(l, t, num_top_logprobs),
+        lambda l, t: no_logprobs(l.shape[0], num_top_logprobs), logits, token_ids)
     return SampleOutput(token_ids, chosen, top_ids, top_lp)
 
 
@@ -351,8 +341,15 @@ sample = jax.jit(_sample, static_argnames=("num_top_logprobs",))
 sample.__doc__ = """sample(logits f32[R, V], arrays, num_top_logprobs: static int) -> SampleOutput."""
 
 
+def no_logprobs(n: int, num_top_logprobs: int):
+    """Zeros in the shape of `_prompt_logprobs`' result, for steps that skip it."""
+    return (jnp.zeros(n, jnp.float32), jnp.zeros((n, num_top_logprobs), jnp.int32),
+            jnp.zeros((n, num_top_logprobs), jnp.float32))
+
+
 def _prompt_logprobs(logits_all: jax.Array, token_ids: jax.Array, num_top_logprobs: int):
-    """Logprob of each actual next token (logits_all[t] predicts token_ids[t]) and the top-k."""
+    """Logprob of each given token (logits_all[t] predicts token_ids[t]) and the top-k: prompt
+    logprobs, and the sampled tokens' logprobs."""
     logits_all = logits_all.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits_all, axis=-1)
     chosen = jnp.take_along_axis(logits_all, token_ids[:, None].astype(jnp.int32), 1)[:, 0] - lse
