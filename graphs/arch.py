@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from maxjax.config import ModelConfig
+from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import decoder
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.config import ModelConfig
+from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import layers as L
 from maxjax.graphs.step import StepInputs
 

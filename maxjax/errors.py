@@ -1,8 +1,14 @@
-"""Errors a user can act on: the CLI prints them as one line and exits 2, without a traceback."""
+"""Errors a user can act on. The CLI prints a UserError as one line and exits 2, without a
+traceback; the server turns a RequestError into an OpenAI 400 naming its field and a
+QueueFullError into a 429."""
 
 
 class UserError(Exception):
     """Bad flag, model, checkpoint or artifact; the message names the problem."""
+
+
+class QueueFullError(Exception):
+    """The engine's request queue is at capacity; the server answers 429 with Retry-After."""
 
 
 def read_user_file(path: str, flag: str) -> str:

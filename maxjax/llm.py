@@ -12,7 +12,7 @@ from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
 from maxjax.engine.detokenizer import TextStream
 from maxjax.engine.types import SamplingParams, TokenLogprob
-from maxjax.models import LoadedModel, load_model
+from maxjax.models.loader import LoadedModel, load_model
 
 
 @dataclass
@@ -39,13 +39,13 @@ class LLM:
     def __init__(self, model: str | LoadedModel | None = None, *, quantization_encoding: str | None = None,
                  chat_template: str | None = None, custom_architectures=(), progress: bool = False,
                  precompiled_artifacts=None, **engine_options):
-        from maxjax import registry
+        from maxjax.models import registry
         for spec in custom_architectures:
             registry.register_custom(spec)
         if not isinstance(model, LoadedModel):
             stored = None
             if precompiled_artifacts:
-                from maxjax import aot_weights
+                from maxjax.aot import weights as aot_weights
                 stored = aot_weights.params_source(precompiled_artifacts)
             model = load_model(model, quantization_encoding, chat_template, progress=progress,
                                params_source=stored)
@@ -54,7 +54,7 @@ class LLM:
         self.engine_config = EngineConfig(quantization_encoding=model.dtype, **engine_options)
         layout = None
         if precompiled_artifacts:
-            from maxjax import aot
+            from maxjax.aot import artifacts as aot
             layout, executables = aot.load_for_engine(precompiled_artifacts, model, self.engine_config)
         self.core = EngineCore(model, self.engine_config, layout)
         if precompiled_artifacts:

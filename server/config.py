@@ -1,5 +1,5 @@
 """Server settings (`ServeConfig`): HTTP binding, auth, admission limits and request defaults.
-The CLI (maxjax/cli.py) builds its argparse flags from these fields and their `help` metadata;
+The CLI (maxjax/cli/main.py) builds its argparse flags from these fields and their `help` metadata;
 server/app.py reads them."""
 from __future__ import annotations
 

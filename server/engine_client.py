@@ -1,18 +1,14 @@
 """The interface between the HTTP server and an engine (the real one in maxjax/engine/, or
-tests/mock_engine.py). The server codes only against `EngineClient`; the engine imports
-`QueueFullError` from here so the server can map it to HTTP 429 without importing the engine."""
+tests/mock_engine.py). The server codes only against `EngineClient`."""
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from maxjax.engine.types import RequestOutput, SamplingParams
+from maxjax.errors import QueueFullError  # noqa: F401  (re-exported for the server)
 
 STATS_KEYS = ("num_running", "num_waiting", "kv_pages_used", "kv_pages_total",
               "prefix_cache_queries", "prefix_cache_hits", "preemptions", "xla_compiles")
-
-
-class QueueFullError(Exception):
-    """The engine's request queue is at capacity; the server answers 429 with Retry-After."""
 
 
 @runtime_checkable

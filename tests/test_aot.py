@@ -1,4 +1,4 @@
-"""AOT artifacts (maxjax/aot.py): warm-cache in one "machine" (subprocess with its own HOME, cwd
+"""AOT artifacts (maxjax/aot/): warm-cache in one "machine" (subprocess with its own HOME, cwd
 and JAX cache), generate from a copy in another with the persistent cache off; CUDA exports from
 this CPU host; every mutation of the manifest, the files or the run's config is refused before
 anything is deserialized. The model is a tiny random Llama written without torch."""
@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxjax import aot
-from maxjax.aot_manifest import MANIFEST
+from maxjax.aot import artifacts as aot
+from maxjax.aot.manifest import MANIFEST
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
 from tiny_llama import write_tiny_llama
@@ -80,7 +80,7 @@ def warmed(root, model_dir):
 
 @pytest.fixture(scope="module")
 def model(model_dir):
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     return load_model(model_dir, "float32", progress=False)
 
 
@@ -195,7 +195,7 @@ def test_explicit_engine_value_that_differs_is_refused(warmed, model, calls, ove
 
 
 def test_dtype_differs(warmed, model_dir, calls):
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     bf16 = load_model(model_dir, "bfloat16", progress=False)
     with pytest.raises(UserError, match=r"model dtype: artifacts float32, this run bfloat16"):
         aot.load_for_engine([warmed], bf16, EngineConfig())
@@ -203,7 +203,7 @@ def test_dtype_differs(warmed, model_dir, calls):
 
 
 def test_model_config_field_differs(warmed, tmp_path, calls):
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     other = load_model(write_tiny_llama(tmp_path / "other", rms_norm_eps=1e-6), "float32",
                        progress=False)
     with pytest.raises(UserError, match=r"model config field rms_norm_eps: artifacts 1e-05, this model 1e-06"):
@@ -307,7 +307,7 @@ def test_export_engine_round_trips(tmp_path, model):
 def test_stored_weights_stand_in_for_the_same_gguf_only(tmp_path, model):
     import dataclasses
 
-    from maxjax import aot_weights
+    from maxjax.aot import weights as aot_weights
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF: stands for the checkpoint the weights were converted from")
     d = tmp_path / "art"

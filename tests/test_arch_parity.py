@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from maxjax import registry
-from maxjax.weights.hf import SafetensorsReader, read_config
+from maxjax.models import registry
+from maxjax.models.hf import SafetensorsReader, read_config
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 

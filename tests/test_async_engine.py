@@ -11,7 +11,7 @@ from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
 from maxjax.engine.types import SamplingParams
-from maxjax.models import load_model
+from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

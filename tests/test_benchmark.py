@@ -1,4 +1,4 @@
-"""`maxjax benchmark` (maxjax/benchmark.py, bench_client.py, bench_report.py) against this repo's
+"""`maxjax benchmark` (maxjax/bench/command.py, bench_client.py, bench_report.py) against this repo's
 server backed by the mock engine (tests/mock_engine.py, one token per byte), and against a bare
 stand-in for servers without /tokenize or usage chunks. Checks counts, the ordering of
 percentiles, the JSON file, error counting and exit status (1 when any request failed), and that
@@ -14,7 +14,7 @@ from aiohttp import web
 from mock_engine import MockEngine
 from server_harness import ServerThread
 
-from maxjax import bench_client, bench_report
+from maxjax.bench import client as bench_client, report as bench_report
 from maxjax.cli import main
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from maxjax import cli
-from maxjax.models import embedded_model_path
+from maxjax.models.loader import embedded_model_path
 
 
 def run_cli(capsys, *argv):
@@ -80,7 +80,7 @@ def test_no_traceback_from_a_real_process(tmp_path):
 
 def test_chat_template_file_forms(tmp_path):
     from maxjax.errors import UserError
-    from maxjax.models import read_chat_template_file
+    from maxjax.models.loader import read_chat_template_file
     jinja = tmp_path / "t.jinja"
     jinja.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert read_chat_template_file(str(jinja)).startswith("{% for")
@@ -97,7 +97,7 @@ def test_chat_template_file_forms(tmp_path):
 def test_config_file(capsys, tmp_path):
     import argparse
 
-    from maxjax.cli_args import build, read_config_file
+    from maxjax.cli.args import build, read_config_file
     from maxjax.engine.config import EngineConfig
     cfg = tmp_path / "c.yaml"
     cfg.write_text("max-batch-size: 4\nkv_cache_page_size: 16\n")

@@ -12,7 +12,7 @@ MULTIBYTE = "Hello 世界! 🎉 naïve café — 日本語のテキスト 👩�
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
-    from maxjax.models import embedded_model_path
+    from maxjax.models.loader import embedded_model_path
     path = embedded_model_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 

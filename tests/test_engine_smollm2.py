@@ -4,7 +4,7 @@ import pytest
 
 from maxjax.engine.types import SamplingParams
 from maxjax.llm import LLM
-from maxjax.models import load_model
+from maxjax.models.loader import load_model
 
 ENGINE = dict(max_length=512, max_batch_size=8, max_batch_input_tokens=32, kv_cache_page_size=16,
               num_kv_pages=48)

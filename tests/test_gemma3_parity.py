@@ -23,7 +23,7 @@ def gguf_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(gguf_path):
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     model = load_model(str(gguf_path), "float32", progress=False)
     prompts = [model.tokenizer(t)["input_ids"]
                for t in ("The capital of France is", "def fibonacci(n):\n", LONG_TEXT)]

@@ -1,4 +1,4 @@
-"""maxjax/weights/gguf.py on small GGUF files written here with gguf.GGUFWriter: dequantization of
+"""maxjax/models/gguf.py on small GGUF files written here with gguf.GGUFWriter: dequantization of
 each supported type, llama's Q/K un-permutation, Gemma's norm offset, config from metadata, and the
 errors a bad file gives."""
 import numpy as np
@@ -9,7 +9,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 from maxjax.errors import UserError
-from maxjax.weights import gguf as G
+from maxjax.models import gguf as G
 
 RNG = np.random.default_rng(0)
 TOKENS = ["<unk>", "<s>", "</s>", "ab"] + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567")
@@ -198,7 +198,7 @@ def test_llama_config_from_metadata(llama_file):
     assert template == "{{ messages }}"
     assert tokenizer.convert_ids_to_tokens(5) == "b" and tokenizer.eos_token == "</s>"
     assert tokenizer("abc").input_ids == [3, 6]
-    from maxjax import registry
+    from maxjax.models import registry
     cfg = registry.get_architecture("LlamaForCausalLM").config_from_hf(hf)
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.eos_token_ids) == (L, NKV, HD, (2,))
 
@@ -225,7 +225,7 @@ def test_quantized_file_dequantizes_close(tmp_path, qt):
 
 
 def test_load_model_on_tiny_gguf(llama_file):
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     m = load_model(llama_file[0], "float32", progress=False)
     assert m.config.num_layers == L and m.name == "tiny-llama"
     np.testing.assert_array_equal(np.asarray(m.params["embed"]), llama_file[1]["model.embed_tokens.weight"])

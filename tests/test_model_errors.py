@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from maxjax import registry
+from maxjax.models import registry
 from maxjax.errors import UserError
-from maxjax.models import embedded_model_path, load_model
+from maxjax.models.loader import embedded_model_path, load_model
 
 
 def raises_one_line(match, fn, *args, **kwargs):

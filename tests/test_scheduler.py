@@ -11,7 +11,7 @@ import pytest
 from maxjax.engine import block_manager as bm_mod
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.mock_model import MockModel, drive, reference_generate
+from mock_model import MockModel, drive, reference_generate
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.scheduler import Scheduler
 from maxjax.engine.types import SamplingParams
@@ -478,7 +478,7 @@ def test_random_configs(seed):
 
 
 def test_mock_model_notices_wrong_pages():
-    from maxjax.engine.mock_model import MockModel
+    from mock_model import MockModel
     from maxjax.graphs.step import RowSlice
     prompt = list(range(10))
     ref = reference_generate(prompt, 1, VOCAB)

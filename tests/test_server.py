@@ -62,7 +62,7 @@ def test_models_and_health(server):
 
 
 class Loading:
-    """An engine still loading: no tokenizer, name or max_length yet (like maxjax/serve.py's
+    """An engine still loading: no tokenizer, name or max_length yet (like maxjax/cli/serve.py's
     LoadingEngine); the server must be built and answer 503 without touching them."""
 
     def __init__(self):

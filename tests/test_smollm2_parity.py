@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxjax.models import embedded_model_path, load_model
+from maxjax.models.loader import embedded_model_path, load_model
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 
@@ -92,7 +92,7 @@ def test_tokenizer_matches_transformers(ours):
 
 def test_weights_equal_transformers(ours, reference):
     """Every tensor transformers dequantizes equals ours (bit for bit), Q/K un-permutation included."""
-    from maxjax.weights import gguf
+    from maxjax.models import gguf
     _, reader, _, _ = gguf.open_gguf(ours.source)
     state = reference.state_dict()
     for name, tensor in state.items():

@@ -33,7 +33,7 @@ def main() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
 
     t0 = time.perf_counter()
-    from maxjax.models import embedded_model_path, load_model
+    from maxjax.models.loader import embedded_model_path, load_model
     import jax
     import transformers  # noqa: F401  (our tokenizer comes from it: import it outside the timing)
     jax.numpy.zeros(1).block_until_ready()

@@ -32,7 +32,7 @@ def prompts_of(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]
 
 def bench_maxjax(batches, input_len, output_len, engine_kw):
     import maxjax
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     model = load_model(None, "float32", progress=False)
     t = time.perf_counter()
     llm = maxjax.LLM(model, **engine_kw)
@@ -65,7 +65,7 @@ def bench_maxjax(batches, input_len, output_len, engine_kw):
 def bench_transformers(batches, input_len, output_len):
     import torch
     from transformers import AutoModelForCausalLM
-    from maxjax.models import embedded_model_path
+    from maxjax.models.loader import embedded_model_path
     import os
     path = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

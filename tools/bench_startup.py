@@ -23,11 +23,11 @@ t0 = time.time()
 import jax
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
-from maxjax.models import load_model
+from maxjax.models.loader import load_model
 t_import = time.time()
 stored = None
 if mode == "artifacts":
-    from maxjax import aot_weights
+    from maxjax.aot import weights as aot_weights
     stored = aot_weights.params_source([art])
 elif mode == "artifacts-no-weights":
     mode = "artifacts"
@@ -36,7 +36,7 @@ t_weights = time.time()
 cfg = EngineConfig(num_kv_pages=pages, quantization_encoding=model.dtype)
 layout, exes = None, {}
 if mode == "artifacts":
-    from maxjax import aot
+    from maxjax.aot import artifacts as aot
     layout, exes = aot.load_for_engine([art], model, cfg)
 core = EngineCore(model, cfg, layout)
 core.runner.set_executables(exes)

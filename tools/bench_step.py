@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.config import ModelConfig
+from maxjax.graphs.config import ModelConfig
 from maxjax.engine import sampling
 from maxjax.engine.runner import step_and_sample
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import decoder
 from maxjax.graphs.step import RowSlice, build_step_inputs
-from maxjax.registry import get_architecture
+from maxjax.models.registry import get_architecture
 
 ARCH = get_architecture("LlamaForCausalLM")
 

@@ -108,7 +108,7 @@ def load_tokenizer(gguf: str):
 
 def make_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[str]:
     """n distinct texts of exactly input_len tokens (without special tokens)."""
-    from maxjax.bench_client import WORDS
+    from maxjax.bench.client import WORDS
     rng = random.Random(seed)
     prompts = []
     while len(prompts) < n:
@@ -208,7 +208,7 @@ def bench_transformers(gguf: str, tokenizer, prompts: list[str], args) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from maxjax.bench_report import distribution
+    from maxjax.bench.report import distribution
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     directory, name = os.path.split(os.path.abspath(gguf))
@@ -272,7 +272,7 @@ def _cpu_name() -> str:
 
 
 def write_report(results: dict, notes: list[str], gguf: str, args) -> str:
-    from maxjax import bench_report
+    from maxjax.bench import report as bench_report
     series = {peer: r["levels"] for peer, r in results.items()}
     table = bench_report.markdown_table(*bench_report.compact_rows(series))
     versions = ", ".join(f"{p} {_version(p)}" for p in ("maxjax", "jax", "llama-cpp-python",
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.makedirs(args.out_dir, exist_ok=True)
-    from maxjax.models import embedded_model_path
+    from maxjax.models.loader import embedded_model_path
     gguf = args.model or embedded_model_path()
     tokenizer = load_tokenizer(gguf)
     prompts = make_prompts(tokenizer, total_requests(args.levels, args.num_prompts),

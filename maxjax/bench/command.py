@@ -4,8 +4,8 @@ streaming requests, one load level at a time: a fixed number of requests in flig
 output and total tokens/s, TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99) and
 errors, as a table, a JSON file (--result-json) and a PNG plot (--plot, needs matplotlib).
 
-maxjax/cli.py calls `add_args(subparser)` and `main(args)`. The HTTP side is in
-maxjax/bench_client.py, the statistics and plot in maxjax/bench_report.py.
+maxjax/cli/main.py calls `add_args(subparser)` and `main(args)`. The HTTP side is in
+maxjax/bench/client.py, the statistics and plot in maxjax/bench/report.py.
 
 Exit status: 0 when every request succeeded; 1 when any failed (the table, the JSON file and the
 plot are still written, and the first error messages are printed), so scripts notice a broken
@@ -24,8 +24,8 @@ import time
 
 import aiohttp
 
-from maxjax import bench_client as client
-from maxjax import bench_report as report
+from maxjax.bench import client
+from maxjax.bench import report
 from maxjax.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""Numbers and pictures for `maxjax benchmark` (maxjax/benchmark.py) and tools/compare_peers.py:
+"""Numbers and pictures for `maxjax benchmark` (maxjax/bench/command.py) and tools/compare_peers.py:
 one level's RequestResults -> a summary dict (throughput, TTFT / TPOT / ITL / end-to-end latency
 mean and percentiles, errors), a text or markdown table of summaries, and a PNG plot of
 throughput and TTFT against concurrency (or request rate), one line per server.

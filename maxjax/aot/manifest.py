@@ -1,7 +1,7 @@
 """The artifact manifest: fingerprints of a model and an engine layout, graph signatures, and the
 checks that run before anything in an artifact directory is deserialized.
 
-maxjax/aot.py writes and loads artifacts with these; artifacts/FORMAT.md documents the fields.
+maxjax/aot/ writes and loads artifacts with these; artifacts/FORMAT.md documents the fields.
 Nothing here imports or traces model code: a fingerprint reads the loaded model's config,
 parameter shapes and tokenizer, and a signature is computed from ShapeDtypeStructs.
 """
@@ -26,8 +26,8 @@ MANIFEST = "manifest.json"
 # Source files whose code ends up in a step graph: an artifact built from other code is stale
 # even when every shape matches.
 _GRAPH_CODE = ("graphs", "maxjax/engine/sampling.py", "maxjax/engine/runner.py",
-               "maxjax/aot.py")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+               "maxjax/aot/")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def canonical(obj) -> bytes:

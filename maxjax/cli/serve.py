@@ -40,11 +40,11 @@ class LoadingEngine:
 
 def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True) -> AsyncEngine:
     from maxjax.engine.core import EngineCore
-    from maxjax.models import load_model
+    from maxjax.models.loader import load_model
     t0 = time.perf_counter()
     stored = None
     if model_opts.precompiled_artifacts:
-        from maxjax import aot_weights
+        from maxjax.aot import weights as aot_weights
         stored = aot_weights.params_source(model_opts.precompiled_artifacts)
     model = load_model(model_opts.model_path, engine_cfg.quantization_encoding,
                        model_opts.chat_template, progress=progress, params_source=stored)
@@ -52,7 +52,7 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
     log.info("loaded %s (%s) in %.1f s", model.name, model.dtype, time.perf_counter() - t0)
     layout, executables = None, {}
     if model_opts.precompiled_artifacts:
-        from maxjax import aot
+        from maxjax.aot import artifacts as aot
         layout, executables = aot.load_for_engine(model_opts.precompiled_artifacts, model, engine_cfg,
                                                   model_opts.require_compiled_artifacts)
     core = EngineCore(model, engine_cfg, layout)
@@ -66,7 +66,7 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
              len(core.layout.buckets), time.perf_counter() - t1, core.layout.num_pages,
              core.layout.page_size, core.max_length)
     if model_opts.export_artifacts:
-        from maxjax import aot
+        from maxjax.aot import artifacts as aot
         aot.export_engine(model_opts.export_artifacts, core)
     name = serve_cfg.served_model_name or model.name
     engine = AsyncEngine(core, model.tokenizer, name, model.chat_template,

@@ -10,8 +10,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from maxjax import registry
-from maxjax.config import ModelConfig
+from maxjax.models import registry
+from maxjax.graphs.config import ModelConfig
 from maxjax.errors import UserError, read_user_file
 from maxjax.graphs.arch import Architecture
 
@@ -89,7 +89,7 @@ def read_chat_template_file(path: str) -> str:
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
                progress: bool = True, params_source=None) -> LoadedModel:
     """params_source(arch, cfg, dtype, path) -> params or None: converted weights stored with
-    precompiled artifacts (maxjax/aot_weights.py), used instead of converting the checkpoint."""
+    precompiled artifacts (maxjax/aot/weights.py), used instead of converting the checkpoint."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise UserError(f"unsupported --quantization-encoding {dtype!r} "
@@ -97,11 +97,11 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     if os.path.isfile(path):
-        from maxjax.weights import gguf
+        from maxjax.models import gguf
         hf, reader, tokenizer, template = gguf.open_gguf(path)
         arch, cfg = model_config(hf, path)
     else:
-        from maxjax.weights import hf as hfw
+        from maxjax.models import hf as hfw
         hf = hfw.read_config(path)
         arch, cfg = model_config(hf, path)       # fail before reading weights or the tokenizer
         reader = hfw.SafetensorsReader(path)

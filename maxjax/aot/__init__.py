@@ -1,0 +1,1 @@
+"""Ahead-of-time artifacts: export (warm-cache), verify and load (serve --precompiled-artifacts)."""

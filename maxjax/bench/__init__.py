@@ -1,0 +1,1 @@
+"""`maxjax benchmark`: the load-test client, its statistics and report."""

@@ -1,0 +1,5 @@
+import sys
+
+from maxjax.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model loading: checkpoints (GGUF, HF safetensors) -> config, parameters and tokenizer."""

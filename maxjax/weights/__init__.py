@@ -1,1 +1,0 @@
-"""Checkpoint readers: HF directories (safetensors) and GGUF files, into HF-named tensors."""
