@@ -52,6 +52,12 @@ def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple:
     return (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
 
+def kv_specs(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
+    """The KV pool's ShapeDtypeStructs (nothing allocated)."""
+    s = jax.ShapeDtypeStruct(kv_pool_shape(cfg, num_pages, page_size), dtype)
+    return s, s
+
+
 def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
     shape = kv_pool_shape(cfg, num_pages, page_size)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

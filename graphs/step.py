@@ -1,8 +1,13 @@
 """The step contract between the engine and every graph.
 
 One step runs a ragged batch: prefill chunks and single decode tokens of up to R requests,
-flattened into T token slots and padded to the bucket (T, R). Every per-step value is an array;
+flattened into T token slots and padded to the bucket (T, R, S). Every per-step value is an array;
 nothing per request is static, so one compiled executable serves every step of its bucket.
+
+Sample slots: a row samples the next token after each of its last `num_samples` tokens (one
+while decoding; k draft tokens + 1 to verify a speculation; none for a prefill chunk that does
+not end its prompt). The S slots of a bucket are flattened in row order; `sample_idx` holds each
+slot's token slot, and unused slots point at token 0 (their samples are ignored).
 
 Padding tokens write their K/V into page 0, which the block manager never hands out.
 
@@ -33,7 +38,7 @@ class StepInputs:
     block_pos: jax.Array      # int32[NB, B] position of each block query; -1: padding
     block_row: jax.Array      # int32[NB] request row each block belongs to
     token_block: jax.Array    # int32[T]  flat (block * B + query) index of each token slot
-    sample_idx: jax.Array     # int32[R]  token slot whose logits are returned for each row
+    sample_idx: jax.Array     # int32[S]  token slot whose next token each sample slot samples
     next_token: jax.Array     # int32[T]  prompt token after each slot, for prompt logprobs; -1: none
 
     @property
@@ -48,6 +53,7 @@ class RowSlice:
     start_pos: int            # position of token_ids[0]
     pages: Sequence[int]      # every page the request holds, covering start_pos + len(token_ids)
     next_tokens: Sequence[int] | None = None   # per token: the prompt token after it (-1: none)
+    num_samples: int = 1      # sample slots at the row's last tokens
 
 
 @functools.cache
@@ -66,7 +72,8 @@ def attention_blocks(num_tokens: int, num_rows: int) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def step_input_specs(num_tokens: int, num_rows: int, max_pages: int) -> StepInputs:
+def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
+                     num_samples: int | None = None) -> StepInputs:
     i32 = np.int32
     nb, b = attention_blocks(num_tokens, num_rows)
     return StepInputs(
@@ -78,17 +85,21 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int) -> StepInpu
         block_pos=jax.ShapeDtypeStruct((nb, b), i32),
         block_row=jax.ShapeDtypeStruct((nb,), i32),
         token_block=jax.ShapeDtypeStruct((num_tokens,), i32),
-        sample_idx=jax.ShapeDtypeStruct((num_rows,), i32),
+        sample_idx=jax.ShapeDtypeStruct((num_samples or num_rows,), i32),
         next_token=jax.ShapeDtypeStruct((num_tokens,), i32),
     )
 
 
 def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, max_pages: int,
-                      page_size: int) -> StepInputs:
-    """Pack row slices into padded numpy arrays for the (num_tokens, num_rows) bucket."""
+                      page_size: int, num_samples: int | None = None) -> StepInputs:
+    """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
+    bucket."""
     n = sum(len(r.token_ids) for r in rows)
-    if n > num_tokens or len(rows) > num_rows:
-        raise ValueError(f"{n} tokens / {len(rows)} rows do not fit bucket ({num_tokens}, {num_rows})")
+    num_samples = num_samples or num_rows
+    n_samples = sum(r.num_samples for r in rows)
+    if n > num_tokens or len(rows) > num_rows or n_samples > num_samples:
+        raise ValueError(f"{n} tokens / {len(rows)} rows / {n_samples} samples do not fit bucket "
+                         f"({num_tokens}, {num_rows}, {num_samples})")
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slots = np.full(num_tokens, SCRATCH_PAGE * page_size, np.int32)
@@ -99,7 +110,8 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     token_block = np.zeros(num_tokens, np.int32)
     blk = 0
     page_table = np.full((num_rows, max_pages), SCRATCH_PAGE, np.int32)
-    sample_idx = np.zeros(num_rows, np.int32)
+    sample_idx = np.zeros(num_samples, np.int32)
+    s = 0
     next_token = np.full(num_tokens, -1, np.int32)
     t = 0
     for r, row in enumerate(rows):
@@ -119,7 +131,10 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
             token_block[t + i:t + i + n] = blk * b + np.arange(n)
             blk += 1
         page_table[r, :len(pages)] = pages
-        sample_idx[r] = t + k - 1
+        if not 0 <= row.num_samples <= k:
+            raise ValueError(f"row {r}: {row.num_samples} sample slots for {k} tokens")
+        sample_idx[s:s + row.num_samples] = np.arange(t + k - row.num_samples, t + k)
+        s += row.num_samples
         if getattr(row, "next_tokens", None) is not None:   # scheduler rows carry none
             next_token[t:t + k] = row.next_tokens
         t += k

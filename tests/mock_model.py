@@ -64,7 +64,8 @@ class MockModel:
 
     def run(self, rows) -> list[int]:
         """One step: a StepPlan, or rows carrying token_ids, start_pos, pages (RowSlices).
-        Returns one token per row (meaningless for rows whose last token samples nothing)."""
+        Returns one token per row (meaningless for rows whose last token samples nothing), or,
+        for a row with several sample slots (draft tokens), the list of its slots' tokens."""
         rows = getattr(rows, "rows", rows)
         self.num_steps += 1
         out = []
@@ -75,7 +76,10 @@ class MockModel:
                 prev = self._read(pages, pos - 1) if pos else 0
                 self.kv[self._slot(pages, pos)] = kv_value(prev, tok, pos)
             last = start + len(row.token_ids)
-            out.append(next_token((self._read(pages, p) for p in range(last)), self.vocab_size))
+            k = getattr(row, "num_samples", 1)
+            toks = [next_token((self._read(pages, p) for p in range(end)), self.vocab_size)
+                    for end in range(last - max(k, 1) + 1, last + 1)]
+            out.append(toks[0] if k <= 1 else toks)
         return out
 
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxjax.engine import sampling
-from maxjax.engine.sampling import (SamplingArrays, build_sampling_arrays, process_logits,
+from maxjax.graphs import sampling
+from maxjax.graphs.sampling import (SamplingArrays, build_sampling_arrays, process_logits,
                                     prompt_logprobs, sample)
 from maxjax.engine.types import SamplingParams as SP
 

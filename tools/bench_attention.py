@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_step import ARCH, SMOLLM2  # noqa: E402
 
-from maxjax.engine import sampling  # noqa: E402
-from maxjax.engine.runner import step_and_sample  # noqa: E402
+from maxjax.graphs import sampling  # noqa: E402
+from maxjax.graphs.program import step_program  # noqa: E402
 from maxjax.engine.types import SamplingParams  # noqa: E402
 from maxjax.graphs import decoder, layers  # noqa: E402
 from maxjax.graphs.step import RowSlice, build_step_inputs  # noqa: E402
@@ -79,7 +79,7 @@ def main():
                             [(SamplingParams(temperature=0.0), [1], [], 0)] * len(rows), R, 64))
     for name, fn in impls.items():
         layers.paged_attention = fn       # read when the step is traced
-        step = jax.jit(lambda p, kv, st, sa: step_and_sample(ARCH, cfg, p, kv, st, sa),
+        step = jax.jit(lambda p, kv, st, sa: step_program(ARCH, cfg, 20, p, kv, st, sa),
                        donate_argnums=(1,))
         for case, (st, sa) in inputs.items():
             exes[name, case] = step.lower(params, kv, st, sa).compile()

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxjax.graphs.config import ModelConfig
-from maxjax.engine import sampling
-from maxjax.engine.runner import step_and_sample
+from maxjax.graphs import sampling
+from maxjax.graphs.program import step_program
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import decoder
 from maxjax.graphs.step import RowSlice, build_step_inputs
@@ -45,7 +45,7 @@ def main():
     max_pages = 4096 // page
     rows_list = [int(r) for r in args.rows.split(",")]
     kv = decoder.init_kv(cfg, 1 + per_row * max(rows_list), page, jnp.float32)
-    fn = jax.jit(lambda p, kv, st, sa: step_and_sample(ARCH, cfg, p, kv, st, sa),
+    fn = jax.jit(lambda p, kv, st, sa: step_program(ARCH, cfg, 20, p, kv, st, sa),
                  donate_argnums=(1,))
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  backend={jax.default_backend()}")
     print("| step | tokens | compile s | step ms (median) | tok/s |")
@@ -80,7 +80,7 @@ def main():
 def bench_sampling(R: int, vocab: int, iters: int):
     """Greedy sampling of R rows alone, with and without logprobs (top 20), interleaved."""
     logits = jax.random.normal(jax.random.PRNGKey(1), (R, vocab), jnp.float32)
-    fn = jax.jit(lambda l, a: sampling._sample(l, a, 20))
+    fn = jax.jit(lambda l, a: sampling.sample_logits(l, a, 20))
     arrays = {lp: sampling.build_sampling_arrays(
         [(SamplingParams(temperature=0, logprobs=lp), [1], [], 0)] * R, R, 64) for lp in (False, True)}
     times = {False: [], True: []}

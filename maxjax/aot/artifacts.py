@@ -43,16 +43,13 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # ---- graphs --------------------------------------------------------------------------------------
 def graph_specs(model, layout):
     """The engine's GraphSpecs for `layout`, without allocating the KV pool (it may be sized for
-    another machine): the runner is built around an abstract pool."""
-    from maxjax.engine import runner as runner_mod
-    real = runner_mod.init_kv
-    runner_mod.init_kv = lambda *a: jax.eval_shape(lambda: real(*a))
-    try:
-        runner = runner_mod.ModelRunner(model, layout.buckets, layout.num_pages, layout.page_size,
-                                        layout.max_pages_per_row, layout.max_length)
-    finally:
-        runner_mod.init_kv = real
-    return runner.graph_specs()
+    another machine)."""
+    from maxjax.engine.types import MAX_TOP_LOGPROBS
+    from maxjax.graphs.decoder import kv_specs
+    from maxjax.graphs.program import step_graph_specs
+    kv = kv_specs(model.config, layout.num_pages, layout.page_size, model.params["embed"].dtype)
+    return step_graph_specs(model.arch, model.config, model.params, kv, layout.buckets,
+                            layout.max_pages_per_row, layout.max_length, MAX_TOP_LOGPROBS)
 
 
 def _flat_args(args) -> tuple:

@@ -260,6 +260,17 @@ class BlockManager:
             req.pages.append(self._take())
         return True
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Give back req's pages past the first `num_tokens` tokens (a rollback of rejected
+        draft tokens). Those pages were allocated for this request's uncommitted tokens, so they
+        are neither shared nor in the prefix cache."""
+        keep = self.pages_for(num_tokens)
+        for p in req.pages[keep:]:
+            assert self._ref[p] == 1 and self._entry[p] is None, f"page {p} is shared or cached"
+            self._ref[p] = 0
+            self._free.append(p)
+        del req.pages[keep:]
+
     def free(self, req: Request) -> None:
         """Drop req's references. Cached pages become evictable, the tail first, so a shared
         prefix outlives the private ends of the sequences that used it."""

@@ -14,27 +14,38 @@ from dataclasses import dataclass
 class Bucket:
     num_tokens: int      # T
     num_rows: int        # R
+    num_samples: int = 0   # S sample slots (0: one per row, S = R)
+
+    def __post_init__(self):
+        if not self.num_samples:
+            object.__setattr__(self, "num_samples", self.num_rows)
 
     @property
     def name(self) -> str:
-        return f"step_t{self.num_tokens}_r{self.num_rows}"
+        extra = f"_s{self.num_samples}" if self.num_samples != self.num_rows else ""
+        return f"step_t{self.num_tokens}_r{self.num_rows}{extra}"
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def bucket_set(max_batch_input_tokens: int, max_batch_size: int) -> list[Bucket]:
+def bucket_set(max_batch_input_tokens: int, max_batch_size: int,
+               samples_per_row: int = 1) -> list[Bucket]:
+    """`samples_per_row` > 1 gives rows room to sample several positions (draft tokens + 1)."""
     top = _pow2_at_least(max(max_batch_input_tokens, max_batch_size))
     out, t = [], 1
     while t <= top:
-        out.append(Bucket(t, min(t, _pow2_at_least(max_batch_size))))
+        rows = min(t, _pow2_at_least(max_batch_size))
+        out.append(Bucket(t, rows, min(t, rows * samples_per_row)))
         t *= 2
     return out
 
 
-def pick_bucket(buckets: list[Bucket], num_tokens: int, num_rows: int) -> Bucket:
+def pick_bucket(buckets: list[Bucket], num_tokens: int, num_rows: int,
+                num_samples: int = 0) -> Bucket:
     for b in buckets:
-        if b.num_tokens >= num_tokens and b.num_rows >= num_rows:
+        if b.num_tokens >= num_tokens and b.num_rows >= num_rows and b.num_samples >= num_samples:
             return b
-    raise ValueError(f"no bucket holds {num_tokens} tokens in {num_rows} rows")
+    raise ValueError(f"no bucket holds {num_tokens} tokens in {num_rows} rows "
+                     f"with {num_samples} sample slots")

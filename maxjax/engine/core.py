@@ -15,9 +15,8 @@ from maxjax.engine import compile_counter
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.request import Request, RequestStatus
+from maxjax.engine.request import Request, RequestStatus, new_seed
 from maxjax.engine.runner import ModelRunner, RowRequest
-from maxjax.engine.sampling import new_seed
 from maxjax.engine.scheduler import Scheduler
 from maxjax.engine.types import SamplingParams, TokenLogprob
 from maxjax.errors import UserError
@@ -171,7 +170,8 @@ class EngineCore:
         if plan is None or not plan.rows:
             return []
         t_sched = time.perf_counter() - t0
-        rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages, self._next_tokens(r)),
+        rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages, self._next_tokens(r),
+                                    r.num_samples),
                            r.request.sampling, r.request.prompt_token_ids,
                            r.request.output_token_ids, self.seeds[r.request.request_id])
                 for r in plan.rows]
@@ -182,26 +182,30 @@ class EngineCore:
             if res.prompt_logprobs is not None:
                 self._keep_prompt_logprobs(row, res.prompt_logprobs)
         t1 = time.perf_counter()
-        updated = self.scheduler.update(plan, [res.token_id for res in results])
+        updates = self.scheduler.update(plan, [res.token_ids for res in results])
         by_req = {row.request.request_id: res for row, res in zip(plan.rows, results) if row.sample}
         events = []
-        for req in updated:
-            res = by_req[req.request_id]
-            lp = None
-            if req.sampling.logprobs:
-                k = req.sampling.top_logprobs
-                lp = TokenLogprob(res.token_id, res.logprob,
-                                  [(int(i), float(v)) for i, v in zip(res.top_ids[:k], res.top_logprobs[:k])])
+        for u in updates:
+            req, res = u.request, by_req[u.request.request_id]
             done = req.status is RequestStatus.FINISHED
             if done:
                 self.seeds.pop(req.request_id, None)
-            plps = None
-            if req.sampling.prompt_logprobs and req.num_output_tokens == 1:
-                got = self.prompt_lps.pop(req.request_id, {})
-                plps = [None] + [got.get(i) for i in range(1, req.num_prompt_tokens)]
-            events.append(TokenEvent(req.request_id, res.token_id, lp, done, req.finish_reason,
-                                     req.num_prompt_tokens, req.num_output_tokens,
-                                     req.num_cached_tokens, plps))
+            n_before = req.num_output_tokens - len(u.token_ids)
+            for j, (token, smp) in enumerate(zip(u.token_ids, res.samples)):
+                lp = None
+                if req.sampling.logprobs:
+                    k = req.sampling.top_logprobs
+                    lp = TokenLogprob(token, smp.logprob, [(int(i), float(v)) for i, v in
+                                                           zip(smp.top_ids[:k], smp.top_logprobs[:k])])
+                plps = None
+                if req.sampling.prompt_logprobs and n_before + j == 0:
+                    got = self.prompt_lps.pop(req.request_id, {})
+                    plps = [None] + [got.get(i) for i in range(1, req.num_prompt_tokens)]
+                last = j == len(u.token_ids) - 1
+                events.append(TokenEvent(req.request_id, token, lp, done and last,
+                                         req.finish_reason if last else None,
+                                         req.num_prompt_tokens, n_before + j + 1,
+                                         req.num_cached_tokens, plps))
         prof = self.profile
         prof["schedule"] += t_sched
         for k, v in self.runner.last_timing.items():

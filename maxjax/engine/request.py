@@ -10,9 +10,17 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from maxjax.engine.types import SamplingParams
 
 _arrival = itertools.count()
+
+
+def new_seed(rng: np.random.Generator | None = None) -> int:
+    """A fresh 64-bit seed for a request that gave none (drawn once, at admission)."""
+    rng = rng or np.random.default_rng()
+    return int(rng.integers(0, 2**63, dtype=np.int64))
 
 
 class RequestStatus(enum.Enum):
@@ -31,6 +39,7 @@ class Request:
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     output_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)   # proposed next tokens, unverified
     num_computed_tokens: int = 0          # tokens whose K/V are in this request's pages
     pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -1,7 +1,8 @@
 """ModelRunner: owns the KV pool and one executable per bucket; turns scheduled rows into tokens.
 
-Each bucket's executable is the model step fused with on-device sampling, so logits never leave
-the device: only token ids and logprobs come back, in one transfer. The KV pool is donated to
+Each bucket's executable is graphs/program.py's step_program (the model step fused with on-device
+sampling of the step's sample slots), so logits never leave the device: only token ids and
+logprobs come back, in one transfer. The KV pool is donated to
 every call and updated in place. Executables come from `compile_all` (jit + lower + compile) or
 from precompiled artifacts (maxjax/aot/) through `set_executables`; `run` never compiles.
 """
@@ -10,82 +11,50 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from maxjax.engine import sampling
 from maxjax.engine.buckets import Bucket, pick_bucket
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
+from maxjax.graphs import sampling
 from maxjax.graphs.decoder import init_kv
-from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs, step_input_specs
+from maxjax.graphs.program import GraphSpec, step_graph_specs
+from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
 log = logging.getLogger("maxjax.runner")
 
 
 @dataclass
 class RowRequest:
-    """One row of a step as the runner needs it."""
+    """One row of a step as the runner needs it: its tokens, and its sample slots (the row's last
+    `slice.num_samples` tokens), each with an optional token mask (u32 allow-bits)."""
     slice: RowSlice
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     seed: int
+    token_masks: Sequence[np.ndarray | None] | None = None
 
 
 @dataclass
-class RowResult:
+class Sample:
     token_id: int
     logprob: float
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+
+
+@dataclass
+class RowResult:
+    samples: list[Sample]     # one per sample slot of the row, in position order
     # Per token of the row with a next prompt token: (logprob, top ids, top logprobs) arrays.
     prompt_logprobs: tuple | None = None
 
-
-class PromptLogprobs(NamedTuple):
-    logprobs: jax.Array       # f32[T]: logprob of step.next_token after each slot
-    top_ids: jax.Array        # i32[T, K]
-    top_logprobs: jax.Array   # f32[T, K]
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    """Everything needed to trace, export or compile one graph, without running it."""
-    name: str
-    bucket: Bucket
-    fn: Callable
-    args: tuple          # pytree of jax.ShapeDtypeStruct
-    donate_argnums: tuple
-
-
-def step_and_sample(arch, cfg, params, kv, step, samp):
-    """The compiled step: model, sampling, and (only in steps that ask) prompt logprobs."""
-    if arch.hidden_states is None:
-        logits, kv = arch.forward(cfg, params, kv, step)
-        return (sampling._sample(logits, samp, MAX_TOP_LOGPROBS), _no_prompt_logprobs(step)), kv
-    h, kv = arch.hidden_states(cfg, params, kv, step)
-    out = sampling._sample(arch.lm_logits(cfg, params, h[step.sample_idx]), samp, MAX_TOP_LOGPROBS)
-
-    def prompt_lps(h):
-        lps = sampling._prompt_logprobs(arch.lm_logits(cfg, params, h),
-                                        jnp.maximum(step.next_token, 0), MAX_TOP_LOGPROBS)
-        return PromptLogprobs(*lps)
-
-    plp = jax.lax.cond(jnp.any(step.next_token >= 0), prompt_lps,
-                       lambda h: _no_prompt_logprobs(step), h)
-    return (out, plp), kv
-
-
-def _no_prompt_logprobs(step) -> PromptLogprobs:
-    return PromptLogprobs(*sampling.no_logprobs(step.token_ids.shape[0], MAX_TOP_LOGPROBS))
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in self.samples]
 
 
 class ModelRunner:
@@ -104,14 +73,8 @@ class ModelRunner:
         self.last_timing: dict[str, float] = {}
 
     def graph_specs(self) -> list[GraphSpec]:
-        fn = partial(step_and_sample, self.model.arch, self.cfg)
-        params, kv = _abstract(self.model.params), _abstract(self.kv)
-        specs = []
-        for b in self.buckets:
-            step = step_input_specs(b.num_tokens, b.num_rows, self.max_pages)
-            samp = _abstract(sampling.build_sampling_arrays([], b.num_rows, self.history_len))
-            specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), (1,)))
-        return specs
+        return step_graph_specs(self.model.arch, self.cfg, self.model.params, self.kv, self.buckets,
+                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS)
 
     def compile_all(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         specs = self.graph_specs()
@@ -139,10 +102,12 @@ class ModelRunner:
             n = min(b.num_tokens - b.num_rows + 1, self.max_pages * self.page_size)
             rows = [RowSlice([0] * n, 0, [SCRATCH_PAGE] * -(-n // self.page_size))] + [
                 RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
-            step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size)
+            step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size,
+                                     b.num_samples)
             for params in (greedy, sampled):
-                samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_rows, b.num_rows,
-                                                      self.history_len, self.eos)
+                samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
+                                                      b.num_samples, self.history_len, self.eos,
+                                                      self.cfg.vocab_size)
                 out, self.kv = self.executables[b](self.model.params, self.kv, step, samp)
                 jax.block_until_ready(out)
                 yield b
@@ -150,25 +115,27 @@ class ModelRunner:
     def run(self, rows: list[RowRequest]) -> list[RowResult]:
         t0 = time.perf_counter()
         num_tokens = sum(len(r.slice.token_ids) for r in rows)
-        bucket = pick_bucket(self.buckets, num_tokens, len(rows))
+        slots = [sampling.SampleSlot(r.params, r.prompt_ids, r.output_ids, r.seed, j,
+                                     r.token_masks[j] if r.token_masks else None)
+                 for r in rows for j in range(r.slice.num_samples)]
+        bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
-                                 self.max_pages, self.page_size)
-        samp = sampling.build_sampling_arrays(
-            [(r.params, r.prompt_ids, r.output_ids, r.seed) for r in rows], bucket.num_rows,
-            self.history_len, self.eos)
+                                 self.max_pages, self.page_size, bucket.num_samples)
+        samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
+                                              self.cfg.vocab_size)
         t1 = time.perf_counter()
         (out, plp), self.kv = self.executables[bucket](self.model.params, self.kv, step, samp)
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None
         self.last_timing = {"build_inputs": t1 - t0, "device_step": time.perf_counter() - t1}
-        results, t = [], 0
-        for i, r in enumerate(rows):
-            n = len(r.slice.token_ids)
+        results, t, s = [], 0, 0
+        for r in rows:
+            n, k = len(r.slice.token_ids), r.slice.num_samples
             prompt = None
             if plp is not None and r.slice.next_tokens is not None:
                 prompt = tuple(a[t:t + n] for a in plp)
-            results.append(RowResult(int(token_ids[i]), float(logprobs[i]), top_ids[i], top_lps[i],
-                                     prompt))
-            t += n
+            results.append(RowResult([Sample(int(token_ids[i]), float(logprobs[i]), top_ids[i],
+                                             top_lps[i]) for i in range(s, s + k)], prompt))
+            t, s = t + n, s + k
         return results

@@ -1,8 +1,8 @@
 """Continuous batching: which tokens of which requests run in the next step. Called by the engine loop:
 
     plan = scheduler.schedule()                 # StepPlan or None when idle
-    sampled = model_runner.run(plan)            # one token id per row (or per sampling row)
-    updated = scheduler.update(plan, sampled)   # append, check stop, free, cache full pages
+    sampled = model_runner.run(plan)            # per row, a token per sample slot
+    updates = scheduler.update(plan, sampled)   # accept, append, check stop, roll back, cache
 
 A request's tokens to compute are all_token_ids[num_computed_tokens:]: one while decoding, more while
 prefilling (a prompt, or everything a preempted request had). Each step holds at most
@@ -16,12 +16,21 @@ When a running request needs a page and none is left, the newest running request
 step is preempted by recompute: its pages are freed and it goes back to the front of the queue, its
 generated tokens kept and re-prefilled with its prompt. add() rejects requests that could never fit.
 
+Sample slots and rollback: a decode row may carry draft tokens (`Request.draft_token_ids`, set by
+a proposer before schedule()): it computes [last token, d1..dk] and samples after each of them.
+update() accepts the drafts the samples confirm (a draft is kept while it equals the token sampled
+before it; the first differing sample, or the one after the last draft, is the bonus token) and
+rolls the rest back: the rejected positions leave num_computed_tokens, pages past the final tokens
+go back to the pool, and only pages whose tokens are all final are offered to the prefix cache.
+
 Not thread-safe: call abort()/finish() from the loop, between schedule() and the next schedule().
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
@@ -33,9 +42,23 @@ class ScheduledRow:
     """The tokens one request contributes to a step (same fields as graphs.step.RowSlice)."""
     request: Request
     start_pos: int
-    token_ids: list[int]
+    token_ids: list[int]      # to compute: uncomputed tokens, then draft_token_ids
     pages: list[int]
     sample: bool       # the row's last token yields a new token (False for a non-final prefill chunk)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        """Sample slots: after the last real token and after each draft."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
+
+
+@dataclass
+class StepUpdate:
+    """What one step added to one request: the tokens appended (1 + accepted drafts, cut at a
+    stop), finished requests included (status and finish_reason say so)."""
+    request: Request
+    token_ids: list[int]
 
 
 @dataclass
@@ -51,7 +74,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, engine_config: EngineConfig, block_manager: BlockManager, max_length: int,
-                 eos_token_ids=()):
+                 eos_token_ids=(), max_draft_tokens: int = 0):
         cfg = engine_config
         if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
             raise ValueError("max_batch_size and max_batch_input_tokens must be >= 1")
@@ -64,6 +87,7 @@ class Scheduler:
         self.bm = block_manager
         self.max_length = max_length
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_draft_tokens = max_draft_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}    # every unfinished request
@@ -149,9 +173,17 @@ class Scheduler:
         chunk = budget if remaining < 2 * m else min(budget, remaining - m)
         return chunk if chunk >= m else 0
 
-    def _row(self, req: Request, n: int) -> ScheduledRow:
+    def _row(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledRow:
         s = req.num_computed_tokens
-        return ScheduledRow(req, s, req.all_token_ids[s:s + n], list(req.pages), s + n == req.num_tokens)
+        return ScheduledRow(req, s, req.all_token_ids[s:s + n] + list(drafts), list(req.pages),
+                            s + n == req.num_tokens, list(drafts))
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The request's draft tokens that fit: the step's budget, the model's length (the
+        last draft's position must fit a page row) and what the request may still generate."""
+        room = min(self.max_draft_tokens, budget - 1, self.max_length - 1 - req.num_tokens,
+                   req.sampling.max_new_tokens - req.num_output_tokens - 1)
+        return list(req.draft_token_ids[:max(0, room)])
 
     def _preempt_newest(self, scheduled: set, preempted: list) -> Request:
         for i in range(len(self.running) - 1, -1, -1):
@@ -182,13 +214,17 @@ class Scheduler:
             if req.is_prefilling:
                 i += 1
                 continue
-            while not self.bm.allocate(req, 1):
+            drafts = self._drafts(req, budget)
+            while not self.bm.allocate(req, 1 + len(drafts)):
+                if drafts:
+                    drafts = []       # drafts never preempt anyone
+                    continue
                 if self._preempt_newest(scheduled, preempted) is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                rows.append(self._row(req, 1))
+                rows.append(self._row(req, 1, drafts))
                 scheduled.add(req.request_id)
-                budget -= 1
+                budget -= 1 + len(drafts)
                 i += 1
         n_decode = len(rows)
 
@@ -245,35 +281,49 @@ class Scheduler:
         self.num_prefill_tokens += num_tokens - n_decode
         return StepPlan(rows, num_tokens, preempted)
 
-    def update(self, plan: StepPlan, sampled_token_ids) -> list[Request]:
-        """Apply a step's results. `sampled_token_ids`: one per row, or one per row with
-        sample=True. Returns the requests that got a token, finished ones included (their
-        status and finish_reason say so)."""
-        sampled = [int(t) for t in sampled_token_ids]
+    def update(self, plan: StepPlan, sampled) -> list[StepUpdate]:
+        """Apply a step's results. `sampled[i]`: row i's sampled tokens, one per sample slot
+        (a bare int for a one-slot row; ignored for rows that do not sample), or the same for
+        the sampling rows only."""
         if len(sampled) != len(plan.rows):
             n_sample = sum(r.sample for r in plan.rows)
             if len(sampled) != n_sample:
                 raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.rows)} rows "
                                  f"({n_sample} sampling)")
             it = iter(sampled)
-            sampled = [next(it) if r.sample else -1 for r in plan.rows]
-        updated = []
-        for row, token in zip(plan.rows, sampled):
+            sampled = [next(it) if r.sample else None for r in plan.rows]
+        updates = []
+        for row, tokens in zip(plan.rows, sampled):
             req = row.request
             if req.status is not RequestStatus.RUNNING:
                 continue                    # finished or aborted since the plan was made
             assert req.num_computed_tokens == row.start_pos, (req, row.start_pos)
-            req.num_computed_tokens += len(row.token_ids)
-            reason = None
-            if row.sample:
+            req.draft_token_ids = []
+            if not row.sample:
+                req.num_computed_tokens += len(row.token_ids)
+                self.bm.cache_full_pages(req)
+                continue
+            tokens = [int(tokens)] if isinstance(tokens, (int, np.integer)) else [int(t) for t in tokens]
+            if len(tokens) != row.num_samples:
+                raise ValueError(f"{len(tokens)} tokens for {row.num_samples} sample slots")
+            accepted = accept_drafts(row.draft_token_ids, tokens)
+            rejected = len(row.draft_token_ids) - (len(accepted) - 1)
+            req.num_computed_tokens += len(row.token_ids) - rejected
+            if rejected:
+                self.bm.truncate(req, req.num_computed_tokens)
+            reason, added = None, []
+            for token in accepted:
                 req.append_token(token)
+                added.append(token)
                 reason = self._stop_reason(req, token)
-                updated.append(req)
+                if reason is not None:
+                    break
             self.bm.cache_full_pages(req)
+            updates.append(StepUpdate(req, added))
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
-        return updated
+        return updates
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling
@@ -293,3 +343,15 @@ class Scheduler:
                 "scheduled_tokens": self.num_scheduled_tokens, "prefill_tokens": self.num_prefill_tokens,
                 "decode_tokens": self.num_decode_tokens, "waiting": len(self.waiting),
                 "running": len(self.running), **self.bm.stats()}
+
+
+def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a row emits: sampled[i] is the token after draft i (sampled[0] after the last
+    real token). A draft stands while it equals the token sampled before it; the emitted tokens
+    are the accepted drafts plus the next sample (the bonus token). With a one-hot proposal this
+    is exact rejection sampling: a draft d is kept with probability p(d), and otherwise the
+    sample is drawn from p without d."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return list(sampled[:n + 1])

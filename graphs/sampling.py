@@ -1,15 +1,18 @@
-"""On-device sampling: logits of one step -> token ids (+ logprobs), one compiled function per row bucket.
+"""On-device sampling: logits of one step -> token ids (+ logprobs), part of every step graph.
 
-The model runner calls `build_sampling_arrays` on the host (numpy) for the rows of a step, then
-`sample(logits, arrays, num_top_logprobs)` right after the model step, and fetches the small
-`SampleOutput` with one `jax.device_get`. Every per-request value is an array input, so one
-compilation per (R, V, H, num_top_logprobs) serves every mix of parameters.
+Public API: `build_sampling_arrays` (host, numpy) builds the inputs of a step's sample slots;
+`sample_logits(logits, arrays, num_top_logprobs)` runs inside the compiled step
+(graphs/program.py) on the logits of those slots; `token_logprobs` gives the logprob (and top-k)
+of given tokens. A slot is one position of one row whose next token is sampled: one per row
+today, several per row for speculative decoding. Every per-request value is an array input,
+so one compilation per (S slots, V, H, num_top_logprobs) serves every mix of parameters.
 
-Order of processing, per row:
+Order of processing, per slot ("row" below):
   1. logit_bias (sparse, added to the raw logits, OpenAI), repetition penalty (HF: positive logits
      divided, negative multiplied, for tokens seen in prompt or output), frequency/presence penalties
      (OpenAI: `-= freq * count + pres * (count > 0)` over generated tokens), suppression (-inf; used
-     for EOS/stop ids while fewer than `min_tokens` tokens were generated).
+     for EOS/stop ids while fewer than `min_tokens` tokens were generated), then the token mask
+     (packed allow-bits, e.g. from a grammar: disallowed tokens get -inf; all ones when unused).
   2. logprobs are `log_softmax` of these processed logits, before temperature/top-k/top-p/min-p
      (vLLM's "processed" convention: what the model, with the user's penalties, thinks of the token).
   3. temperature, then top-k, then top-p on the top-k-renormalized distribution, then min-p
@@ -38,13 +41,11 @@ penalty; rows without penalties are left unfilled on the host.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from maxjax.engine.types import SamplingParams
 
 MAX_LOGIT_BIAS = 64        # B: logit_bias entries per request
 MAX_SUPPRESS = 16          # S: ids suppressed while min_tokens is not reached (EOS + stop_token_ids)
@@ -71,20 +72,33 @@ class SamplingArrays:
     history: jax.Array            # i32[R, H]: prompt then output ids, -1 padded
     output_start: jax.Array       # i32[R]: index in `history` of the first generated token
     logprobs: jax.Array           # bool[R]: the row returns logprobs (else they are skipped)
+    token_mask: jax.Array         # u32[R, ceil(V/32)]: bit t % 32 of word t // 32 allows token t
 
     @classmethod
-    def abstract(cls, R: int, history_len: int, max_logit_bias: int = MAX_LOGIT_BIAS,
-                 max_suppress: int = MAX_SUPPRESS) -> "SamplingArrays":
-        """ShapeDtypeStructs of a bucket, for ahead-of-time lowering (`sample.lower`)."""
-        f32, i32 = jnp.float32, jnp.int32
-        s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
-        return cls(temperature=s((R,), f32), top_k=s((R,), i32), top_p=s((R,), f32),
-                   min_p=s((R,), f32), frequency_penalty=s((R,), f32),
-                   presence_penalty=s((R,), f32), repetition_penalty=s((R,), f32),
-                   seed=s((R, 2), jnp.uint32), step=s((R,), i32),
-                   bias_ids=s((R, max_logit_bias), i32), bias_values=s((R, max_logit_bias), f32),
-                   suppress_ids=s((R, max_suppress), i32), history=s((R, history_len), i32),
-                   output_start=s((R,), i32), logprobs=s((R,), jnp.bool_))
+    def abstract(cls, R: int, history_len: int, vocab_size: int = 0) -> "SamplingArrays":
+        """ShapeDtypeStructs of a bucket, for ahead-of-time lowering."""
+        return _abstract(build_sampling_arrays([], R, history_len, vocab_size=vocab_size))
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+ALL_ALLOWED = np.uint32(0xFFFFFFFF)
+
+
+def mask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+class SampleSlot(NamedTuple):
+    """One sampled position: its request's parameters and tokens so far, and where it is."""
+    params: Any                   # maxjax.engine.types.SamplingParams (read by attribute)
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]     # generated before this step
+    seed: int                     # the request's fixed 64-bit seed
+    offset: int = 0               # the slot's index among its row's slots (k-th next token)
+    token_mask: np.ndarray | None = None   # u32[ceil(V/32)] allow-bits; None: all allowed
 
 
 class SampleOutput(NamedTuple):
@@ -101,19 +115,14 @@ jax.export.register_pytree_node_serialization(
 jax.export.register_namedtuple_serialization(SampleOutput, serialized_name="maxjax.SampleOutput")
 
 
-def new_seed(rng: np.random.Generator | None = None) -> int:
-    """A fresh 64-bit seed for a request that gave none (drawn once, at admission)."""
-    rng = rng or np.random.default_rng()
-    return int(rng.integers(0, 2**63, dtype=np.int64))
-
-
-def build_sampling_arrays(rows: Sequence[tuple[SamplingParams, Sequence[int], Sequence[int], int]],
-                          R: int, history_len: int, eos_token_ids: Sequence[int] = (),
+def build_sampling_arrays(rows: Sequence[tuple], R: int, history_len: int,
+                          eos_token_ids: Sequence[int] = (), vocab_size: int = 0,
                           max_logit_bias: int = MAX_LOGIT_BIAS,
                           max_suppress: int = MAX_SUPPRESS) -> SamplingArrays:
-    """Host-side (numpy) arrays for `sample`. Each row is (params, prompt_ids, output_ids, seed),
-    seed being the request's fixed seed (params.seed or `new_seed()` drawn at admission). Rows past
-    len(rows) up to R are greedy padding."""
+    """Host-side (numpy) arrays for `sample_logits`. Each row is a `SampleSlot` (or a tuple of
+    its fields: params, prompt_ids, output_ids, seed[, offset, token_mask]), seed being the
+    request's fixed seed (params.seed or `new_seed()` drawn at admission). Rows past len(rows) up
+    to R are greedy padding. `vocab_size` sizes the token mask (0: no mask input)."""
     if len(rows) > R:
         raise ValueError(f"{len(rows)} rows do not fit the bucket R={R}")
     H = history_len
@@ -127,8 +136,12 @@ def build_sampling_arrays(rows: Sequence[tuple[SamplingParams, Sequence[int], Se
         bias_values=np.zeros((R, max_logit_bias), np.float32),
         suppress_ids=np.full((R, max_suppress), -1, np.int32),
         history=np.full((R, H), -1, np.int32), output_start=np.zeros(R, np.int32),
-        logprobs=np.zeros(R, np.bool_))
-    for r, (p, prompt_ids, output_ids, seed) in enumerate(rows):
+        logprobs=np.zeros(R, np.bool_),
+        token_mask=np.full((R, mask_words(vocab_size)), ALL_ALLOWED, np.uint32))
+    for r, row in enumerate(rows):
+        p, prompt_ids, output_ids, seed, offset, token_mask = SampleSlot(*row)
+        if token_mask is not None:
+            a["token_mask"][r] = token_mask
         a["temperature"][r] = 0.0 if p.greedy else p.temperature   # top_k=1: the argmax fast path
         a["top_k"][r] = p.top_k
         a["top_p"][r] = p.top_p
@@ -139,7 +152,7 @@ def build_sampling_arrays(rows: Sequence[tuple[SamplingParams, Sequence[int], Se
         a["repetition_penalty"][r] = p.repetition_penalty
         seed = int(seed) & (2**64 - 1)
         a["seed"][r] = (seed >> 32, seed & 0xFFFFFFFF)
-        a["step"][r] = len(output_ids)
+        a["step"][r] = len(output_ids) + offset
         if p.logit_bias:
             if len(p.logit_bias) > max_logit_bias:
                 raise ValueError(f"logit_bias: at most {max_logit_bias} entries "
@@ -147,7 +160,7 @@ def build_sampling_arrays(rows: Sequence[tuple[SamplingParams, Sequence[int], Se
             ids, vals = zip(*p.logit_bias.items())
             a["bias_ids"][r, :len(ids)] = ids
             a["bias_values"][r, :len(ids)] = vals
-        if len(output_ids) < p.min_tokens:
+        if len(output_ids) + offset < p.min_tokens:
             sup = list(dict.fromkeys([*eos_token_ids, *p.stop_token_ids]))
             if len(sup) > max_suppress:
                 raise ValueError(f"stop_token_ids: at most {max_suppress - len(eos_token_ids)} "
@@ -192,7 +205,18 @@ def process_logits(logits: jax.Array, a: SamplingArrays) -> jax.Array:
     any_penalty = jnp.any((a.frequency_penalty != 0) | (a.presence_penalty != 0)
                           | (a.repetition_penalty != 1))
     logits = jax.lax.cond(any_penalty, _penalize, lambda l, _: l, logits, a)
-    return logits.at[rows, oob(a.suppress_ids)].set(-jnp.inf, mode="drop")
+    logits = logits.at[rows, oob(a.suppress_ids)].set(-jnp.inf, mode="drop")
+    if a.token_mask.shape[1] == 0:
+        return logits
+    return jax.lax.cond(jnp.any(a.token_mask != ALL_ALLOWED), _apply_mask, lambda l, _: l,
+                        logits, a.token_mask)
+
+
+def _apply_mask(logits: jax.Array, packed: jax.Array) -> jax.Array:
+    V = logits.shape[1]
+    bits = (packed[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+    allowed = bits.reshape(packed.shape[0], -1)[:, :V] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _bisect_threshold(bits: jax.Array, ok_fn, hi: jax.Array) -> jax.Array:
@@ -325,29 +349,29 @@ def _top(logprobs: jax.Array, k: int):
     return ids.astype(jnp.int32), vals
 
 
-def _sample(logits: jax.Array, a: SamplingArrays, num_top_logprobs: int) -> SampleOutput:
+def sample_logits(logits: jax.Array, a: SamplingArrays, num_top_logprobs: int) -> SampleOutput:
+    """Token ids (and, for slots that ask, logprobs) from the logits f32[S, V] of S slots."""
     logits = process_logits(logits, a)
     all_greedy = jnp.all(a.temperature == 0)
     token_ids = jax.lax.cond(all_greedy, lambda l, _: jnp.argmax(l, -1).astype(jnp.int32),
                              _sample_rows, logits, a)
     # ~70% of a greedy 32-row sampling step on the CPU (tools/bench_step.py): only when asked
     chosen, top_ids, top_lp = jax.lax.cond(
-        jnp.any(a.logprobs), lambda l, t: _prompt_logprobs(l, t, num_top_logprobs),
+        jnp.any(a.logprobs), lambda l, t: token_logprobs(l, t, num_top_logprobs),
         lambda l, t: no_logprobs(l.shape[0], num_top_logprobs), logits, token_ids)
     return SampleOutput(token_ids, chosen, top_ids, top_lp)
 
 
-sample = jax.jit(_sample, static_argnames=("num_top_logprobs",))
-sample.__doc__ = """sample(logits f32[R, V], arrays, num_top_logprobs: static int) -> SampleOutput."""
+sample = jax.jit(sample_logits, static_argnames=("num_top_logprobs",))
 
 
 def no_logprobs(n: int, num_top_logprobs: int):
-    """Zeros in the shape of `_prompt_logprobs`' result, for steps that skip it."""
+    """Zeros in the shape of `token_logprobs`' result, for steps that skip it."""
     return (jnp.zeros(n, jnp.float32), jnp.zeros((n, num_top_logprobs), jnp.int32),
             jnp.zeros((n, num_top_logprobs), jnp.float32))
 
 
-def _prompt_logprobs(logits_all: jax.Array, token_ids: jax.Array, num_top_logprobs: int):
+def token_logprobs(logits_all: jax.Array, token_ids: jax.Array, num_top_logprobs: int):
     """Logprob of each given token (logits_all[t] predicts token_ids[t]) and the top-k: prompt
     logprobs, and the sampled tokens' logprobs."""
     logits_all = logits_all.astype(jnp.float32)
@@ -357,7 +381,4 @@ def _prompt_logprobs(logits_all: jax.Array, token_ids: jax.Array, num_top_logpro
     return chosen, top_ids, top_lp - lse[:, None]
 
 
-prompt_logprobs = jax.jit(_prompt_logprobs, static_argnames=("num_top_logprobs",))
-prompt_logprobs.__doc__ = ("prompt_logprobs(logits_all f32[T, V], token_ids i32[T], "
-                           "num_top_logprobs) -> (logprobs[T], top_ids[T, K], top_logprobs[T, K]); "
-                           "logits_all[t] are the logits that predict token_ids[t].")
+prompt_logprobs = jax.jit(token_logprobs, static_argnames=("num_top_logprobs",))

@@ -1,0 +1,83 @@
+"""The compiled program: one step graph per bucket, the model step fused with sampling.
+
+`step_program` is the function every executable runs; `step_graph_specs` gives, for a bucket set,
+everything needed to trace, compile or export each graph (function, abstract arguments, donated
+arguments) without allocating anything. The engine's ModelRunner compiles these specs (or loads
+them from artifacts, maxjax/aot/), and AOT export reads them from here and nowhere else.
+
+Inputs: (params, kv, step: StepInputs, samp: SamplingArrays) -> ((SampleOutput, PromptLogprobs), kv)
+with the KV pool donated. Logits never leave the device: only the sample slots' token ids and
+logprobs (and, in steps that ask, prompt logprobs) come back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from maxjax.graphs import sampling
+from maxjax.graphs.step import step_input_specs
+
+KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step, samp)
+
+
+class PromptLogprobs(NamedTuple):
+    logprobs: jax.Array       # f32[T]: logprob of step.next_token after each slot
+    top_ids: jax.Array        # i32[T, K]
+    top_logprobs: jax.Array   # f32[T, K]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Everything needed to trace, export or compile one graph, without running it."""
+    name: str
+    bucket: Any              # maxjax.engine.buckets.Bucket: num_tokens, num_rows, num_samples
+    fn: Callable
+    args: tuple              # pytree of jax.ShapeDtypeStruct
+    donate_argnums: tuple
+
+
+def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, samp):
+    """The compiled step: model, sampling of the sample slots, and (only in steps that ask)
+    prompt logprobs of every token slot."""
+    if arch.hidden_states is None:
+        logits, kv = arch.forward(cfg, params, kv, step)
+        out = sampling.sample_logits(logits, samp, num_top_logprobs)
+        return (out, _no_prompt_logprobs(step, num_top_logprobs)), kv
+    h, kv = arch.hidden_states(cfg, params, kv, step)
+    logits = arch.lm_logits(cfg, params, h[step.sample_idx])
+    out = sampling.sample_logits(logits, samp, num_top_logprobs)
+
+    def prompt_lps(h):
+        lps = sampling.token_logprobs(arch.lm_logits(cfg, params, h),
+                                      jnp.maximum(step.next_token, 0), num_top_logprobs)
+        return PromptLogprobs(*lps)
+
+    plp = jax.lax.cond(jnp.any(step.next_token >= 0), prompt_lps,
+                       lambda h: _no_prompt_logprobs(step, num_top_logprobs), h)
+    return (out, plp), kv
+
+
+def _no_prompt_logprobs(step, k: int) -> PromptLogprobs:
+    return PromptLogprobs(*sampling.no_logprobs(step.token_ids.shape[0], k))
+
+
+def abstract(tree):
+    """ShapeDtypeStructs of a pytree of arrays (or of ShapeDtypeStructs)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, history_len: int,
+                     num_top_logprobs: int) -> list[GraphSpec]:
+    """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones."""
+    fn = partial(step_program, arch, cfg, num_top_logprobs)
+    params, kv = abstract(params), abstract(kv)
+    specs = []
+    for b in sorted(buckets):
+        step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples)
+        samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
+        specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED))
+    return specs
