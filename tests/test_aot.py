@@ -121,7 +121,7 @@ def test_manifest_and_cuda_exports(warmed):
         T, R = g["bucket"]
         assert sig["in"]["step"][0] == [[T], "int32"]
         assert sig["out"]["sample"][0] == [[R], "int32"]          # sampled token ids
-        assert g["output_structure"]["tuple"][0]["namedtuple"] == "maxjax.engine.sampling:SampleOutput"
+        assert g["output_structure"]["tuple"][0]["namedtuple"] == "maxjax.graphs.sampling:SampleOutput"
         assert aot.mf.spec_leaves(g["output_structure"]) == g["sample_outputs"] == len(sig["out"]["sample"])
         assert sig["out"]["kv"] == sig["in"]["kv"]                  # the donated pool comes back
 

@@ -25,7 +25,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 # Source files whose code ends up in a step graph: an artifact built from other code is stale
 # even when every shape matches.
-_GRAPH_CODE = ("graphs", "maxjax/engine/sampling.py", "maxjax/engine/runner.py",
+_GRAPH_CODE = ("graphs", "maxjax/engine/runner.py",
                "maxjax/aot/")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
