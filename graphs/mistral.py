@@ -1,7 +1,7 @@
 """MistralForCausalLM: Llama with an optional sliding window on every layer.
 
 transformers' mask: the key at position k is visible to the query at q iff 0 <= q - k < window
-(masking_utils.sliding_window_overlay); layers.paged_attention applies the same rule.
+(masking_utils.sliding_window_overlay); graphs/attention.py applies the same rule.
 No GGUF arch: llama.cpp writes Mistral checkpoints as "llama" (without the window).
 """
 from maxjax.graphs.arch import Architecture, base_config

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from maxjax.graphs import sampling
+from maxjax.graphs.attention import AttentionBackend
 from maxjax.graphs.step import step_input_specs
 
 KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step, samp)
@@ -71,13 +72,15 @@ def abstract(tree):
 
 
 def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, history_len: int,
-                     num_top_logprobs: int) -> list[GraphSpec]:
-    """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones."""
+                     num_top_logprobs: int,
+                     backend: AttentionBackend | None = None) -> list[GraphSpec]:
+    """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones;
+    `backend`: the attention backend (graphs/attention.py; None: the default platform's)."""
     fn = partial(step_program, arch, cfg, num_top_logprobs)
     params, kv = abstract(params), abstract(kv)
     specs = []
     for b in sorted(buckets):
-        step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples)
+        step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend)
         samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
         specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED))
     return specs

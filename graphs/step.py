@@ -11,18 +11,18 @@ slot's token slot, and unused slots point at token 0 (their samples are ignored)
 
 Padding tokens write their K/V into page 0, which the block manager never hands out.
 
-Attention runs over query blocks: each block holds up to B consecutive tokens of one row, so a
-row's K/V pages are read once per block instead of once per token. (blocks, B) is a function of
-the bucket (`attention_blocks`); decode-only buckets get B = 1.
+What the attention kernel needs beyond the page table (e.g. query blocks) is the attention
+backend's own metadata, `attn` (graphs/attention.py), built with the rest of the step.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
+
+from maxjax.graphs.attention import AttentionBackend, backend_for
 
 SCRATCH_PAGE = 0
 
@@ -34,10 +34,7 @@ class StepInputs:
     positions: jax.Array      # int32[T]  position of each token in its sequence
     slot_mapping: jax.Array   # int32[T]  page * page_size + offset each token's K/V is written to
     page_table: jax.Array     # int32[R, P] pages of each request row, in order
-    block_tokens: jax.Array   # int32[NB, B] token slot of each query of each attention block
-    block_pos: jax.Array      # int32[NB, B] position of each block query; -1: padding
-    block_row: jax.Array      # int32[NB] request row each block belongs to
-    token_block: jax.Array    # int32[T]  flat (block * B + query) index of each token slot
+    attn: Any                 # the attention backend's metadata (graphs/attention.py)
     sample_idx: jax.Array     # int32[S]  token slot whose next token each sample slot samples
     next_token: jax.Array     # int32[T]  prompt token after each slot, for prompt logprobs; -1: none
 
@@ -56,42 +53,25 @@ class RowSlice:
     num_samples: int = 1      # sample slots at the row's last tokens
 
 
-@functools.cache
-def attention_blocks(num_tokens: int, num_rows: int) -> tuple[int, int]:
-    """(number of blocks, block size B) for a bucket: enough blocks for any mix of up to
-    `num_rows` rows and `num_tokens` tokens, B chosen by a cost measured on the CPU
-    (BENCHMARKS.md, step graph): a block costs about one page gather plus B/8 of one in matmuls."""
-    best = None
-    b = 1
-    while b <= num_tokens:
-        blocks = min(num_tokens, -(-(num_tokens + num_rows * (b - 1)) // b))
-        cost = blocks * (8 + b)
-        if best is None or cost < best[0]:
-            best = (cost, blocks, b)
-        b *= 2
-    return best[1], best[2]
-
-
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
-                     num_samples: int | None = None) -> StepInputs:
+                     num_samples: int | None = None,
+                     backend: AttentionBackend | None = None) -> StepInputs:
     i32 = np.int32
-    nb, b = attention_blocks(num_tokens, num_rows)
+    backend = backend or backend_for()
     return StepInputs(
         token_ids=jax.ShapeDtypeStruct((num_tokens,), i32),
         positions=jax.ShapeDtypeStruct((num_tokens,), i32),
         slot_mapping=jax.ShapeDtypeStruct((num_tokens,), i32),
         page_table=jax.ShapeDtypeStruct((num_rows, max_pages), i32),
-        block_tokens=jax.ShapeDtypeStruct((nb, b), i32),
-        block_pos=jax.ShapeDtypeStruct((nb, b), i32),
-        block_row=jax.ShapeDtypeStruct((nb,), i32),
-        token_block=jax.ShapeDtypeStruct((num_tokens,), i32),
+        attn=backend.metadata_specs(num_tokens, num_rows),
         sample_idx=jax.ShapeDtypeStruct((num_samples or num_rows,), i32),
         next_token=jax.ShapeDtypeStruct((num_tokens,), i32),
     )
 
 
 def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, max_pages: int,
-                      page_size: int, num_samples: int | None = None) -> StepInputs:
+                      page_size: int, num_samples: int | None = None,
+                      backend: AttentionBackend | None = None) -> StepInputs:
     """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
     bucket."""
     n = sum(len(r.token_ids) for r in rows)
@@ -103,12 +83,6 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slots = np.full(num_tokens, SCRATCH_PAGE * page_size, np.int32)
-    nb, b = attention_blocks(num_tokens, num_rows)
-    block_tokens = np.zeros((nb, b), np.int32)
-    block_pos = np.full((nb, b), -1, np.int32)
-    block_row = np.zeros(nb, np.int32)
-    token_block = np.zeros(num_tokens, np.int32)
-    blk = 0
     page_table = np.full((num_rows, max_pages), SCRATCH_PAGE, np.int32)
     sample_idx = np.zeros(num_samples, np.int32)
     s = 0
@@ -123,13 +97,6 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         token_ids[t:t + k] = row.token_ids
         positions[t:t + k] = pos
         slots[t:t + k] = pages[pos // page_size] * page_size + pos % page_size
-        for i in range(0, k, b):
-            n = min(b, k - i)
-            block_tokens[blk, :n] = np.arange(t + i, t + i + n)
-            block_pos[blk, :n] = pos[i:i + n]
-            block_row[blk] = r
-            token_block[t + i:t + i + n] = blk * b + np.arange(n)
-            blk += 1
         page_table[r, :len(pages)] = pages
         if not 0 <= row.num_samples <= k:
             raise ValueError(f"row {r}: {row.num_samples} sample slots for {k} tokens")
@@ -138,5 +105,5 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         if getattr(row, "next_tokens", None) is not None:   # scheduler rows carry none
             next_token[t:t + k] = row.next_tokens
         t += k
-    return StepInputs(token_ids, positions, slots, page_table, block_tokens, block_pos, block_row,
-                      token_block, sample_idx, next_token)
+    attn = (backend or backend_for()).build_metadata(rows, num_tokens, num_rows)
+    return StepInputs(token_ids, positions, slots, page_table, attn, sample_idx, next_token)

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from maxjax.engine.buckets import bucket_set
-from maxjax.graphs.step import RowSlice, attention_blocks, build_step_inputs
+from maxjax.graphs.attention import attention_blocks
+from maxjax.graphs.step import RowSlice, build_step_inputs
 
 
 def test_decode_buckets_use_one_token_blocks():
@@ -28,13 +29,14 @@ def test_any_mix_of_rows_fits_its_bucket_blocks(seed):
             pages = list(range(100 * r + 1, 100 * r + 1 + (start + n) // 8 + 1))
             rows.append(RowSlice(list(range(n)), start, pages))
         step = build_step_inputs(rows, T, R, 64, 8)
-        nb, b = step.block_tokens.shape
+        blocks = step.attn
+        nb, b = blocks.block_tokens.shape
         token_row = np.repeat(np.arange(n_rows), lens)
-        used = step.block_pos >= 0
-        slots = step.block_tokens[used]
+        used = blocks.block_pos >= 0
+        slots = blocks.block_tokens[used]
         assert sorted(slots) == list(range(int(lens.sum())))        # each token once
-        assert np.array_equal(step.block_pos[used], step.positions[slots])
-        assert np.array_equal(np.broadcast_to(step.block_row[:, None], (nb, b))[used],
+        assert np.array_equal(blocks.block_pos[used], step.positions[slots])
+        assert np.array_equal(np.broadcast_to(blocks.block_row[:, None], (nb, b))[used],
                               token_row[slots])                       # a block holds one row
-        flat = step.token_block[: lens.sum()]
-        assert np.array_equal(step.block_tokens.reshape(-1)[flat], np.arange(lens.sum()))
+        flat = blocks.token_block[: lens.sum()]
+        assert np.array_equal(blocks.block_tokens.reshape(-1)[flat], np.arange(lens.sum()))

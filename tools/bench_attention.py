@@ -1,18 +1,22 @@
 """The SmolLM2 step (random f32 weights, greedy) on attention-heavy mixes, optionally against the
 paged attention of another git revision, interleaved in one process: this machine's speed drifts
-by up to ~25% over minutes, so separate runs cannot resolve a 10% change.
+by up to ~25% over minutes, so separate runs cannot resolve a 10% change. A revision's attention
+is graphs/attention.py `query_block_attention`, or, before that file existed, graphs/layers.py
+`paged_attention` (which read the query blocks from the step itself).
 
     .venv/bin/python tools/bench_attention.py [--against REV] [--iters 10]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import maxjax  # noqa: F401  (sets the XLA defaults before JAX starts)
 import jax
@@ -25,7 +29,7 @@ from bench_step import ARCH, SMOLLM2  # noqa: E402
 from maxjax.graphs import sampling  # noqa: E402
 from maxjax.graphs.program import step_program  # noqa: E402
 from maxjax.engine.types import SamplingParams  # noqa: E402
-from maxjax.graphs import decoder, layers  # noqa: E402
+from maxjax.graphs import attention, decoder  # noqa: E402
 from maxjax.graphs.step import RowSlice, build_step_inputs  # noqa: E402
 
 PAGE, POOL_PAGES, MAX_PAGES = 32, 400, 128
@@ -47,16 +51,31 @@ CASES = {   # name: (rows, bucket T, bucket R)
 }
 
 
-def attention_at(rev: str):
-    src = subprocess.run(["git", "show", f"{rev}:graphs/layers.py"], capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(tempfile.mkdtemp(), "layers_at_rev.py")
-    with open(path, "w") as f:
+def _module_at(rev: str, path: str):
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if src.returncode:
+        return None
+    file = os.path.join(tempfile.mkdtemp(), "attention_at_rev.py")
+    with open(file, "w") as f:
         f.write(src.stdout)
-    spec = importlib.util.spec_from_file_location("layers_at_rev", path)
+    spec = importlib.util.spec_from_file_location("attention_at_rev", file)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.paged_attention
+    return mod
+
+
+def attention_at(rev: str):
+    mod = _module_at(rev, "graphs/attention.py")
+    if mod is not None:
+        return mod.query_block_attention
+    old = _module_at(rev, "graphs/layers.py").paged_attention
+
+    def flat(q, k_pool, v_pool, layer, step, window, scale, softcap=None):
+        fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+        fields.update({f.name: getattr(step.attn, f.name) for f in dataclasses.fields(step.attn)})
+        return old(q, k_pool, v_pool, layer, types.SimpleNamespace(**fields), window, scale, softcap)
+    return flat
 
 
 def main():
@@ -64,7 +83,7 @@ def main():
     ap.add_argument("--against", help="git revision whose graphs/layers.py paged_attention to compare")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
-    impls = {"current": layers.paged_attention}
+    impls = {"current": attention.query_block_attention}
     if args.against:
         impls[args.against] = attention_at(args.against)
     cfg = SMOLLM2
@@ -76,9 +95,12 @@ def main():
     for case, (rows, T, R) in CASES.items():
         inputs[case] = (build_step_inputs(rows, T, R, MAX_PAGES, PAGE),
                         sampling.build_sampling_arrays(
-                            [(SamplingParams(temperature=0.0), [1], [], 0)] * len(rows), R, 64))
+                            [(SamplingParams(temperature=0.0), [1], [], 0)] * len(rows), R, 64,
+                            vocab_size=cfg.vocab_size))
     for name, fn in impls.items():
-        layers.paged_attention = fn       # read when the step is traced
+        # read when the step is traced
+        attention._BY_METADATA[attention.QueryBlocks] = dataclasses.replace(
+            attention.QUERY_BLOCKS, attend=fn)
         step = jax.jit(lambda p, kv, st, sa: step_program(ARCH, cfg, 20, p, kv, st, sa),
                        donate_argnums=(1,))
         for case, (st, sa) in inputs.items():

@@ -59,7 +59,8 @@ def main():
         T = 1 << (sum(len(r.token_ids) for r in rows) - 1).bit_length()
         R = 1 << (len(rows) - 1).bit_length()
         st = build_step_inputs(rows, T, R, max_pages, page)
-        sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * len(rows), R, 4096)
+        sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * len(rows), R, 4096,
+                                            vocab_size=cfg.vocab_size)
         t = time.perf_counter()
         c = fn.lower(params, kv, st, sa).compile()
         compile_s = time.perf_counter() - t
@@ -82,7 +83,8 @@ def bench_sampling(R: int, vocab: int, iters: int):
     logits = jax.random.normal(jax.random.PRNGKey(1), (R, vocab), jnp.float32)
     fn = jax.jit(lambda l, a: sampling.sample_logits(l, a, 20))
     arrays = {lp: sampling.build_sampling_arrays(
-        [(SamplingParams(temperature=0, logprobs=lp), [1], [], 0)] * R, R, 64) for lp in (False, True)}
+        [(SamplingParams(temperature=0, logprobs=lp), [1], [], 0)] * R, R, 64,
+        vocab_size=SMOLLM2.vocab_size) for lp in (False, True)}
     times = {False: [], True: []}
     for _ in range(iters + 1):
         for lp, a in arrays.items():

@@ -19,6 +19,7 @@ import numpy as np
 from maxjax.engine.buckets import Bucket, pick_bucket
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
+from maxjax.graphs.attention import backend_for
 from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.program import GraphSpec, step_graph_specs
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
@@ -70,11 +71,12 @@ class ModelRunner:
         self.kv = init_kv(self.cfg, num_pages, page_size, model.params["embed"].dtype)
         self.executables: dict[Bucket, Callable] = {}
         self.eos = tuple(self.cfg.eos_token_ids)
+        self.attention = backend_for(jax.default_backend())
         self.last_timing: dict[str, float] = {}
 
     def graph_specs(self) -> list[GraphSpec]:
         return step_graph_specs(self.model.arch, self.cfg, self.model.params, self.kv, self.buckets,
-                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS)
+                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention)
 
     def compile_all(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         specs = self.graph_specs()
@@ -103,7 +105,7 @@ class ModelRunner:
             rows = [RowSlice([0] * n, 0, [SCRATCH_PAGE] * -(-n // self.page_size))] + [
                 RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
             step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size,
-                                     b.num_samples)
+                                     b.num_samples, self.attention)
             for params in (greedy, sampled):
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
                                                       b.num_samples, self.history_len, self.eos,
@@ -120,7 +122,7 @@ class ModelRunner:
                  for r in rows for j in range(r.slice.num_samples)]
         bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
-                                 self.max_pages, self.page_size, bucket.num_samples)
+                                 self.max_pages, self.page_size, bucket.num_samples, self.attention)
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()

@@ -1,0 +1,175 @@
+"""Attention over KV pages, behind one seam: a backend is the per-bucket metadata it needs (specs
+for tracing, numpy arrays built on the host for each step) plus its `attend` function.
+
+`backend_for(platform)` picks the backend; the step carries its metadata as `StepInputs.attn`,
+and `attend` dispatches on that metadata's type, so the decoder never names a kernel. Today every
+platform runs the query-block algorithm below (written for XLA:CPU); a GPU kernel plugs in as
+another backend.
+
+Query blocks: each block holds up to B consecutive tokens of one row, so a row's K/V pages are
+read once per block instead of once per token. (blocks, B) is a function of the bucket
+(`attention_blocks`); decode-only buckets get B = 1.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG_INF = -1e30
+# Query tokens per chunk of attention blocks: best of 4-32 on the CPU (tools/bench_attention.py).
+_CHUNK_QUERIES = 8
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    metadata_specs: Callable[[int, int], Any]                 # (T, R) -> ShapeDtypeStructs
+    build_metadata: Callable[[Sequence, int, int], Any]       # (rows, T, R) -> numpy pytree
+    attend: Callable    # (q, k_pool, v_pool, layer, step, window, scale, softcap) -> [T, H, hd]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QueryBlocks:
+    block_tokens: jax.Array   # int32[NB, B] token slot of each query of each attention block
+    block_pos: jax.Array      # int32[NB, B] position of each block query; -1: padding
+    block_row: jax.Array      # int32[NB] request row each block belongs to
+    token_block: jax.Array    # int32[T]  flat (block * B + query) index of each token slot
+
+
+@functools.cache
+def attention_blocks(num_tokens: int, num_rows: int) -> tuple[int, int]:
+    """(number of blocks, block size B) for a bucket: enough blocks for any mix of up to
+    `num_rows` rows and `num_tokens` tokens, B chosen by a cost measured on the CPU
+    (BENCHMARKS.md, step graph): a block costs about one page gather plus B/8 of one in matmuls."""
+    best = None
+    b = 1
+    while b <= num_tokens:
+        blocks = min(num_tokens, -(-(num_tokens + num_rows * (b - 1)) // b))
+        cost = blocks * (8 + b)
+        if best is None or cost < best[0]:
+            best = (cost, blocks, b)
+        b *= 2
+    return best[1], best[2]
+
+
+def query_block_specs(num_tokens: int, num_rows: int) -> QueryBlocks:
+    nb, b = attention_blocks(num_tokens, num_rows)
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+    return QueryBlocks(s(nb, b), s(nb, b), s(nb), s(num_tokens))
+
+
+def build_query_blocks(rows: Sequence, num_tokens: int, num_rows: int) -> QueryBlocks:
+    """Rows (RowSlice-like: token_ids, start_pos) in token-slot order; padding blocks after."""
+    nb, b = attention_blocks(num_tokens, num_rows)
+    block_tokens = np.zeros((nb, b), np.int32)
+    block_pos = np.full((nb, b), -1, np.int32)
+    block_row = np.zeros(nb, np.int32)
+    token_block = np.zeros(num_tokens, np.int32)
+    blk = t = 0
+    for r, row in enumerate(rows):
+        k = len(row.token_ids)
+        for i in range(0, k, b):
+            n = min(b, k - i)
+            block_tokens[blk, :n] = np.arange(t + i, t + i + n)
+            block_pos[blk, :n] = np.arange(row.start_pos + i, row.start_pos + i + n)
+            block_row[blk] = r
+            token_block[t + i:t + i + n] = blk * b + np.arange(n)
+            blk += 1
+        t += k
+    return QueryBlocks(block_tokens, block_pos, block_row, token_block)
+
+
+def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: float,
+                          softcap=None):
+    """Causal attention of each token over its request's KV pages, one page at a time.
+
+    q [T, H, hd]; pools [L, N, KV, page, hd], already holding this step's keys. Queries are
+    regrouped into the step's attention blocks, so each page is gathered once per block and both
+    products are batched matmuls of (B x group) queries against a contiguous [page, hd] block,
+    with no transposes of K or V. Blocks are visited in chunks of a few (`_CHUNK_QUERIES`): each
+    chunk loops only over the pages its own queries can see (from the first page inside `window`,
+    the layer's sliding window, 0: none), and chunks holding only padding are skipped. An online
+    softmax over pages keeps memory at O(T x page).
+    """
+    meta: QueryBlocks = step.attn
+    T, H, hd = q.shape
+    KV, page_size = k_pool.shape[2], k_pool.shape[3]
+    G = H // KV
+    NB, B = meta.block_tokens.shape
+    M = B * G
+    C = min(NB, max(2, _CHUNK_QUERIES // B))
+    n_chunks = -(-NB // C)
+    pad = n_chunks * C - NB
+    qb = (q.astype(jnp.float32) * scale)[meta.block_tokens]            # [NB, B, H, hd]
+    qb = qb.reshape(NB, B, KV, G, hd).transpose(0, 2, 1, 3, 4).reshape(NB, KV, M, hd)
+    qb = jnp.pad(qb, ((0, pad), (0, 0), (0, 0), (0, 0)))
+    pages = jnp.pad(step.page_table[meta.block_row], ((0, pad), (0, 0)))   # [NB + pad, P]
+    pos = jnp.pad(meta.block_pos, ((0, pad), (0, 0)), constant_values=-1)   # -1: padding
+    chunk_pos = pos.reshape(n_chunks, C * B)
+    last = chunk_pos.max(-1)
+    first = jnp.where(chunk_pos >= 0, chunk_pos, jnp.iinfo(jnp.int32).max).min(-1)
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+
+    def chunk(c, out):
+        qc = jax.lax.dynamic_slice_in_dim(qb, c * C, C)
+        pc = jax.lax.dynamic_slice_in_dim(pages, c * C, C)
+        qpos = jax.lax.dynamic_slice_in_dim(pos, c * C, C)[:, None, :, None, None]
+
+        def body(j, carry):
+            m, l, acc = carry
+            ids = pc[:, j]
+            k = k_pool[layer, ids].astype(jnp.float32)                  # [C, KV, page, hd]
+            v = v_pool[layer, ids].astype(jnp.float32)
+            s = jnp.einsum("nkmd,nkpd->nkmp", qc, k)
+            if softcap is not None:
+                s = softcap * jnp.tanh(s / softcap)
+            kpos = j * page_size + offsets
+            visible = kpos <= qpos
+            if window:
+                visible &= kpos > qpos - window
+            s = jnp.where(visible, s.reshape(C, KV, B, G, page_size), -jnp.inf)
+            s = s.reshape(C, KV, M, page_size)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            l = l * corr + p.sum(-1)
+            acc = acc * corr[..., None] + jnp.einsum("nkmp,nkpd->nkmd", p, v)
+            return m_new, l, acc
+
+        init = (jnp.full((C, KV, M), NEG_INF, jnp.float32), jnp.zeros((C, KV, M), jnp.float32),
+                jnp.zeros((C, KV, M, hd), jnp.float32))
+        start = jnp.maximum(first[c] - window + 1, 0) // page_size if window else 0
+        stop = jnp.minimum(last[c] // page_size + 1, pages.shape[1])
+        _, l, acc = jax.lax.fori_loop(start, stop, body, init)
+        acc = acc / jnp.where(l > 0, l, 1.0)[..., None]                 # padding queries: l == 0
+        return jax.lax.dynamic_update_slice_in_dim(out, acc, c * C, 0)
+
+    # Blocks of real tokens come first, so the chunks holding any are a prefix.
+    if n_chunks == 1:
+        out = chunk(0, jnp.zeros_like(qb))
+    else:
+        out = jax.lax.fori_loop(0, jnp.sum(last >= 0), chunk, jnp.zeros_like(qb))
+    out = out[:NB].reshape(NB, KV, B, G, hd).transpose(0, 2, 1, 3, 4).reshape(NB * B, H, hd)
+    return out[meta.token_block].astype(q.dtype)
+
+
+QUERY_BLOCKS = AttentionBackend("query_blocks", query_block_specs, build_query_blocks,
+                                query_block_attention)
+_BY_METADATA = {QueryBlocks: QUERY_BLOCKS}
+
+
+def backend_for(platform: str | None = None) -> AttentionBackend:
+    """The attention backend for a platform ("cpu", "cuda", ...; None: JAX's default)."""
+    return QUERY_BLOCKS
+
+
+def attend(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):
+    """q [T, H, hd] attends over its rows' pages with the backend whose metadata the step holds."""
+    backend = _BY_METADATA[type(step.attn)]
+    return backend.attend(q, k_pool, v_pool, layer, step, window, scale, softcap)
