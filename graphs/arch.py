@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from maxjax.graphs.config import ModelConfig
-from maxjax.graphs import decoder
+from maxjax.graphs import decoder, sharding
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,13 @@ class Architecture:
     # architecture without them serves everything else.
     hidden_states: Callable | None = decoder.hidden_states
     lm_logits: Callable | None = decoder.lm_logits
-    param_shapes: Callable = decoder.param_shapes
+    param_specs: Callable = decoder.param_specs  # cfg -> pytree of sharding.ArraySpec
     params_from_hf: Callable = decoder.params_from_hf
     gguf_archs: tuple[str, ...] = ()            # GGUF general.architecture values it reads
     description: str = ""
+
+    def param_shapes(self, cfg: ModelConfig) -> dict:
+        return sharding.shapes(self.param_specs(cfg))
 
 
 def rope_params(hf: dict) -> tuple[float, tuple | None]:

@@ -17,45 +17,60 @@ import numpy as np
 
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import layers as L
+from maxjax.graphs import sharding
+from maxjax.graphs.sharding import ArraySpec
 from maxjax.graphs.step import StepInputs
 
 KV = tuple  # (k_pool, v_pool), each [layers, pages, kv_heads, page_size, head_dim]
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The shape of every parameter; the one place the pytree layout is spelled out."""
+def param_specs(cfg: ModelConfig) -> dict:
+    """Every parameter's shape and logical axes (graphs/sharding.py names them); the one place
+    the pytree layout is spelled out."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
-    lay = {"attn_norm": (D,), "wqkv": (D, qkv), "wo": (cfg.q_size, D),
-           "mlp_norm": (D,), "w_gate_up": (D, 2 * F), "w_down": (F, D)}
+    norm = ArraySpec((D,), ("embed",))
+    lay = {"attn_norm": norm, "wqkv": ArraySpec((D, qkv), ("embed", "qkv")),
+           "wo": ArraySpec((cfg.q_size, D), ("q_heads", "embed")), "mlp_norm": norm,
+           "w_gate_up": ArraySpec((D, 2 * F), ("embed", "gate_up")),
+           "w_down": ArraySpec((F, D), ("mlp", "embed"))}
     if cfg.attention_bias:
-        lay["bqkv"] = (qkv,)
+        lay["bqkv"] = ArraySpec((qkv,), ("qkv",))
     if cfg.qk_norm:
-        lay["q_norm"] = (cfg.head_dim,)
-        lay["k_norm"] = (cfg.head_dim,)
+        lay["q_norm"] = lay["k_norm"] = ArraySpec((cfg.head_dim,), ("head_dim",))
     if cfg.post_norms:
-        lay["post_attn_norm"] = (D,)
-        lay["post_mlp_norm"] = (D,)
-    shapes = {"embed": (cfg.vocab_size, D), "final_norm": (D,),
-              "layers": [dict(lay) for _ in range(cfg.num_layers)]}
+        lay["post_attn_norm"] = lay["post_mlp_norm"] = norm
+    table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"))
+    specs = {"embed": table, "final_norm": norm,
+             "layers": [dict(lay) for _ in range(cfg.num_layers)]}
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, D)
-    return shapes
+        specs["lm_head"] = table
+    return specs
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shape of every parameter, from `param_specs`."""
+    return sharding.shapes(param_specs(cfg))
 
 
 def abstract_params(cfg: ModelConfig, dtype) -> dict:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return sharding.abstract(param_specs(cfg), dtype)
+
+
+def kv_pool_specs(cfg: ModelConfig, num_pages: int, page_size: int) -> KV:
+    """The KV pool's shapes and logical axes, one spec per pool."""
+    s = ArraySpec((cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim),
+                  ("layers", "pages", "kv_heads", "page", "head_dim"))
+    return s, s
 
 
 def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple:
-    return (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    return kv_pool_specs(cfg, num_pages, page_size)[0].shape
 
 
 def kv_specs(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
     """The KV pool's ShapeDtypeStructs (nothing allocated)."""
-    s = jax.ShapeDtypeStruct(kv_pool_shape(cfg, num_pages, page_size), dtype)
-    return s, s
+    return sharding.abstract(kv_pool_specs(cfg, num_pages, page_size), dtype)
 
 
 def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
