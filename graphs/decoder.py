@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxjax.graphs.config import ModelConfig
+from maxjax.graphs import attention
 from maxjax.graphs import layers as L
 from maxjax.graphs import sharding
 from maxjax.graphs.sharding import ArraySpec
@@ -85,7 +86,7 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
     page_size = k_pool.shape[3]
     with jax.named_scope("attention"):
         x = L.rms_norm(h, p["attn_norm"], eps, plus1)
-        qkv = x @ p["wqkv"]
+        qkv = L.linear(x, p["wqkv"])
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -100,8 +101,8 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
         k_pool = L.write_kv(k_pool, layer, step.slot_mapping, k, page_size)
         v_pool = L.write_kv(v_pool, layer, step.slot_mapping, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
-        attn = L.paged_attention(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale)
-        out = attn.reshape(T, cfg.q_size) @ p["wo"]
+        attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale)
+        out = L.linear(attn.reshape(T, cfg.q_size), p["wo"])
         if "post_attn_norm" in p:
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
         h = h + out
@@ -139,7 +140,7 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
 def lm_logits(cfg: ModelConfig, params: dict, h):
     """float32 logits [N, vocab] of final hidden states h [N, hidden]."""
     head = params.get("lm_head", params["embed"])
-    logits = jnp.einsum("rd,vd->rv", h, head, preferred_element_type=jnp.float32)
+    logits = L.linear(h, head, transposed=True, out_dtype=jnp.float32)
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits
