@@ -362,7 +362,6 @@ def sample_logits(logits: jax.Array, a: SamplingArrays, num_top_logprobs: int) -
     return SampleOutput(token_ids, chosen, top_ids, top_lp)
 
 
-sample = jax.jit(sample_logits, static_argnames=("num_top_logprobs",))
 
 
 def no_logprobs(n: int, num_top_logprobs: int):
@@ -379,6 +378,3 @@ def token_logprobs(logits_all: jax.Array, token_ids: jax.Array, num_top_logprobs
     chosen = jnp.take_along_axis(logits_all, token_ids[:, None].astype(jnp.int32), 1)[:, 0] - lse
     top_ids, top_lp = _top(logits_all, num_top_logprobs)
     return chosen, top_ids, top_lp - lse[:, None]
-
-
-prompt_logprobs = jax.jit(token_logprobs, static_argnames=("num_top_logprobs",))

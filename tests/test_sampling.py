@@ -8,8 +8,11 @@ import pytest
 
 from maxjax.graphs import sampling
 from maxjax.graphs.sampling import (SamplingArrays, build_sampling_arrays, process_logits,
-                                    prompt_logprobs, sample)
+                                    sample_logits, token_logprobs)
 from maxjax.engine.types import SamplingParams as SP
+
+sample = jax.jit(sample_logits, static_argnames=("num_top_logprobs",))
+prompt_logprobs = jax.jit(token_logprobs, static_argnames=("num_top_logprobs",))
 
 H = 16
 V = 64         # most tests share one (R=4, V) shape: each new shape is a compilation

@@ -16,6 +16,7 @@ from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
 
 PAGE, MAX_PAGES, HISTORY = 8, 8, 64
+sample = jax.jit(sampling.sample_logits, static_argnames=("num_top_logprobs",))
 PROMPT = [3, 17, 99, 4, 250, 8, 61, 12, 5, 300]
 
 
@@ -84,8 +85,8 @@ def test_all_ones_mask_changes_nothing(temperature):
     words = sampling.mask_words(V)
     logits = _logits(4, V)
     ones = np.full(words, 0xFFFFFFFF, np.uint32)
-    free = sampling.sample(logits, _arrays(V, [None] * 4, temperature), num_top_logprobs=3)
-    masked = sampling.sample(logits, _arrays(V, [ones] * 4, temperature), num_top_logprobs=3)
+    free = sample(logits, _arrays(V, [None] * 4, temperature), num_top_logprobs=3)
+    masked = sample(logits, _arrays(V, [ones] * 4, temperature), num_top_logprobs=3)
     for a, b in zip(free, masked):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -100,7 +101,7 @@ def test_one_token_mask_forces_that_token(temperature):
         m = np.zeros(words, np.uint32)
         m[t // 32] = np.uint32(1) << np.uint32(t % 32)
         masks.append(m)
-    out = sampling.sample(_logits(4, V, seed=1), _arrays(V, masks, temperature), num_top_logprobs=2)
+    out = sample(_logits(4, V, seed=1), _arrays(V, masks, temperature), num_top_logprobs=2)
     assert list(np.asarray(out.token_ids)) == forced
     np.testing.assert_allclose(np.asarray(out.logprobs), 0.0, atol=1e-6)   # the only choice
 

@@ -220,9 +220,6 @@ class BlockManager:
         self._ref[page] = 1
         return page
 
-    def can_allocate(self, req: Request, num_new_tokens: int, prefix: PrefixMatch = _NO_MATCH) -> bool:
-        return self._pages_short(req, num_new_tokens, prefix) <= 0
-
     def _pages_short(self, req, num_new_tokens, prefix) -> int:
         held = len(req.pages) + len(prefix.pages)
         total = req.num_computed_tokens + len(prefix.pages) * self.page_size + num_new_tokens
