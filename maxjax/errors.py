@@ -7,6 +7,15 @@ class UserError(Exception):
     """Bad flag, model, checkpoint or artifact; the message names the problem."""
 
 
+class RequestError(ValueError):
+    """A request the engine refuses at admission. `param` is the SamplingParams field at fault
+    (or "prompt"), `reason` says why; the message is "param: reason"."""
+
+    def __init__(self, param: str, reason: str):
+        super().__init__(f"{param}: {reason}")
+        self.param, self.reason = param, reason
+
+
 class QueueFullError(Exception):
     """The engine's request queue is at capacity; the server answers 429 with Retry-After."""
 

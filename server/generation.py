@@ -1,7 +1,8 @@
 """Runs the engine requests of one HTTP request (n choices per prompt) and merges their output
 streams into one, for server/app.py. Owns admission (the server-side queue cap), the mapping of
-engine failures to HTTP errors, the latency metrics, and cleanup: a generation that is closed
-before its choices finish (client gone, handler cancelled, shutdown) aborts them in the engine."""
+engine failures to HTTP errors (a RequestError becomes a 400 naming the request's field), the
+latency metrics, and cleanup: a generation that is closed before its choices finish (client gone,
+handler cancelled, shutdown) aborts them in the engine."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from maxjax.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from maxjax.errors import RequestError
 
 from .engine_client import EngineClient, QueueFullError
 from .metrics import ServerMetrics
@@ -63,8 +65,9 @@ class Generation:
 
     def __init__(self, engine: EngineClient, admission: AdmissionState, metrics: ServerMetrics,
                  base_id: str, prompts: list[list[int]], n: int, params: list[SamplingParams],
-                 cache_salt: str | None, t_arrival: float):
+                 cache_salt: str | None, t_arrival: float, error_names: dict[str, str]):
         self.engine, self.admission, self.metrics = engine, admission, metrics
+        self.error_names = error_names
         self.params, self.cache_salt, self.t_arrival = params, cache_salt, t_arrival
         self.prompts = prompts
         self.choices = [Choice(p * n + j, f"{base_id}-{p * n + j}", p, len(prompts[p]))
@@ -95,7 +98,7 @@ class Generation:
                 item = await self.queue.get()
                 c, out, exc = item
                 if exc is not None:
-                    raise _api_error(exc)
+                    raise _api_error(exc, self.error_names)
                 self.pending.append(item)
                 if not c.started:
                     c.started = True
@@ -135,7 +138,7 @@ class Generation:
             else:
                 c, out, exc = await self.queue.get()
             if exc is not None:
-                raise _api_error(exc)
+                raise _api_error(exc, self.error_names)
             self._account(c, out)
             if out.finished:
                 self.unfinished -= 1
@@ -199,16 +202,18 @@ class Generation:
         return prompt, sum(c.completion_tokens for c in self.choices), cached
 
 
-def _api_error(exc: BaseException) -> APIError:
+def _api_error(exc: BaseException, error_names: dict[str, str]) -> APIError:
+    """An engine exception as an HTTP error; a RequestError's field as its request name."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc) or "the engine queue is full; retry later",
                         code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, RequestError):
+        param = error_names.get(exc.param, exc.param)
+        return APIError(400, f"{param}: {exc.reason}", param=param)
     if isinstance(exc, ValueError):
-        msg = str(exc) or "invalid request"
-        param = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
-        return APIError(400, msg, param=param)
+        return APIError(400, str(exc) or "invalid request")
     log.error("engine failure", exc_info=exc)
     return APIError(500, f"the engine failed on this request ({type(exc).__name__})")
 

@@ -9,8 +9,9 @@ import uuid
 
 from aiohttp import web
 
-from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.engine.types import SamplingParams, TokenLogprob, param_specs
 
+from .config import ServeConfig
 from .generation import Generation
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_choice,
                        chat_chunk, chat_chunk_choice, chat_response, completion_choice,
@@ -84,50 +85,35 @@ async def completion_prompts(st: ServerState, prompt) -> tuple[list[list[int]], 
         texts = list(prompt)
     else:
         ids, texts = [list(p) for p in prompt], [None] * len(prompt)
-    for i, p in enumerate(ids):
-        if not p:
-            raise APIError(400, f"prompt[{i}]: must not be empty", param="prompt")
-        bad = next((t for t in p if not 0 <= t < st.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"prompt[{i}]: token id {bad} is outside the vocabulary "
-                                f"[0, {st.vocab_size})", param="prompt")
     return ids, texts
 
 
 # ---- sampling parameters -------------------------------------------------------------------------
 
-def check_length(st: ServerState, prompt_len: int, max_new: int | None, param: str) -> int:
-    limit = st.engine.max_length
-    if prompt_len >= limit:
-        raise APIError(400, f"{param}: the prompt is {prompt_len} tokens; this model's maximum "
-                            f"length is {limit} (prompt + completion)", param=param)
-    if max_new is None:
-        return limit - prompt_len
-    if prompt_len + max_new > limit:
-        raise APIError(400, f"max_tokens: {prompt_len} prompt tokens + {max_new} max_tokens "
-                            f"exceeds this model's maximum length {limit}", param="max_tokens")
-    return max_new
+def default_max_tokens(st: ServerState, prompts: list[list[int]], max_tokens: int | None) -> int:
+    """max_tokens, or what the longest prompt leaves of the maximum length (at least 1, so a
+    prompt that does not fit is the error the engine reports)."""
+    if max_tokens is not None:
+        return max_tokens
+    return max(st.engine.max_length - max(map(len, prompts)), 1)
 
 
-def sampling_params(st: ServerState, req, max_new: int, logprobs: bool, top_logprobs: int,
+def sampling_params(cfg: ServeConfig, req, max_new: int, logprobs: bool, top_logprobs: int,
                     prompt_logprobs: bool = False) -> SamplingParams:
-    cfg = st.cfg
+    """The request's fields as SamplingParams, with the server's defaults; the engine validates
+    them at admission."""
     temperature = req.temperature if req.temperature is not None else (
         cfg.temperature if cfg.temperature is not None else 1.0)
     top_k = req.top_k if req.top_k is not None else (cfg.top_k or 0)
     bias = {}
     for k, v in (req.logit_bias or {}).items():
         try:
-            tid = int(k)
+            bias[int(k)] = float(v)
         except ValueError:
             raise APIError(400, f"logit_bias: key {k!r} is not a token id",
                            param="logit_bias") from None
-        if not 0 <= tid < st.vocab_size or not -100 <= v <= 100:
-            raise APIError(400, f"logit_bias: token {k} must be in [0, {st.vocab_size}) and its "
-                                "bias in [-100, 100]", param="logit_bias")
-        bias[tid] = float(v)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    params = SamplingParams(
+    return SamplingParams(
         max_new_tokens=max_new, temperature=temperature, top_k=max(top_k, 0),
         top_p=req.top_p if req.top_p is not None else 1.0,
         min_p=req.min_p or 0.0, seed=req.seed,
@@ -138,13 +124,18 @@ def sampling_params(st: ServerState, req, max_new: int, logprobs: bool, top_logp
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
         logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens)
-    try:
-        params.validate()
-    except ValueError as e:
-        field = str(e).split(":", 1)[0]
-        raise APIError(400, str(e), param="max_tokens" if field == "max_new_tokens"
-                       else field) from None
-    return params
+
+
+def error_names(route: str, prompt_field: str) -> dict[str, str]:
+    """SamplingParams field (and "prompt") -> the request field an engine error names, from the
+    declaration; route is "chat" or "completions"."""
+    return {"prompt": prompt_field, **{name: getattr(spec, route)[0]
+                                       for name, spec in param_specs().items()
+                                       if getattr(spec, route)}}
+
+
+CHAT_ERROR_NAMES = error_names("chat", "messages")
+COMPLETION_ERROR_NAMES = error_names("completions", "prompt")
 
 
 def per_choice(params: SamplingParams, count: int, n: int) -> list[SamplingParams]:
@@ -231,16 +222,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     st, req = await _accept(request, ChatCompletionRequest)
     prompt = await chat_prompt(st, req)
-    max_new = check_length(st, len(prompt), req.max_completion_tokens or req.max_tokens,
-                           "messages")
+    max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens)
     top_n = req.top_logprobs or 0
-    params = sampling_params(st, req, max_new, bool(req.logprobs), top_n)
+    params = sampling_params(st.cfg, req, max_new, bool(req.logprobs), top_n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = now()
-    st.metrics.prompt_tokens.inc(len(prompt))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     async with Generation(st.engine, st.admission, st.metrics, rid, [prompt], req.n,
-                          per_choice(params, req.n, req.n), req.cache_salt, t0) as gen:
+                          per_choice(params, req.n, req.n), req.cache_salt, t0,
+                          CHAT_ERROR_NAMES) as gen:
+        st.metrics.prompt_tokens.inc(len(prompt))
         if not req.stream:
             async for _ in gen.events():
                 pass
@@ -277,22 +268,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     st, req = await _accept(request, CompletionRequest)
     prompts, texts = await completion_prompts(st, req.prompt)
-    max_new = req.max_tokens
-    for p in prompts:
-        max_new = check_length(st, len(p), max_new, "prompt")
+    max_new = default_max_tokens(st, prompts, req.max_tokens)
     want_lp = req.logprobs is not None
     top_n = req.logprobs or 0
-    params = sampling_params(st, req, max_new, want_lp, top_n,
+    params = sampling_params(st.cfg, req, max_new, want_lp, top_n,
                              prompt_logprobs=bool(req.echo and want_lp))
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = now()
-    st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo_texts = [t if t is not None else st.engine.tokenizer.decode(p)
                   for t, p in zip(texts, prompts)] if req.echo else None
     async with Generation(st.engine, st.admission, st.metrics, rid, prompts, n,
-                          per_choice(params, len(prompts) * n, n), req.cache_salt, t0) as gen:
+                          per_choice(params, len(prompts) * n, n), req.cache_salt, t0,
+                          COMPLETION_ERROR_NAMES) as gen:
+        st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         lp_builders = {c.index: CompletionLogprobs(st, top_n) for c in gen.choices}
 
         def echo_logprobs(c):

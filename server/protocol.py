@@ -48,7 +48,10 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(_Strict):
-    """Fields shared by chat and completions, including the vLLM-style extensions."""
+    """Fields shared by chat and completions, including the vLLM-style extensions. Bounds are
+    the OpenAI spec's (an early 400); they equal the SamplingParams declaration
+    (maxjax/engine/types.py, checked by tests/test_sampling_params.py), whose validator is what
+    enforces every limit, at admission."""
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)

@@ -4,7 +4,9 @@ offset `seed % len(OUTPUT_TEXT)` (0 without a seed), one token per byte, one tok
 with `delay` seconds between tokens. The tokenizer is byte-level: token id = byte value, plus
 three special tokens (BOS/EOS/IM_START..). Logprobs: token t has logprob -(t % 10) / 10 and its
 top list is [(t, lp), (t+1, lp-1), (t+2, lp-2), ...]. KV pages: PAGE_SIZE tokens per page, held
-from the first output to the last (or to abort), so tests can assert they return to zero."""
+from the first output to the last (or to abort), so tests can assert they return to zero.
+Requests go through the engine's validator (maxjax/engine/validate.py), so the server tests see
+the engine's 400s."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from maxjax.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from maxjax.engine.validate import EngineLimits, check_request
 from maxjax.server.engine_client import QueueFullError
 
 OUTPUT_TEXT = "The quick brown fox jumps over the lazy dog. "
@@ -86,7 +89,8 @@ class MockEngine:
 
     # -- EngineClient ---------------------------------------------------------------------------
     def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
-        params.validate()
+        check_request(prompt_token_ids, params,
+                      EngineLimits(len(self.tokenizer), self.max_length, (EOS_ID,)))
         if self.max_queue is not None and len(self.running) >= self.max_queue:
             raise QueueFullError(f"engine queue full ({self.max_queue})")
         self.requests.append((request_id, list(prompt_token_ids), params, cache_salt))

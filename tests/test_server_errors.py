@@ -52,6 +52,26 @@ def test_validation_names_the_field(server, field, value, param):
     assert param.split(".")[0].split("[")[0] in e["message"]
 
 
+@pytest.mark.parametrize("route,body,param,contains", [
+    (CHAT, {"logit_bias": {str(i): 1 for i in range(65)}}, "logit_bias", "at most 64"),
+    (CHAT, {"logit_bias": {"300": 1}}, "logit_bias", "vocabulary"),
+    (CHAT, {"logit_bias": {"65": 150}}, "logit_bias", "[-100, 100]"),
+    (CHAT, {"stop": ["x"] * 17}, "stop", "at most 16"),
+    (CHAT, {"stop": "x" * 257}, "stop", "256 characters"),
+    (CHAT, {"stop_token_ids": [300]}, "stop_token_ids", "vocabulary"),
+    (CHAT, {"stop_token_ids": list(range(16)), "min_tokens": 1}, "stop_token_ids", "besides EOS"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "2"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", ""),
+    ("/v1/completions", {"prompt": [[1], []]}, "prompt", "empty"),
+])
+def test_engine_limits_name_the_field(server, route, body, param, contains):
+    """Limits the engine's validator checks at admission come back as 400s with the request's
+    name for the field; nothing is left running."""
+    body = {"messages": MSGS, "max_tokens": 2, **body} if route == CHAT else body
+    error(http("POST", server.url + route, body), 400, param, contains)
+    assert server.engine.pages_used == 0 and not server.engine.running
+
+
 def test_unsupported_features_are_400(server):
     error(chat(server, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools")
     error(chat(server, response_format={"type": "json_object"}), 400, "response_format")

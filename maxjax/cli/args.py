@@ -13,6 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from maxjax.engine.types import SamplingParams, param_specs
 from maxjax.errors import UserError, read_user_file
 
 
@@ -109,19 +110,30 @@ class GenerateOptions:
     prompts_file: str | None = field(default=None, metadata={
         "help": "JSONL file: one {\"prompt\": ...} (or {\"messages\": [...]} with --chat) per line"})
     chat: bool = field(default=False, metadata={"help": "Apply the chat template to each prompt"})
-    max_new_tokens: int = field(default=64, metadata={"help": "Tokens to generate per prompt"})
-    temperature: float = field(default=0.0, metadata={"help": "Sampling temperature (0: greedy)"})
-    top_k: int = field(default=0, metadata={"help": "Top-k (0: off)"})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass"})
-    min_p: float = field(default=0.0, metadata={"help": "Min-p filter"})
-    seed: int | None = field(default=None, metadata={"help": "Sampling seed"})
-    frequency_penalty: float = field(default=0.0, metadata={"help": "OpenAI frequency penalty"})
-    presence_penalty: float = field(default=0.0, metadata={"help": "OpenAI presence penalty"})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "HF repetition penalty"})
-    stop: list[str] = field(default_factory=list, metadata={"help": "Stop string (repeatable)"})
-    ignore_eos: bool = field(default=False, metadata={"help": "Keep generating past EOS"})
     json: bool = field(default=False, metadata={
         "help": "Print one JSON object per prompt: text, token_ids, finish_reason, usage"})
     profile: bool = field(default=False, metadata={
         "help": "Print where step time went: scheduling, input building, device step + transfer, "
                 "update, detokenization"})
+
+
+def _sampling_flags():
+    """The SamplingParams fields declared with a flag default (maxjax/engine/types.py), as a
+    dataclass that add_dataclass_args and build read like the others."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = []
+    for name, spec in param_specs().items():
+        if not spec.has_flag:
+            continue
+        d, meta = spec.flag_default, {"help": spec.help}
+        fields.append((name, hints[name], field(default_factory=lambda d=d: list(d), metadata=meta)
+                       if isinstance(d, list) else field(default=d, metadata=meta)))
+    return dataclasses.make_dataclass("SamplingFlags", fields)
+
+
+SamplingFlags = _sampling_flags()
+
+
+def sampling_params(ns: argparse.Namespace) -> SamplingParams:
+    """`generate`'s SamplingParams: the flags given, the declared flag defaults for the rest."""
+    return SamplingParams(**dataclasses.asdict(build(SamplingFlags, ns)))

@@ -10,10 +10,10 @@ import logging
 import os
 import sys
 
-from maxjax.cli.args import (GenerateOptions, ModelOptions, add_dataclass_args, build,
-                             check_config_keys, read_config_file)
+from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_dataclass_args,
+                             build, check_config_keys, read_config_file, sampling_params)
 from maxjax.engine.config import EngineConfig
-from maxjax.errors import UserError
+from maxjax.errors import RequestError, UserError
 
 
 def _setup(args) -> tuple[ModelOptions, EngineConfig]:
@@ -94,17 +94,13 @@ def _read_prompts(gen: GenerateOptions) -> list:
 def cmd_generate(args) -> int:
     model_opts, engine_cfg = _setup(args)
     gen = build(GenerateOptions, args)
-    from maxjax.engine.types import SamplingParams
+    from maxjax.engine.validate import check_params
     from maxjax.llm import LLM
-    params = SamplingParams(
-        max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
-        top_p=gen.top_p, min_p=gen.min_p, seed=gen.seed, frequency_penalty=gen.frequency_penalty,
-        presence_penalty=gen.presence_penalty, repetition_penalty=gen.repetition_penalty,
-        stop=gen.stop, ignore_eos=gen.ignore_eos)
+    params = sampling_params(args)
     try:
-        params.validate()
-    except ValueError as e:
-        raise UserError(str(e)) from e
+        check_params(params)
+    except RequestError as e:
+        raise UserError(f"--{e.param.replace('_', '-')}: {e.reason}") from e
     prompts = _read_prompts(gen)
     llm = LLM(model_opts.model_path, chat_template=model_opts.chat_template,
               precompiled_artifacts=model_opts.precompiled_artifacts or None,
@@ -185,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = model_cmd("generate", "Generate text offline")
     add_dataclass_args(sp, GenerateOptions, "generation")
+    add_dataclass_args(sp, SamplingFlags, "sampling")
     sp.set_defaults(func=cmd_generate)
 
     sp = model_cmd("warm-cache", "Compile every graph for a config and save the artifacts")

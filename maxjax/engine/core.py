@@ -19,6 +19,7 @@ from maxjax.engine.request import Request, RequestStatus, new_seed
 from maxjax.engine.runner import ModelRunner, RowRequest
 from maxjax.engine.scheduler import Scheduler
 from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.engine.validate import EngineLimits, check_request
 from maxjax.errors import UserError
 from maxjax.graphs.step import RowSlice
 
@@ -139,18 +140,10 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
-        params.validate()
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_length:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens do not fit max_length "
-                             f"{self.max_length} (at most {self.max_length - 1} prompt tokens)")
-        for tid in params.logit_bias:
-            if not 0 <= int(tid) < vocab:
-                raise ValueError(f"logit_bias: token id {tid} is outside the vocabulary")
+        """Queue a request; RequestError (naming the field) if it breaks a limit."""
+        check_request(prompt_token_ids, params,
+                      EngineLimits(self.model.config.vocab_size, self.max_length,
+                                   self.eos_token_ids))
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         self.scheduler.add(req)
         self.seeds[request_id] = params.seed if params.seed is not None else new_seed()

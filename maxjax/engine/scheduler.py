@@ -35,6 +35,7 @@ import numpy as np
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request, RequestStatus
+from maxjax.errors import RequestError
 
 
 @dataclass
@@ -99,24 +100,23 @@ class Scheduler:
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a request; ValueError (one line, naming the limit) if it can never run."""
+        """Queue a request the validator (maxjax/engine/validate.py) accepted; RequestError if the
+        engine's resources could never run it (a ValueError for a request id in use)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         n = req.num_tokens
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_length:
-            raise ValueError(f"the prompt has {n} tokens; max_length {self.max_length} leaves room "
-                             f"for at most {self.max_length - 1} prompt tokens")
         if not self.cfg.enable_chunked_prefill and n > self.cfg.max_batch_input_tokens:
-            raise ValueError(f"the prompt has {n} tokens, more than max_batch_input_tokens "
-                             f"{self.cfg.max_batch_input_tokens}, and chunked prefill is off")
+            raise RequestError("prompt", f"{n} tokens, more than max_batch_input_tokens "
+                                         f"{self.cfg.max_batch_input_tokens}, and chunked "
+                                         "prefill is off")
         final = min(n + req.sampling.max_new_tokens - req.num_output_tokens, self.max_length)
         # The last sampled token is never fed back, so the cache holds at most final - 1 tokens.
         need = self.bm.pages_for(final - 1)
         if need > self.bm.num_usable_pages:
-            raise ValueError(f"the request needs up to {need} KV pages ({final - 1} tokens) but the "
-                             f"pool has {self.bm.num_usable_pages}")
+            too_long = self.bm.pages_for(n) > self.bm.num_usable_pages
+            raise RequestError("prompt" if too_long else "max_new_tokens",
+                               f"the request needs up to {need} KV pages ({final - 1} tokens) "
+                               f"but the pool has {self.bm.num_usable_pages}")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
