@@ -54,8 +54,9 @@ class LLM:
         self.engine_config = EngineConfig(quantization_encoding=model.dtype, **engine_options)
         layout = None
         if precompiled_artifacts:
-            from maxjax.aot import artifacts as aot
-            layout, executables = aot.load_for_engine(precompiled_artifacts, model, self.engine_config)
+            from maxjax.aot import load as aot_load
+            layout, executables = aot_load.load_for_engine(precompiled_artifacts, model,
+                                                           self.engine_config)
         self.core = EngineCore(model, self.engine_config, layout)
         if precompiled_artifacts:
             self.core.runner.set_executables(executables)

@@ -1,13 +1,15 @@
 """AOT artifacts (maxjax/aot/): warm-cache in one "machine" (subprocess with its own HOME, cwd
-and JAX cache), generate from a copy in another with the persistent cache off; CUDA exports from
-this CPU host; every mutation of the manifest, the files or the run's config is refused before
-anything is deserialized. The model is a tiny random Llama written without torch."""
+and JAX cache), generate and serve from a copy in another with the persistent cache off, with
+no compilation at all; CUDA exports from this CPU host; every mutation of the manifest, the files
+or the run's config is refused before anything is deserialized. The model is a tiny random Llama
+written without torch."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -15,7 +17,10 @@ import jax
 import numpy as np
 import pytest
 
-from maxjax.aot import artifacts as aot
+from maxjax.aot import export as aot_export
+from maxjax.aot import graphs as aot_graphs
+from maxjax.aot import load as aot_load
+from maxjax.aot import manifest as mf
 from maxjax.aot.manifest import MANIFEST
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
@@ -94,36 +99,68 @@ def test_cross_machine_generate_is_identical_and_compiles_no_graph(root, model_d
     cold = maxjax([*GEN, "--model-path", model_dir, *FLAGS], env_c, cwd_c)
     assert cold.returncode == 0, cold.stderr[-3000:]
     assert loaded.stdout == cold.stdout and len(loaded.stdout.splitlines()) == 2
-    assert "(4 executables, 0 compiled from exports)" in loaded.stderr
+    assert "(5 executables, 0 compiled from exports)" in loaded.stderr
     total, since_ready = compiles(loaded.stderr)
     cold_total, cold_since = compiles(cold.stderr)
-    assert since_ready == 0 and cold_since == 0
-    # the only compilations left are the engine's own non-graph ones (KV pool zeros): every
-    # one of the 4 step graphs came from an executable
-    assert total == cold_total - 4
+    # cold: the 4 step graphs and the KV initializer; from artifacts: nothing, from process start
+    assert (cold_total, cold_since) == (5, 0)
+    assert (total, since_ready) == (0, 0)
     assert os.listdir(os.path.join(root, "machine-b", "jax-cache")) == []
+
+
+def test_serve_from_artifacts_compiles_nothing(root, model_dir, warmed):
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_harness import http
+    env, cwd = machine_env(root, "machine-d", cache=False)
+    log = open(os.path.join(root, "machine-d", "serve.log"), "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "maxjax.cli", "serve", "--model-path", model_dir,
+                             "--precompiled-artifacts", warmed, "--host", "127.0.0.1", "--port", "0"],
+                            env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("Server ready on http://127.0.0.1:"), open(log.name).read()[-3000:]
+        url = line.split()[-1]
+        r = http("POST", url + "/v1/completions", {"prompt": "w5 w7 w9", "max_tokens": 4,
+                                                   "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        metrics = {s.name: s.value for fam in text_string_to_metric_families(
+            http("GET", url + "/metrics").text) for s in fam.samples}
+        assert metrics["maxjax_xla_compiles_total"] == 0
+        assert metrics["maxjax_engine_steps_total"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        log.close()
 
 
 def test_manifest_and_cuda_exports(warmed):
     with open(os.path.join(warmed, MANIFEST)) as f:
         data = json.load(f)
     assert data["targets"] == ["cpu", "cuda"] and data["compiled_for"]["platform"] == "cpu"
-    assert [g["bucket"] for g in data["graphs"]] == data["engine"]["buckets"] == \
-        [[1, 1], [2, 2], [4, 2], [8, 2]]
+    *steps, kv_init = data["graphs"]
+    assert [g["bucket"] for g in steps] == data["engine"]["buckets"] == \
+        [[1, 1, 1], [2, 2, 2], [4, 2, 2], [8, 2, 2]]
     assert data["engine"]["num_kv_pages"] == 16 and data["engine"]["max_pages_per_row"] == 4
     for g in data["graphs"]:
         with open(os.path.join(warmed, g["files"]["export"]["path"]), "rb") as f:
             exp = jax.export.deserialize(bytearray(f.read()))
         assert exp.platforms == ("cpu", "cuda")
         sig = g["signature"]
-        assert aot.mf.avals(exp.in_avals) == aot.mf.flat_in(sig)
-        assert aot.mf.avals(exp.out_avals) == sig["out"]["sample"] + sig["out"]["kv"]
-        T, R = g["bucket"]
+        assert mf.avals(exp.in_avals) == mf.flat_in(sig)
+        assert mf.avals(exp.out_avals) == sig["out"]["sample"] + sig["out"]["kv"]
+        assert aot_graphs.spec_leaves(g["output_structure"]) == g["sample_outputs"] == \
+            len(sig["out"]["sample"])
+        assert sig["out"]["kv"] == steps[0]["signature"]["in"]["kv"]
+    for g in steps:
+        T, R, S = g["bucket"]
+        sig = g["signature"]
         assert sig["in"]["step"][0] == [[T], "int32"]
-        assert sig["out"]["sample"][0] == [[R], "int32"]          # sampled token ids
+        assert sig["out"]["sample"][0] == [[S], "int32"]          # sampled token ids
         assert g["output_structure"]["tuple"][0]["namedtuple"] == "maxjax.graphs.sampling:SampleOutput"
-        assert aot.mf.spec_leaves(g["output_structure"]) == g["sample_outputs"] == len(sig["out"]["sample"])
-        assert sig["out"]["kv"] == sig["in"]["kv"]                  # the donated pool comes back
+        assert g["donate_argnums"] == [1]                           # the pool comes back donated
+    assert kv_init["name"] == "kv_init" and kv_init["bucket"] is None
+    assert kv_init["signature"]["in"] == {} and kv_init["sample_outputs"] == 0
+    assert kv_init["signature"]["out"]["kv"] == [[[2, 16, 2, 16, 16], "float32"]] * 2
 
 
 def test_cuda_only_target_writes_exports_and_is_refused_here(tmp_path, model):
@@ -132,16 +169,17 @@ def test_cuda_only_target_writes_exports_and_is_refused_here(tmp_path, model):
     layout = plan_layout(cfg, model)
     layout.buckets = layout.buckets[:1]     # one graph keeps this fast
     d = str(tmp_path / "cuda")
-    data = aot.write_artifacts(d, model, cfg, layout, ["cuda"], progress=False)
+    data = aot_export.write_artifacts(d, model, cfg, layout, ["cuda"], progress=False)
     assert data["compiled_for"] is None and data["targets"] == ["cuda"]
-    (g,) = data["graphs"]
-    assert set(g["files"]) == {"export"}
-    with open(os.path.join(d, g["files"]["export"]["path"]), "rb") as f:
-        exp = jax.export.deserialize(bytearray(f.read()))
-    assert exp.platforms == ("cuda",)
-    assert aot.mf.avals(exp.in_avals) == aot.mf.flat_in(g["signature"])
+    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "kv_init"]
+    for g in data["graphs"]:
+        assert set(g["files"]) == {"export"}
+        with open(os.path.join(d, g["files"]["export"]["path"]), "rb") as f:
+            exp = jax.export.deserialize(bytearray(f.read()))
+        assert exp.platforms == ("cuda",)
+        assert mf.avals(exp.in_avals) == mf.flat_in(g["signature"])
     with pytest.raises(UserError, match=r"built for cuda, this machine is cpu.*--target cpu"):
-        aot.load_for_engine([d], model, EngineConfig(**ENGINE))
+        aot_load.load_for_engine([d], model, EngineConfig(**ENGINE))
 
 
 # ---- mutations: each refused, naming what differs, before any deserialization -------------------
@@ -189,7 +227,7 @@ def _flip_byte(d, kind):
 ])
 def test_explicit_engine_value_that_differs_is_refused(warmed, model, calls, override, pattern):
     with pytest.raises(UserError, match=pattern) as e:
-        aot.load_for_engine([warmed], model, EngineConfig(**{**ENGINE, **override}))
+        aot_load.load_for_engine([warmed], model, EngineConfig(**{**ENGINE, **override}))
     assert "maxjax warm-cache --model-path" in str(e.value) and "\n" not in str(e.value)
     assert calls == []
 
@@ -198,7 +236,7 @@ def test_dtype_differs(warmed, model_dir, calls):
     from maxjax.models.loader import load_model
     bf16 = load_model(model_dir, "bfloat16", progress=False)
     with pytest.raises(UserError, match=r"model dtype: artifacts float32, this run bfloat16"):
-        aot.load_for_engine([warmed], bf16, EngineConfig())
+        aot_load.load_for_engine([warmed], bf16, EngineConfig())
     assert calls == []
 
 
@@ -207,7 +245,7 @@ def test_model_config_field_differs(warmed, tmp_path, calls):
     other = load_model(write_tiny_llama(tmp_path / "other", rms_norm_eps=1e-6), "float32",
                        progress=False)
     with pytest.raises(UserError, match=r"model config field rms_norm_eps: artifacts 1e-05, this model 1e-06"):
-        aot.load_for_engine([warmed], other, EngineConfig())
+        aot_load.load_for_engine([warmed], other, EngineConfig())
     assert calls == []
 
 
@@ -223,16 +261,21 @@ def test_model_config_field_differs(warmed, tmp_path, calls):
      r"step_t2_r2: export file step_t2_r2.cpu-cuda.jaxexport is missing"),
     (lambda d: _edit_manifest(d, lambda m: m.update(graphs=m["graphs"][:3])),
      r"graph step_t8_r2 is missing"),
+    (lambda d: _edit_manifest(d, lambda m: m.update(graphs=m["graphs"][:4])),
+     r"graph kv_init is missing"),
+    (lambda d: _edit_manifest(d, lambda m: m["graphs"][4]["signature"]["out"]["kv"][0][0].__setitem__(1, 8)),
+     r"graph kv_init: signature differs"),
     (lambda d: open(os.path.join(d, MANIFEST), "w").write("{not json"), r"manifest is not valid JSON"),
     (lambda d: os.remove(os.path.join(d, MANIFEST)), r"manifest.json: missing"),
 ], ids=["jax-version", "format-version", "config-in-manifest", "exe-byte", "export-byte",
-        "deleted-file", "missing-graph", "not-json", "no-manifest"])
+        "deleted-file", "missing-graph", "missing-kv-init", "kv-init-shape", "not-json",
+        "no-manifest"])
 def test_mutated_artifacts_are_refused_before_deserializing(warmed, tmp_path, model, calls,
                                                             mutation, pattern):
     d = _copy(warmed, tmp_path)
     mutation(d)
     with pytest.raises(UserError, match=pattern) as e:
-        aot.load_for_engine([d], model, EngineConfig())
+        aot_load.load_for_engine([d], model, EngineConfig())
     assert "maxjax warm-cache" in str(e.value)
     assert calls == []
 
@@ -248,28 +291,33 @@ def test_cli_exits_2_with_one_line(warmed, model_dir, capsys):
 
 
 # ---- loading: pinned values, donation, export fallback -------------------------------------------
-def _one_step(core):
+def _one_step_updates_the_pool_in_place(core) -> bool:
+    """One step; True when the donated pool's buffers were updated in place, not copied."""
     from maxjax.engine.types import SamplingParams
     core.add_request("r", [5, 7, 9], SamplingParams(max_new_tokens=2))
     old = jax.tree.leaves(core.runner.kv)
+    pointers = [a.unsafe_buffer_pointer() for a in old]
     core.step()
-    return old
+    new = jax.tree.leaves(core.runner.kv)
+    return all(a.is_deleted() for a in old) and \
+        [a.unsafe_buffer_pointer() for a in new] == pointers
 
 
 def test_loaded_executables_adopt_pinned_values_and_donate_the_pool(warmed, model, calls):
+    from maxjax.engine import compile_counter
     from maxjax.engine.core import EngineCore
     cfg = EngineConfig()                                  # nothing set: everything pinned
-    layout, exes = aot.load_for_engine([warmed], model, cfg)
+    layout, exes = aot_load.load_for_engine([warmed], model, cfg)
     assert (cfg.max_batch_size, cfg.num_kv_pages, cfg.max_length, cfg.kv_cache_page_size) == \
         (2, 16, 64, 16)
     assert {e.source for e in exes.values()} == {"executable"} and len(exes) == 4
-    assert calls == ["executable"] * 4
+    assert calls == ["executable"] * 5                    # the step graphs and the KV initializer
+    before = compile_counter.count()
     core = EngineCore(model, cfg, layout)
     core.runner.set_executables(exes)
     core.warmup()
-    old = _one_step(core)
-    assert all(a.is_deleted() for a in old)               # donated: updated in place, not copied
-    assert core.stats()["xla_compiles_since_ready"] == 0
+    assert _one_step_updates_the_pool_in_place(core)
+    assert compile_counter.count() == before
 
 
 def test_other_device_compiles_the_export_or_refuses(warmed, tmp_path, model, calls):
@@ -277,15 +325,14 @@ def test_other_device_compiles_the_export_or_refuses(warmed, tmp_path, model, ca
     d = _copy(warmed, tmp_path)
     _edit_manifest(d, lambda m: m["compiled_for"].update(device_kind="some other cpu"))
     with pytest.raises(UserError, match="no executable compiled for this device"):
-        aot.load_for_engine([d], model, EngineConfig(), require_compiled=True)
+        aot_load.load_for_engine([d], model, EngineConfig(), require_compiled=True)
     cfg = EngineConfig()
-    layout, exes = aot.load_for_engine([d], model, cfg)
+    layout, exes = aot_load.load_for_engine([d], model, cfg)
     assert {e.source for e in exes.values()} == {"export"} and "executable" not in calls
     core = EngineCore(model, cfg, layout)
     core.runner.set_executables(exes)
     core.warmup()
-    old = _one_step(core)
-    assert all(a.is_deleted() for a in old)               # jit(exp.call, donate_argnums) donates
+    assert _one_step_updates_the_pool_in_place(core)      # jit(exp.call, donate_argnums) donates
     assert core.stats()["xla_compiles_since_ready"] == 0
 
 
@@ -296,12 +343,12 @@ def test_export_engine_round_trips(tmp_path, model):
     layout.buckets = layout.buckets[:2]
     core = EngineCore(model, cfg, layout)
     d = str(tmp_path / "exported")
-    aot.export_engine(d, core)
+    aot_export.export_engine(d, core)
     with open(os.path.join(d, MANIFEST)) as f:
         data = json.load(f)
-    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "step_t2_r2"]
+    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "step_t2_r2", "kv_init"]
     assert all(set(g["files"]) == {"export", "executable"} for g in data["graphs"])
-    assert data["engine"]["buckets"] == [[1, 1], [2, 2]]
+    assert data["engine"]["buckets"] == [[1, 1, 1], [2, 2, 2]]
 
 
 def test_stored_weights_stand_in_for_the_same_gguf_only(tmp_path, model):
@@ -314,9 +361,8 @@ def test_stored_weights_stand_in_for_the_same_gguf_only(tmp_path, model):
     d.mkdir()
     entry = aot_weights.save(str(d), dataclasses.replace(model, source=str(src)))
     assert entry["dtype"] == "float32" and entry["source_name"] == "m.gguf"
-    aot.mf.write_manifest(str(d), {"format": aot.mf.FORMAT_NAME,
-                                   "format_version": aot.mf.FORMAT_VERSION, "weights": entry,
-                                   "model": aot.mf.model_fingerprint(model)})
+    mf.write_manifest(str(d), {"format": mf.FORMAT_NAME, "format_version": mf.FORMAT_VERSION,
+                               "weights": entry, "model": mf.model_fingerprint(model)})
     load = aot_weights.params_source([str(d)])
     params = load(model.arch, model.config, "float32", str(src))
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), params, model.params)

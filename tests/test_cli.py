@@ -108,3 +108,17 @@ def test_config_file(capsys, tmp_path):
     cfg.write_text("max-batch-sise: 4\n")
     one_line_error(capsys, "unknown settings: max_batch_sise", "generate", "--config-file", str(cfg),
                    "--prompt", "hi")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_mef_flags_are_aliases_of_the_artifact_flags(command):
+    from maxjax.cli.args import ModelOptions, build
+    from maxjax.cli.main import build_parser
+
+    def options(*argv):
+        return build(ModelOptions, build_parser().parse_args([command, *argv]))
+    mefs = options("--precompiled-mefs", "a", "b", "--export-mefs", "out")
+    assert (mefs.precompiled_artifacts, mefs.export_artifacts) == (["a", "b"], "out")
+    assert mefs == options("--precompiled-artifacts", "a", "b", "--export-artifacts", "out")
+    assert options("--precompiled-mefs", "a", "--precompiled-artifacts", "b").precompiled_artifacts \
+        == ["a", "b"]

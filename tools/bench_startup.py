@@ -36,8 +36,8 @@ t_weights = time.time()
 cfg = EngineConfig(num_kv_pages=pages, quantization_encoding=model.dtype)
 layout, exes = None, {}
 if mode == "artifacts":
-    from maxjax.aot import artifacts as aot
-    layout, exes = aot.load_for_engine([art], model, cfg)
+    from maxjax.aot import load as aot_load
+    layout, exes = aot_load.load_for_engine([art], model, cfg)
 core = EngineCore(model, cfg, layout)
 core.runner.set_executables(exes)
 core.warmup()

@@ -46,8 +46,9 @@ check)
         --precompiled-artifacts "$DIR" > "$OUT/gpu.jsonl" 2> "$OUT/gpu.log" || rc=$?
     [ "$rc" = 0 ] || { tail -20 "$OUT/gpu.log"; echo "gpu_check: FAIL (generate exited $rc)"; exit 1; }
     grep -E "maxjax.aot|xla compiles" "$OUT/gpu.log" || true
-    # on the GPU every graph must come from the CUDA export (the executables are CPU ones)
-    grep -q "(0 executables, 4 compiled from exports)" "$OUT/gpu.log" \
+    # on the GPU every graph (4 steps + the KV initializer) must come from the CUDA export (the
+    # executables are CPU ones)
+    grep -q "(0 executables, 5 compiled from exports)" "$OUT/gpu.log" \
         || { echo "gpu_check: FAIL (graphs did not load from the CUDA exports)"; exit 1; }
     grep -q "0 since ready" "$OUT/gpu.log" || { echo "gpu_check: FAIL (compiled after ready)"; exit 1; }
     "$PY" - "$DIR/expected.jsonl" "$OUT/gpu.jsonl" <<'EOF'

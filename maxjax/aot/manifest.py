@@ -1,12 +1,15 @@
-"""The artifact manifest: fingerprints of a model and an engine layout, graph signatures, and the
-checks that run before anything in an artifact directory is deserialized.
+"""The artifact manifest: fingerprints of a model, an engine layout, this device and the graph
+code, graph signatures, and the checks that run before anything in an artifact directory is
+deserialized.
 
 maxjax/aot/ writes and loads artifacts with these; artifacts/FORMAT.md documents the fields.
 Nothing here imports or traces model code: a fingerprint reads the loaded model's config,
-parameter shapes and tokenizer, and a signature is computed from ShapeDtypeStructs.
+parameter shapes and tokenizer, a signature is computed from ShapeDtypeStructs, and the code
+digest reads source files.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import logging
@@ -21,13 +24,8 @@ from maxjax.errors import UserError
 log = logging.getLogger("maxjax.aot")
 
 FORMAT_NAME = "maxjax-artifacts"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-# Source files whose code ends up in a step graph: an artifact built from other code is stale
-# even when every shape matches.
-_GRAPH_CODE = ("graphs", "maxjax/engine/runner.py",
-               "maxjax/aot/")
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def canonical(obj) -> bytes:
@@ -61,20 +59,95 @@ def versions() -> dict:
     return {"maxjax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
-def code_digest() -> str:
-    """sha256 over the sources that define the step graphs (graphs/, sampling, runner, aot)."""
+def local_device() -> dict:
+    dev = jax.devices()[0]
+    return {"platform": jax.export.default_export_platform(), "device_kind": dev.device_kind,
+            "platform_version": dev.client.platform_version}
+
+
+# ---- graph code ----------------------------------------------------------------------------------
+# An artifact built from other code is stale even when every shape matches. The code that can
+# reach a graph: the modules of maxjax.graphs (the built-in architectures among them), the aot
+# module that traces and exports them, and every maxjax module these import, at any depth.
+GRAPH_CODE_ROOTS = ("maxjax.graphs", "maxjax.aot.graphs")
+# pyproject.toml's package-dir: in the source tree these packages are top-level directories.
+SOURCE_DIRS = {"maxjax.graphs": "graphs", "maxjax.server": "server"}
+
+
+def package_root() -> str:
+    """The directory holding this maxjax's sources: the checkout, or site-packages."""
+    import maxjax
+    return os.path.dirname(os.path.dirname(os.path.abspath(maxjax.__file__)))
+
+
+def _module_file(root: str, name: str) -> str | None:
+    """The source of module `name` under `root`, installed (maxjax/graphs/...) or source-tree
+    (graphs/...) layout; None when it is not a file of the package."""
+    parts = name.split(".")
+    bases = [os.path.join(root, *parts)]
+    for pkg, top in SOURCE_DIRS.items():
+        if name == pkg or name.startswith(pkg + "."):
+            bases.append(os.path.join(root, top, *parts[len(pkg.split(".")):]))
+    for base in bases:
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _package_modules(root: str, name: str) -> list[str]:
+    """`name` and, when it is a package, every module in its directory."""
+    path = _module_file(root, name)
+    if path is None or os.path.basename(path) != "__init__.py":
+        return [name]
+    return [name] + [f"{name}.{f[:-3]}" for f in sorted(os.listdir(os.path.dirname(path)))
+                     if f.endswith(".py") and f != "__init__.py"]
+
+
+def _imports(root: str, name: str, path: str) -> set[str]:
+    """The maxjax modules a source file imports anywhere (functions included): for `from A
+    import b`, A.b when it is a module, else A."""
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), path)
+    package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.add(sub if _module_file(root, sub) else base)
+    return {m for m in found if m == "maxjax" or m.startswith("maxjax.")}
+
+
+def graph_code(root: str) -> dict[str, str]:
+    """{module: source file} of the code that can reach a graph (GRAPH_CODE_ROOTS and every
+    maxjax module they import), for the package under `root`."""
+    todo = [m for r in GRAPH_CODE_ROOTS for m in _package_modules(root, r)]
+    files: dict[str, str] = {}
+    while todo:
+        name = todo.pop()
+        path = None if name in files else _module_file(root, name)
+        if path is not None:
+            files[name] = path
+            todo.extend(_imports(root, name, path))
+    return files
+
+
+def code_digest(root: str | None = None) -> str:
+    """sha256 over the graph code (`graph_code`) of the package under `root` (default: this
+    one), by module name: a checkout and its installed copy give the same digest."""
     h = hashlib.sha256()
-    for rel in _GRAPH_CODE:
-        path = os.path.join(_ROOT, rel)
-        if not os.path.exists(path):       # graphs/ is installed as maxjax.graphs
-            import maxjax.graphs as g
-            path = os.path.dirname(g.__file__) if rel == "graphs" else path
-        files = ([os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".py")]
-                 if os.path.isdir(path) else [path])
-        for fp in files:
-            h.update(os.path.basename(fp).encode() + b"\0")
-            with open(fp, "rb") as f:
-                h.update(f.read())
+    for name, path in sorted(graph_code(root or package_root()).items()):
+        h.update(name.encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+        h.update(b"\0")
     return h.hexdigest()
 
 
@@ -118,7 +191,7 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "max_batch_input_tokens": engine_cfg.max_batch_input_tokens,
           "kv_cache_page_size": layout.page_size, "num_kv_pages": layout.num_pages,
           "max_pages_per_row": layout.max_pages_per_row, "dtype": dtype,
-          "buckets": [[b.num_tokens, b.num_rows] for b in layout.buckets]}
+          "buckets": [[b.num_tokens, b.num_rows, b.num_samples] for b in layout.buckets]}
     fp["fingerprint"] = digest(fp)
     return fp
 
@@ -133,7 +206,7 @@ ARG_NAMES = ("params", "kv", "step", "sampling")
 
 def flat_in(sig: dict) -> list:
     """The input avals of a signature in calling order (JSON objects do not keep order)."""
-    return [x for n in ARG_NAMES for x in sig["in"][n]]
+    return [x for n in ARG_NAMES for x in sig["in"].get(n, [])]
 
 
 def signature(args, out_leaves) -> dict:
@@ -141,52 +214,6 @@ def signature(args, out_leaves) -> dict:
     sig = {"in": {n: avals(a) for n, a in zip(ARG_NAMES, args)},
            "out": {"sample": avals(out_leaves[0]), "kv": avals(out_leaves[1])}}
     return sig
-
-
-# ---- step output structure ---------------------------------------------------------------------
-def tree_spec(tree):
-    """A JSON description of a step output's structure (tuples, lists, None and NamedTuples of
-    maxjax), from which `rebuild` puts the flat output leaves back without tracing anything."""
-    if tree is None:
-        return None
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        cls = type(tree)
-        return {"namedtuple": f"{cls.__module__}:{cls.__qualname__}",
-                "children": [tree_spec(x) for x in tree]}
-    if isinstance(tree, (tuple, list)):
-        return {type(tree).__name__: [tree_spec(x) for x in tree]}
-    if isinstance(tree, dict):
-        return {"dict": {k: tree_spec(v) for k, v in sorted(tree.items())}}
-    return "leaf"
-
-
-def rebuild(spec, leaves):
-    """Inverse of `tree_spec` over an iterator of leaves."""
-    if spec is None:
-        return None
-    if spec == "leaf":
-        return next(leaves)
-    if "namedtuple" in spec:
-        import importlib
-        module, name = spec["namedtuple"].split(":")
-        if not module.startswith("maxjax."):
-            raise UserError(f"artifact output type {spec['namedtuple']} is not a maxjax type")
-        cls = getattr(importlib.import_module(module), name)
-        return cls(*(rebuild(c, leaves) for c in spec["children"]))
-    if "tuple" in spec or "list" in spec:
-        kind = tuple if "tuple" in spec else list
-        return kind(rebuild(c, leaves) for c in spec[kind.__name__])
-    return {k: rebuild(v, leaves) for k, v in spec["dict"].items()}
-
-
-def spec_leaves(spec) -> int:
-    if spec is None:
-        return 0
-    if spec == "leaf":
-        return 1
-    children = (spec.get("children") or spec.get("tuple") or spec.get("list")
-                or list(spec.get("dict", {}).values()))
-    return sum(spec_leaves(c) for c in children)
 
 
 # ---- manifest I/O and checks ---------------------------------------------------------------------

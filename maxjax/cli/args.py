@@ -95,10 +95,12 @@ class ModelOptions:
     devices: str | None = field(default=None, metadata={
         "help": "cpu or gpu (default: the first platform JAX finds)"})
     precompiled_artifacts: list[str] = field(default_factory=list, metadata={
+        "args": ["--precompiled-artifacts", "--precompiled-mefs"],
         "help": "Artifact directories from `maxjax warm-cache` to load instead of compiling"})
     require_compiled_artifacts: bool = field(default=False, metadata={
         "help": "With --precompiled-artifacts: fail instead of compiling a portable export"})
     export_artifacts: str | None = field(default=None, metadata={
+        "args": ["--export-artifacts", "--export-mefs"],
         "help": "Write artifacts for every graph this run compiles into this directory"})
     log_level: str = field(default="INFO", metadata={
         "help": "DEBUG, INFO, WARNING or ERROR"})

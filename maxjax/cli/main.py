@@ -118,8 +118,8 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from e
     if model_opts.export_artifacts:
-        from maxjax.aot import artifacts as aot
-        aot.export_engine(model_opts.export_artifacts, llm.core)
+        from maxjax.aot import export as aot_export
+        aot_export.export_engine(model_opts.export_artifacts, llm.core)
     if gen.profile:
         print(llm.profile_report(), file=sys.stderr)
     stats = llm.stats()
@@ -151,8 +151,8 @@ def cmd_serve(args) -> int:
 
 def cmd_warm_cache(args) -> int:
     model_opts, engine_cfg = _setup(args)
-    from maxjax.aot import artifacts as aot
-    return aot.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs)
+    from maxjax.aot import export as aot_export
+    return aot_export.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs)
 
 
 def cmd_benchmark(args) -> int:

@@ -52,9 +52,10 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
     log.info("loaded %s (%s) in %.1f s", model.name, model.dtype, time.perf_counter() - t0)
     layout, executables = None, {}
     if model_opts.precompiled_artifacts:
-        from maxjax.aot import artifacts as aot
-        layout, executables = aot.load_for_engine(model_opts.precompiled_artifacts, model, engine_cfg,
-                                                  model_opts.require_compiled_artifacts)
+        from maxjax.aot import load as aot_load
+        layout, executables = aot_load.load_for_engine(model_opts.precompiled_artifacts, model,
+                                                       engine_cfg,
+                                                       model_opts.require_compiled_artifacts)
     core = EngineCore(model, engine_cfg, layout)
     core.runner.set_executables(executables)
     t1 = time.perf_counter()
@@ -66,8 +67,8 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
              len(core.layout.buckets), time.perf_counter() - t1, core.layout.num_pages,
              core.layout.page_size, core.max_length)
     if model_opts.export_artifacts:
-        from maxjax.aot import artifacts as aot
-        aot.export_engine(model_opts.export_artifacts, core)
+        from maxjax.aot import export as aot_export
+        aot_export.export_engine(model_opts.export_artifacts, core)
     name = serve_cfg.served_model_name or model.name
     engine = AsyncEngine(core, model.tokenizer, name, model.chat_template,
                          serve_cfg.max_pending_requests)

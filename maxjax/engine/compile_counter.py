@@ -1,4 +1,10 @@
-"""Counts XLA backend compilations in this process (jax.monitoring), for the no-recompile rule."""
+"""Counts XLA backend compilations in this process (jax.monitoring), for the no-recompile rule.
+
+Counting starts when this module is imported: maxjax.engine.core imports it, and every entry
+point (`maxjax serve`, `generate`, maxjax.LLM) imports the engine before it loads a model, so
+the count covers weight loading and the KV pool too. Deserializing an executable from artifacts
+is not a compilation.
+"""
 from __future__ import annotations
 
 import threading
@@ -28,5 +34,7 @@ def install() -> None:
 
 
 def count() -> int:
-    install()
     return _count
+
+
+install()

@@ -16,11 +16,11 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from maxjax.engine import kv_pool
 from maxjax.engine.buckets import Bucket, pick_bucket
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for
-from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.program import GraphSpec, step_graph_specs
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
@@ -68,7 +68,7 @@ class ModelRunner:
         self.max_pages = max_pages_per_row
         self.history_len = history_len
         self.num_pages = num_pages
-        self.kv = init_kv(self.cfg, num_pages, page_size, model.params["embed"].dtype)
+        self.kv = kv_pool.zeros(self.cfg, num_pages, page_size, model.params["embed"].dtype)
         self.executables: dict[Bucket, Callable] = {}
         self.eos = tuple(self.cfg.eos_token_ids)
         self.attention = backend_for(jax.default_backend())

@@ -49,7 +49,7 @@ class SafetensorsReader:
         self._where: dict[str, object] = {}
         for file in safetensors_files(path):
             try:
-                handle = self._stack.enter_context(safe_open(file, framework="flax"))
+                handle = self._stack.enter_context(safe_open(file, framework="numpy"))
             except Exception as e:
                 raise UserError(f"{file}: unreadable safetensors file: {e}") from e
             for name in handle.keys():

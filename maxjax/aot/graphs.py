@@ -1,0 +1,143 @@
+"""The graphs an artifact directory holds, and their flat calling convention: what decides the
+bytes of an exported or compiled graph, shared by maxjax/aot/export.py and maxjax/aot/load.py.
+
+The graphs are one step graph per bucket (graphs/program.py's step_graph_specs) and the KV pool's
+initializer (graphs/decoder.py's init_kv, which maxjax/engine/kv_pool.py runs), so a server
+started from artifacts compiles nothing. Every graph is exported with the same flat convention,
+`(*arg_leaves) -> (output_leaves, kv_leaves)`, tuples of arrays only, so the files do not depend on
+pytree registrations: a step graph takes `(params, kv, step, sampling)` leaves and returns its
+step output's and the donated pool's; the KV initializer takes nothing and returns no outputs
+and the pool's leaves. The output's pytree is recorded as JSON (`tree_spec`) while exporting and
+rebuilt around the flat leaves (`rebuild`) without tracing anything.
+
+The executable is compiled from the exported module (`jax.jit(exp.call)`), the same path the
+loader takes when no executable fits, so both give the same program. `Exported.call` does not
+donate; `jax.jit(exp.call, donate_argnums=(1,))` does, and a serialized executable keeps it.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import jax
+
+from maxjax.errors import UserError
+from maxjax.graphs.decoder import init_kv, kv_specs
+from maxjax.graphs.program import GraphSpec, step_graph_specs
+
+KV_INIT = "kv_init"
+
+
+def graph_specs(model, layout) -> list[GraphSpec]:
+    """The step graphs of `layout`'s buckets, then the KV initializer; nothing is allocated (the
+    pool may be sized for another machine)."""
+    from maxjax.engine.types import MAX_TOP_LOGPROBS
+    cfg, dtype = model.config, model.params["embed"].dtype
+    steps = step_graph_specs(model.arch, cfg, model.params, pool_specs(model, layout),
+                             layout.buckets, layout.max_pages_per_row, layout.max_length,
+                             MAX_TOP_LOGPROBS)
+
+    def kv_init():
+        return None, init_kv(cfg, layout.num_pages, layout.page_size, dtype)
+    return steps + [GraphSpec(KV_INIT, None, kv_init, (), ())]
+
+
+def pool_specs(model, layout):
+    """The KV pool's ShapeDtypeStructs: every graph returns the pool's leaves."""
+    return kv_specs(model.config, layout.num_pages, layout.page_size, model.params["embed"].dtype)
+
+
+def flat_args(args) -> tuple:
+    return tuple(tuple(jax.tree.leaves(a)) for a in args)
+
+
+def export(spec: GraphSpec, platforms: list[str]) -> tuple[jax.export.Exported, object]:
+    """The graph exported for `platforms`, and its output's `tree_spec`."""
+    defs = [jax.tree.structure(a) for a in spec.args]
+    structure: dict = {}
+
+    def flat(*leaves):
+        out, kv = spec.fn(*(d.unflatten(x) for d, x in zip(defs, leaves)))
+        structure["spec"] = tree_spec(out)      # recorded while tracing
+        return tuple(jax.tree.leaves(out)), tuple(jax.tree.leaves(kv))
+    exp = jax.export.export(jax.jit(flat, donate_argnums=spec.donate_argnums),
+                            platforms=platforms)(*flat_args(spec.args))
+    return exp, structure["spec"]
+
+
+def compile_export(exp, args, donate) -> jax.stages.Compiled:
+    return jax.jit(exp.call, donate_argnums=donate).lower(*flat_args(args)).compile()
+
+
+def executable_trees(args, num_outputs: int, num_kv: int):
+    """The pytree defs `serialize_executable` leaves to us, rebuilt from the flat convention."""
+    in_tree = jax.tree.structure((tuple(tuple(0 for _ in a) for a in flat_args(args)), {}))
+    out_tree = jax.tree.structure((tuple(0 for _ in range(num_outputs)),
+                                   tuple(0 for _ in range(num_kv))))
+    return in_tree, out_tree
+
+
+class StepCallable:
+    """What ModelRunner calls: (params, kv, step, sampling) -> (outputs, kv), kv donated."""
+
+    def __init__(self, compiled, source: str, out_spec):
+        self.compiled = compiled
+        self.source = source        # "executable" or "export"
+        self.out_spec = out_spec
+
+    def __call__(self, params, kv, step, samp):
+        kv_leaves, kv_def = jax.tree.flatten(kv)
+        out, new_kv = self.compiled(tuple(jax.tree.leaves(params)), tuple(kv_leaves),
+                                    tuple(jax.tree.leaves(step)), tuple(jax.tree.leaves(samp)))
+        return rebuild(self.out_spec, iter(out)), kv_def.unflatten(new_kv)
+
+
+def kv_initializer(compiled, kv) -> Callable:
+    """What maxjax/engine/kv_pool.py runs: () -> a zero pool with `kv`'s structure."""
+    kv_def = jax.tree.structure(kv)
+    return lambda: kv_def.unflatten(compiled()[1])
+
+
+# ---- output structure ----------------------------------------------------------------------------
+def tree_spec(tree):
+    """A JSON description of a graph output's structure (tuples, lists, None and NamedTuples of
+    maxjax), from which `rebuild` puts the flat output leaves back."""
+    if tree is None:
+        return None
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        cls = type(tree)
+        return {"namedtuple": f"{cls.__module__}:{cls.__qualname__}",
+                "children": [tree_spec(x) for x in tree]}
+    if isinstance(tree, (tuple, list)):
+        return {type(tree).__name__: [tree_spec(x) for x in tree]}
+    if isinstance(tree, dict):
+        return {"dict": {k: tree_spec(v) for k, v in sorted(tree.items())}}
+    return "leaf"
+
+
+def rebuild(spec, leaves):
+    """Inverse of `tree_spec` over an iterator of leaves."""
+    if spec is None:
+        return None
+    if spec == "leaf":
+        return next(leaves)
+    if "namedtuple" in spec:
+        module, name = spec["namedtuple"].split(":")
+        if not module.startswith("maxjax."):
+            raise UserError(f"artifact output type {spec['namedtuple']} is not a maxjax type")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(*(rebuild(c, leaves) for c in spec["children"]))
+    if "tuple" in spec or "list" in spec:
+        kind = tuple if "tuple" in spec else list
+        return kind(rebuild(c, leaves) for c in spec[kind.__name__])
+    return {k: rebuild(v, leaves) for k, v in spec["dict"].items()}
+
+
+def spec_leaves(spec) -> int:
+    if spec is None:
+        return 0
+    if spec == "leaf":
+        return 1
+    children = (spec.get("children") or spec.get("tuple") or spec.get("list")
+                or list(spec.get("dict", {}).values()))
+    return sum(spec_leaves(c) for c in children)

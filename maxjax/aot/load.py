@@ -1,0 +1,166 @@
+"""Loading artifacts: `--precompiled-artifacts DIR [DIR ...]`.
+
+Called by maxjax/engine/build.py (and tools/bench_startup.py) before the engine is built.
+`load_for_engine` verifies everything first (manifest, versions, model, engine, every sha256,
+every graph's signature; artifacts/FORMAT.md lists the order), then deserializes: a serialized
+executable is code. A mismatch is a UserError naming the field and the warm-cache command that
+fixes it; nothing is silently recompiled from Python. Each graph comes from the executable
+compiled for this device, else from the portable export compiled here (logged). The KV
+initializer goes to maxjax/engine/kv_pool.py, so the engine's pool needs no compile either.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+
+import jax
+
+from maxjax.aot import graphs
+from maxjax.aot import manifest as mf
+from maxjax.aot.export import warm_cache_command
+from maxjax.engine import kv_pool
+from maxjax.engine.config import EngineConfig
+from maxjax.errors import UserError
+
+log = logging.getLogger("maxjax.aot")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
+    """Unset (or default) engine values take the pinned ones; an explicit other value is an error."""
+    pinned = m.data.get("engine", {})
+    for k in ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
+              "num_kv_pages"):
+        have, want = getattr(engine_cfg, k), pinned.get(k)
+        if want is None:
+            raise UserError(f"{m.path}: engine field {k} is missing; recreate with: {fix(None)}")
+        if have is None or have == _DEFAULTS[k]:
+            setattr(engine_cfg, k, want)
+        elif have != want:
+            raise UserError(f"{mf.FLAGS[k]} {have} differs from the {want} the artifacts in "
+                            f"{m.directory} were built with: drop the flag, or recreate them with: "
+                            f"{fix(k)}")
+    return pinned
+
+
+def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False):
+    """(EngineLayout, {Bucket: StepCallable}) from artifact directories, after verifying them;
+    the KV initializer is provided to maxjax/engine/kv_pool.py."""
+    from maxjax.engine.core import plan_layout
+    dirs = [dirs] if isinstance(dirs, str) else list(dirs)
+    local = mf.local_device()
+    engine_cfg.quantization_encoding = model.dtype
+    manifests, layout = [], None
+    for d in dirs:
+        d = os.path.abspath(d)
+        user = dataclasses.replace(engine_cfg)
+
+        def fix(field, d=d, user=user):
+            eng = {k: getattr(user, k) for k in mf.FLAGS if k != "dtype"}
+            for k, v in eng.items():
+                if v is None or (v == _DEFAULTS[k] and k != field):
+                    eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
+            return warm_cache_command(model, eng, d, [local["platform"]])
+        m = None    # fix() reads the pinned values once the manifest is read
+        m = mf.read_manifest(d, fix(None))
+        mf.check_versions(m, fix(None), require_compiled or m.data.get("compiled_for") == local)
+        mf.check_model(m, model, fix(None))
+        pinned = _adopt_pinned(m, engine_cfg, fix)
+        if local["platform"] not in m.data.get("targets", []):
+            raise UserError(f"{m.path}: built for {', '.join(m.data.get('targets', []))}, this machine "
+                            f"is {local['platform']}; recreate with: {fix(None)}")
+        mf.check_files(m, fix(None))        # every sha256, before anything is deserialized
+        this = plan_layout(engine_cfg, model)
+        run_fp = mf.engine_fingerprint(this, engine_cfg, model.dtype)
+        for k in mf.ENGINE_FIELDS:
+            if run_fp[k] != pinned.get(k):
+                raise UserError(f"{m.path}: engine {k}: artifacts {pinned.get(k)}, this run "
+                                f"{run_fp[k]}; recreate with: {fix(None)}")
+        _check_graphs(m, graphs.graph_specs(model, this), graphs.pool_specs(model, this), fix(None))
+        layout = layout or this
+        manifests.append(m)
+    assert layout is not None
+    return layout, _load_graphs(manifests, model, layout, local, require_compiled)
+
+
+def _read_verified(m: mf.Manifest, name: str, entry: dict) -> bytes:
+    """The file's bytes, hashed again as read: what is deserialized is what was verified."""
+    with open(m.file(entry["path"]), "rb") as f:
+        blob = f.read()
+    if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+        raise UserError(f"{m.path}: graph {name}: file {entry['path']} changed while loading")
+    return blob
+
+
+def _check_graphs(m: mf.Manifest, specs, kv, fix: str) -> None:
+    """Every graph of this run is in the manifest, with this run's signature."""
+    entries = {g.get("name"): g for g in m.data.get("graphs", [])}
+    for spec in specs:
+        g = entries.get(spec.name)
+        if g is None:
+            raise UserError(f"{m.path}: graph {spec.name} is missing; recreate with: {fix}")
+        sig = g.get("signature", {})
+        if sig.get("in") != mf.signature(spec.args, ((), ()))["in"] or \
+                sig.get("out", {}).get("kv") != mf.avals(kv):
+            raise UserError(f"{m.path}: graph {spec.name}: signature differs from this run's; "
+                            f"recreate the artifacts with: {fix}")
+        if graphs.spec_leaves(g.get("output_structure")) != g.get("sample_outputs"):
+            raise UserError(f"{m.path}: graph {spec.name}: output_structure does not hold "
+                            f"{g.get('sample_outputs')} outputs; recreate the artifacts with: {fix}")
+
+
+def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
+    from jax.experimental import serialize_executable
+    specs = graphs.graph_specs(model, layout)
+    kv = graphs.pool_specs(model, layout)
+    out: dict = {}
+    t0, counts = time.perf_counter(), {"executable": 0, "export": 0}
+    # Deserializing an executable is native code that releases the GIL: overlap them.
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+    loads: dict = {}
+    for spec in specs:
+        name = spec.name
+        cands = [(m, g) for m in manifests for g in m.data["graphs"] if g["name"] == name]
+        exe = next(((m, g) for m, g in cands if "executable" in g["files"]
+                    and m.data.get("compiled_for") == local), None)
+        if exe is not None:
+            m, g = exe
+            blob = _read_verified(m, name, g["files"]["executable"])
+            trees = graphs.executable_trees(spec.args, g["sample_outputs"], len(jax.tree.leaves(kv)))
+            loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees),
+                           g["output_structure"])
+            counts["executable"] += 1
+            continue
+        m, g = cands[0]
+        if require_compiled:
+            raise UserError(f"{m.path}: no executable compiled for this device "
+                            f"({local['platform']} {local['device_kind']}, "
+                            f"{local['platform_version']}) for graph {name}, and "
+                            "--require-compiled-artifacts is set; run warm-cache on this machine")
+        exp = jax.export.deserialize(bytearray(_read_verified(m, name, g["files"]["export"])))
+        if local["platform"] not in exp.platforms:
+            raise UserError(f"{m.path}: graph {name} was exported for {', '.join(exp.platforms)}, "
+                            f"not {local['platform']}")
+        sig = g["signature"]
+        if mf.avals(exp.in_avals) != mf.flat_in(sig) or \
+                mf.avals(exp.out_avals) != sig["out"]["sample"] + sig["out"]["kv"]:
+            raise UserError(f"{m.path}: graph {name}: the export's signature differs from its "
+                            "manifest")
+        log.info("compiling exported graph %s for %s (no executable for this device)", name,
+                 local["device_kind"])
+        out[name] = (graphs.compile_export(exp, spec.args, spec.donate_argnums), "export",
+                     g["output_structure"])
+        counts["export"] += 1
+    with pool:
+        for name, (future, structure) in loads.items():
+            out[name] = (future.result(), "executable", structure)
+    log.info("loaded %d graphs in %.2f s (%d executables, %d compiled from exports)", len(out),
+             time.perf_counter() - t0, counts["executable"], counts["export"])
+    compiled, _, _ = out.pop(graphs.KV_INIT)
+    kv_pool.provide(model.config, layout.num_pages, layout.page_size, model.params["embed"].dtype,
+                    graphs.kv_initializer(compiled, kv))
+    return {s.bucket: graphs.StepCallable(*out[s.name]) for s in specs if s.bucket is not None}
