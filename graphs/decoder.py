@@ -176,8 +176,8 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
     shapes = param_shapes(cfg)
     names = hf_layer_names(cfg.post_norms)
 
-    def put(x):
-        return jnp.asarray(np.asarray(x, np.float32), dtype=dtype)
+    def put(x):   # on the host and device_put: jnp.asarray compiles a copy per bf16 shape
+        return jax.device_put(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
 
     layers = []
     for i, layer_shapes in enumerate(shapes["layers"]):
