@@ -1,18 +1,17 @@
 """The offline Python API: `maxjax.LLM(model=...).generate(prompts, SamplingParams(...))`.
 
-It drives EngineCore synchronously on the calling thread; the server uses AsyncEngine instead.
+It drives EngineCore synchronously on the calling thread (the server uses AsyncEngine instead)
+and gathers each request's RequestOutputs into one CompletionOutput.
 """
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 
+from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import EngineCore
-from maxjax.engine.detokenizer import TextStream
 from maxjax.engine.types import SamplingParams, TokenLogprob
-from maxjax.models.loader import LoadedModel, load_model
+from maxjax.models.loader import LoadedModel
 
 
 @dataclass
@@ -25,6 +24,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None          # with finish_reason "error": what failed
 
     @property
     def usage(self) -> dict:
@@ -38,30 +38,18 @@ _ids = itertools.count()
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, *, quantization_encoding: str | None = None,
                  chat_template: str | None = None, custom_architectures=(), progress: bool = False,
-                 precompiled_artifacts=None, **engine_options):
+                 precompiled_artifacts=(), require_compiled_artifacts: bool = False,
+                 **engine_options):
         from maxjax.models import registry
         for spec in custom_architectures:
             registry.register_custom(spec)
-        if not isinstance(model, LoadedModel):
-            stored = None
-            if precompiled_artifacts:
-                from maxjax.aot import weights as aot_weights
-                stored = aot_weights.params_source(precompiled_artifacts)
-            model = load_model(model, quantization_encoding, chat_template, progress=progress,
-                               params_source=stored)
-        self.model = model
-        self.tokenizer = model.tokenizer
-        self.engine_config = EngineConfig(quantization_encoding=model.dtype, **engine_options)
-        layout = None
-        if precompiled_artifacts:
-            from maxjax.aot import load as aot_load
-            layout, executables = aot_load.load_for_engine(precompiled_artifacts, model,
-                                                           self.engine_config)
-        self.core = EngineCore(model, self.engine_config, layout)
-        if precompiled_artifacts:
-            self.core.runner.set_executables(executables)
-        self.core.warmup()
-        self.detokenize_seconds = 0.0
+        self.engine_config = EngineConfig(quantization_encoding=quantization_encoding,
+                                          **engine_options)
+        self.core = build_core(model, self.engine_config, chat_template=chat_template,
+                               precompiled_artifacts=precompiled_artifacts or (),
+                               require_compiled=require_compiled_artifacts, progress=progress)
+        self.model = self.core.model
+        self.tokenizer = self.model.tokenizer
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -83,7 +71,7 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        outs, streams, pending = {}, {}, []
+        outs, pending = {}, []
         try:
             for prompt, p in zip(prompts, params):
                 ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -92,42 +80,30 @@ class LLM:
                 pending.append(rid)
                 outs[rid] = CompletionOutput(prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs else None)
-                streams[rid] = (TextStream(self.tokenizer, p, ids) if self.tokenizer else None, p)
-            self._run(outs, streams)
+            self._run(outs)
         except BaseException:
             for rid in pending:
                 self.core.abort(rid)
             raise
         return [outs[rid] for rid in pending]
 
-    def _run(self, outs: dict, streams: dict) -> None:
+    def _run(self, outs: dict) -> None:
         live = set(outs)
         while live:
-            for ev in self.core.step():
-                if ev.request_id not in live:
+            for out in self.core.step():
+                if out.request_id not in live:
                     continue
-                out = outs[ev.request_id]
-                text, p = streams[ev.request_id]
-                out.token_ids.append(ev.token_id)
-                out.cached_tokens = ev.cached_tokens
-                if ev.prompt_logprobs is not None:
-                    out.prompt_logprobs = ev.prompt_logprobs
-                if ev.logprob is not None:
-                    out.logprobs.append(ev.logprob)
-                if text is not None and not (ev.finished and ev.token_id in p.stop_token_ids):
-                    t0 = time.perf_counter()
-                    out.text += text.add([ev.token_id])
-                    self.detokenize_seconds += time.perf_counter() - t0
-                if text is not None and text.stopped:
-                    if not ev.finished:
-                        self.core.abort(ev.request_id, "stop")
-                    out.finish_reason = "stop"
-                elif ev.finished:
-                    out.finish_reason = ev.finish_reason
-                if out.finish_reason is not None:
-                    if text is not None:
-                        out.text += text.finish()
-                    live.discard(ev.request_id)
+                c = outs[out.request_id]
+                c.token_ids += out.new_token_ids
+                c.text += out.new_text
+                c.cached_tokens = out.cached_tokens
+                if out.new_logprobs:
+                    c.logprobs += out.new_logprobs
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
+                if out.finished:
+                    c.finish_reason, c.error = out.finish_reason, out.error
+                    live.discard(out.request_id)
             if live and not self.core.has_unfinished():
                 raise RuntimeError(f"requests {sorted(live)} vanished from the engine")
 
@@ -141,7 +117,7 @@ class LLM:
 
     def profile_report(self) -> str:
         """Where the engine's step time went, per step and as a share of the total."""
-        prof = dict(self.core.profile, detokenize=self.detokenize_seconds)
+        prof = dict(self.core.profile)
         steps = max(prof.pop("steps"), 1)
         tokens = prof.pop("tokens")
         total = sum(prof.values()) or 1.0

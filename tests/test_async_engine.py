@@ -1,5 +1,6 @@
 """AsyncEngine (its own thread, asyncio streams) on a tiny random Llama: executables primed while
-idle, concurrent streams equal single ones, abort frees pages, per-phase step timing in stats."""
+idle, concurrent streams equal single ones, abort frees pages (and ends a stream still listened
+to), stop strings, a failing request fails alone, per-phase step timing in stats."""
 from __future__ import annotations
 
 import asyncio
@@ -78,3 +79,60 @@ def test_leaving_a_stream_aborts_and_frees_pages(engine):
     assert len(asyncio.run(first_two())) >= 2
     wait_until(lambda: engine.stats()["kv_pages_used"] == 0 and engine.stats()["num_running"] == 0,
                "the aborted request's pages to return")
+
+
+
+async def last_output(engine, rid, prompt, params=GREEDY):
+    """(tokens, text, the last output) of one stream."""
+    tokens, text = [], ""
+    async for out in engine.generate(rid, prompt, params):
+        tokens += out.new_token_ids
+        text += out.new_text
+    return tokens, text, out
+
+
+def test_a_failing_request_fails_alone_and_serving_goes_on(engine, monkeypatch):
+    singles = [asyncio.run(collect(engine, f"f{i}", p))[0] for i, p in enumerate(PROMPTS)]
+    build = EngineCore._row_input
+
+    def faulty(self, row):
+        if row.request.request_id == "bad" and row.request.num_output_tokens >= 2:
+            raise RuntimeError("injected fault")
+        return build(self, row)
+    monkeypatch.setattr(EngineCore, "_row_input", faulty)
+
+    async def together():
+        return await asyncio.gather(*[last_output(engine, "bad" if i == 1 else f"g{i}", p)
+                                      for i, p in enumerate(PROMPTS)])
+    (t0, _, o0), (t1, _, bad), (t2, _, o2) = asyncio.run(together())
+    assert bad.finish_reason == "error" and "injected fault" in bad.error
+    assert t1 == singles[1][:2]
+    assert (t0, t2) == (singles[0], singles[2]) and o0.finish_reason == o2.finish_reason == "length"
+    assert engine.num_step_errors == 0
+    wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "pages to return")
+
+
+def test_abort_ends_a_listened_stream_with_abort(engine):
+    async def abort_after_first():
+        outs = []
+        async for out in engine.generate("ab", PROMPTS[0], SamplingParams(max_new_tokens=40,
+                                                                            ignore_eos=True)):
+            outs.append(out)
+            if len(outs) == 1:
+                engine.abort("ab")
+        return outs
+    outs = asyncio.run(abort_after_first())
+    assert outs[-1].finish_reason == "abort" and sum(len(o.new_token_ids) for o in outs) < 40
+    wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "the aborted request's pages")
+
+
+def test_stop_string_ends_the_stream(engine):
+    tokens, _ = asyncio.run(collect(engine, "full", PROMPTS[1]))
+    tok = engine.tokenizer
+    text = tok.decode(PROMPTS[1] + tokens)[len(tok.decode(PROMPTS[1])):]
+    stop = f"w{tokens[4]}"
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    got, got_text, out = asyncio.run(last_output(engine, "stopped", PROMPTS[1], params))
+    assert out.finish_reason == "stop" and got_text == text[:text.index(stop)]
+    assert got == tokens[:len(got)] and len(got) <= 5
+    wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "pages to return")

@@ -155,13 +155,13 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
 
 def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
                targets: list[str] | None, jobs: int) -> int:
+    from maxjax.engine.build import load
     from maxjax.engine.core import plan_layout
-    from maxjax.models.loader import load_model
     platforms = normalize_targets(targets)
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1 (got {jobs})")
-    model = load_model(model_opts.model_path, engine_cfg.quantization_encoding,
-                       model_opts.chat_template)
+    model = load(model_opts.model_path, engine_cfg.quantization_encoding,
+                 model_opts.chat_template, progress=True)
     engine_cfg.quantization_encoding = model.dtype
     layout = plan_layout(engine_cfg, model)
     engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length

@@ -103,7 +103,8 @@ def cmd_generate(args) -> int:
         raise UserError(f"--{e.param.replace('_', '-')}: {e.reason}") from e
     prompts = _read_prompts(gen)
     llm = LLM(model_opts.model_path, chat_template=model_opts.chat_template,
-              precompiled_artifacts=model_opts.precompiled_artifacts or None,
+              precompiled_artifacts=model_opts.precompiled_artifacts,
+              require_compiled_artifacts=model_opts.require_compiled_artifacts,
               progress=not gen.json, **vars(engine_cfg))
     if gen.chat:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]

@@ -3,15 +3,11 @@ graph compiles on a background thread, then the engine starts and health turns 2
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
-import time
 
 from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
-
-log = logging.getLogger("maxjax.serve")
 
 
 class LoadingEngine:
@@ -39,39 +35,16 @@ class LoadingEngine:
 
 
 def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True) -> AsyncEngine:
-    from maxjax.engine.core import EngineCore
-    from maxjax.models.loader import load_model
-    t0 = time.perf_counter()
-    stored = None
-    if model_opts.precompiled_artifacts:
-        from maxjax.aot import weights as aot_weights
-        stored = aot_weights.params_source(model_opts.precompiled_artifacts)
-    model = load_model(model_opts.model_path, engine_cfg.quantization_encoding,
-                       model_opts.chat_template, progress=progress, params_source=stored)
-    engine_cfg.quantization_encoding = model.dtype
-    log.info("loaded %s (%s) in %.1f s", model.name, model.dtype, time.perf_counter() - t0)
-    layout, executables = None, {}
-    if model_opts.precompiled_artifacts:
-        from maxjax.aot import load as aot_load
-        layout, executables = aot_load.load_for_engine(model_opts.precompiled_artifacts, model,
-                                                       engine_cfg,
-                                                       model_opts.require_compiled_artifacts)
-    core = EngineCore(model, engine_cfg, layout)
-    core.runner.set_executables(executables)
-    t1 = time.perf_counter()
-
-    def on_compiled(i, n, name):
-        log.info("compiling graphs: %d/%d (%s)", i, n, name)
-    core.warmup(on_compiled)
-    log.info("%d graphs ready in %.1f s (KV pool: %d pages of %d tokens, max length %d)",
-             len(core.layout.buckets), time.perf_counter() - t1, core.layout.num_pages,
-             core.layout.page_size, core.max_length)
+    from maxjax.engine.build import build_core
+    core = build_core(model_opts.model_path, engine_cfg, chat_template=model_opts.chat_template,
+                      precompiled_artifacts=model_opts.precompiled_artifacts,
+                      require_compiled=model_opts.require_compiled_artifacts, progress=progress)
     if model_opts.export_artifacts:
         from maxjax.aot import export as aot_export
         aot_export.export_engine(model_opts.export_artifacts, core)
-    name = serve_cfg.served_model_name or model.name
-    engine = AsyncEngine(core, model.tokenizer, name, model.chat_template,
-                         serve_cfg.max_pending_requests)
+    model = core.model
+    engine = AsyncEngine(core, model.tokenizer, serve_cfg.served_model_name or model.name,
+                         model.chat_template, serve_cfg.max_pending_requests)
     engine.start()
     return engine
 

@@ -1,10 +1,13 @@
 """AsyncEngine: runs EngineCore on its own thread and streams outputs to asyncio callers.
 
 Thread design: the engine thread alone touches EngineCore. Callers (the aiohttp server, on its
-event loop) send commands (add, abort) through a thread-safe queue and receive token events
-through per-request asyncio queues fed with `loop.call_soon_threadsafe`. Detokenization and stop
-strings run on the caller's side (`generate`), so they never stall a model step, and a model
-step never blocks the event loop. A step that raises fails only the requests in it.
+event loop) send commands (add, abort) through a thread-safe queue and receive RequestOutputs
+through per-request asyncio queues fed with `loop.call_soon_threadsafe`; `generate` merges the
+outputs that queued up since its last yield. The RequestOutputs are complete when they leave the
+engine thread (EngineCore.step runs the output processor: text, stop strings, logprobs), so a stop
+string ends its request in the step that found it, and a model step never blocks the event loop.
+A fault in a step fails only the requests it is traced to (EngineCore); should a step raise
+anyway (a fault outside those guards), every unfinished request fails and the engine goes on.
 """
 from __future__ import annotations
 
@@ -13,11 +16,10 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from typing import AsyncIterator
 
-from maxjax.engine.core import EngineCore, TokenEvent
-from maxjax.engine.detokenizer import TextStream
+from maxjax.engine.core import EngineCore
+from maxjax.engine.output import merge_outputs
 from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.errors import QueueFullError
 
@@ -40,8 +42,7 @@ class AsyncEngine:
         self._stats: dict = core.stats()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.num_step_errors = 0
-        self.detokenize_seconds = 0.0     # summed on the callers' side, where detokenizing runs
+        self.num_step_errors = 0          # steps that raised out of EngineCore.step
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,15 +81,16 @@ class AsyncEngine:
                         priming = False
                 continue
             try:
-                events = self.core.step()
-            except Exception as e:  # a failed step ends the requests it held, not the server
+                outputs = self.core.step()
+            except Exception as e:
                 self.num_step_errors += 1
                 log.exception("engine step failed")
-                self._fail_running(f"engine step failed: {type(e).__name__}: {e}")
-                continue
-            for ev in events:
-                self._deliver(ev.request_id, ev)
+                outputs = self._end_all("error", f"engine step failed: {type(e).__name__}: {e}")
+            for out in outputs:
+                self._deliver(out)
             self._stats = self.core.stats()
+        for out in self._end_all("abort"):
+            self._deliver(out)
 
     def _run_command(self, cmd) -> None:
         kind = cmd[0]
@@ -100,24 +102,26 @@ class AsyncEngine:
             except Exception as e:
                 fut.set_exception(e)
         elif kind == "abort":
-            self.core.abort(cmd[1], cmd[2])
+            out = self.core.abort(cmd[1])
+            if out is not None:
+                self._deliver(out)
 
-    def _fail_running(self, message: str) -> None:
-        sched = self.core.scheduler
-        for rid in list(sched.requests):
-            self.core.abort(rid, "error")
-            self._deliver(rid, message)
+    def _end_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
+        return [self.core.abort(rid, reason, error) for rid in list(self.core.scheduler.requests)]
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
-            target = self._streams.get(request_id)
+            target = self._streams.get(out.request_id)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:    # the caller's event loop has closed (shutdown)
+                pass
 
     # ---- the caller's side --------------------------------------------------------------------
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        self._commands.put(("abort", request_id, reason))
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
 
     def stats(self) -> dict:
         s = self._stats
@@ -128,7 +132,7 @@ class AsyncEngine:
                 "preemptions": s.get("preemptions", 0), "xla_compiles": s.get("xla_compiles", 0),
                 "xla_compiles_since_ready": s.get("xla_compiles_since_ready", 0),
                 "steps": s.get("steps", 0),
-                "step_seconds": dict(s.get("step_seconds", {}), detokenize=self.detokenize_seconds)}
+                "step_seconds": dict(s.get("step_seconds", {}))}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -142,18 +146,16 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, q)
-        text = TextStream(self.tokenizer, params, prompt_token_ids) if self.tokenizer else None
         finished = False
         try:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt, fut))
             await asyncio.wrap_future(fut)
             while not finished:
-                item = await q.get()
-                batch = [item]
+                batch = [await q.get()]
                 while not q.empty():
                     batch.append(q.get_nowait())
-                out = self._merge(request_id, batch, text, params)
+                out = merge_outputs(batch)
                 finished = out.finished
                 yield out
         finally:
@@ -163,38 +165,3 @@ class AsyncEngine:
                 self.abort(request_id)
 
     stream = generate   # `async for out in engine.stream(...)`: the same API under its issue name
-
-    def _merge(self, request_id: str, batch: list, text: TextStream | None,
-               params: SamplingParams) -> RequestOutput:
-        """Fold the events that arrived since the last yield into one output."""
-        out = RequestOutput(request_id, [])
-        for ev in batch:
-            if isinstance(ev, str):     # the engine failed this request
-                out.finished, out.finish_reason, out.error = True, "error", ev
-                break
-            assert isinstance(ev, TokenEvent)
-            out.prompt_tokens, out.completion_tokens = ev.prompt_tokens, ev.completion_tokens
-            out.cached_tokens = ev.cached_tokens
-            if ev.prompt_logprobs is not None:
-                out.prompt_logprobs = ev.prompt_logprobs
-            out.new_token_ids.append(ev.token_id)
-            if ev.logprob is not None:
-                out.new_logprobs = (out.new_logprobs or []) + [ev.logprob]
-            # A stop token id ends the request without appearing in its text (EOS is special
-            # and skipped by the detokenizer anyway).
-            stop_token = ev.finished and ev.token_id in params.stop_token_ids
-            if text is not None and not stop_token:
-                t = time.perf_counter()
-                out.new_text += text.add([ev.token_id])
-                self.detokenize_seconds += time.perf_counter() - t
-            if text is not None and text.stopped:
-                if not ev.finished:
-                    self.abort(request_id, "stop")
-                out.finished, out.finish_reason = True, "stop"
-                break
-            if ev.finished:
-                out.finished, out.finish_reason = True, ev.finish_reason
-                break
-        if out.finished and text is not None and out.finish_reason != "error":
-            out.new_text += text.finish()
-        return out

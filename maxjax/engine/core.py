@@ -1,5 +1,14 @@
 """EngineCore: the synchronous engine. One `step()` = Scheduler.schedule -> ModelRunner.run ->
-Scheduler.update. Not thread-safe: the AsyncEngine's loop thread (or LLM.generate) owns it.
+Scheduler.update -> OutputProcessor.process, and returns the step's RequestOutputs. Not
+thread-safe: the AsyncEngine's loop thread (or LLM.generate) owns it.
+
+A fault in a step fails only the requests it can be traced to, and the engine goes on:
+  - an exception while building one row's inputs (host side) fails that row's request;
+  - when the runner raises and the KV pool is intact (nothing of the step reached it), the step's
+    rows run again one at a time, and only those that fail alone fail;
+  - when the KV pool was donated into the failed call (or poisoned by it), the requests in that
+    call fail, a new pool replaces it, and every other running request goes back to the queue to
+    be recomputed (the prefix cache, whose pages are gone with the pool, is emptied).
 """
 from __future__ import annotations
 
@@ -11,34 +20,21 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from maxjax.engine import compile_counter
+from maxjax.engine import compile_counter, kv_pool
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.request import Request, RequestStatus, new_seed
-from maxjax.engine.runner import ModelRunner, RowRequest
-from maxjax.engine.scheduler import Scheduler
-from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logprobs
+from maxjax.engine.request import Request, RequestStatus
+from maxjax.engine.runner import ModelRunner, RowRequest, RowResult
+from maxjax.engine.scheduler import ScheduledRow, Scheduler
+from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_request
 from maxjax.errors import UserError
 from maxjax.graphs.step import RowSlice
 
 log = logging.getLogger("maxjax.engine")
 DEFAULT_MAX_LENGTH_CAP = 4096
-
-
-@dataclass
-class TokenEvent:
-    """What one step produced for one request."""
-    request_id: str
-    token_id: int
-    logprob: TokenLogprob | None
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    prompt_logprobs: list | None = None   # with the first token, when asked for
 
 
 @dataclass
@@ -111,14 +107,14 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length)
-        self.seeds: dict[str, int] = {}
-        self.prompt_lps: dict[str, dict[int, TokenLogprob]] = {}   # request -> position -> logprob
+        self.output = OutputProcessor(model.tokenizer)
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
         self._priming = None
         # Seconds spent per phase of a step, summed over steps (`maxjax generate --profile`).
+        # "detokenize" is the output processing (text, stop strings, logprobs).
         self.profile = {"schedule": 0.0, "build_inputs": 0.0, "device_step": 0.0, "update": 0.0,
-                        "steps": 0, "tokens": 0}
+                        "detokenize": 0.0, "steps": 0, "tokens": 0}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def warmup(self, progress=None) -> None:
@@ -131,10 +127,17 @@ class EngineCore:
         return self._priming is None
 
     def prime_next(self) -> bool:
-        """Run one dummy step of the executables' first-run priming; False once all have run."""
-        if self._priming is None or next(self._priming, None) is None:
+        """Run one dummy step of the executables' first-run priming; False once all have run.
+        A failure ends the priming (and replaces the KV pool if it was lost) and is raised."""
+        try:
+            if self._priming is None or next(self._priming, None) is None:
+                self._priming = None
+                return False
+        except Exception:
             self._priming = None
-            return False
+            if self._kv_lost():
+                self._replace_kv()
+            raise
         return True
 
     # ---- requests -----------------------------------------------------------------------------
@@ -146,88 +149,131 @@ class EngineCore:
                                    self.eos_token_ids))
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         self.scheduler.add(req)
-        self.seeds[request_id] = params.seed if params.seed is not None else new_seed()
 
-    def abort(self, request_id: str, reason: str = "abort") -> bool:
-        self.seeds.pop(request_id, None)
-        self.prompt_lps.pop(request_id, None)
-        return self.scheduler.finish(request_id, reason) is not None
+    def abort(self, request_id: str, reason: str = "abort",
+              error: str | None = None) -> RequestOutput | None:
+        """End a request now, freeing its pages; its last output (None: unknown or finished)."""
+        req = self.scheduler.finish(request_id, reason)
+        return None if req is None else final_output(req, reason, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- one step -----------------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
             return []
         t_sched = time.perf_counter() - t0
-        rows = [RowRequest(RowSlice(r.token_ids, r.start_pos, r.pages, self._next_tokens(r),
-                                    r.num_samples),
-                           r.request.sampling, r.request.prompt_token_ids,
-                           r.request.output_token_ids, self.seeds[r.request.request_id])
-                for r in plan.rows]
-        before = compile_counter.count()
-        results = self.runner.run(rows)
-        self.step_compiles += compile_counter.count() - before
-        for row, res in zip(plan.rows, results):
-            if res.prompt_logprobs is not None:
-                self._keep_prompt_logprobs(row, res.prompt_logprobs)
+        outputs: list[RequestOutput] = []          # first those of the requests that failed
+        results = self._run(plan.rows, outputs)
         t1 = time.perf_counter()
-        updates = self.scheduler.update(plan, [res.token_ids for res in results])
-        by_req = {row.request.request_id: res for row, res in zip(plan.rows, results) if row.sample}
-        events = []
-        for u in updates:
-            req, res = u.request, by_req[u.request.request_id]
-            done = req.status is RequestStatus.FINISHED
-            if done:
-                self.seeds.pop(req.request_id, None)
-            n_before = req.num_output_tokens - len(u.token_ids)
-            for j, (token, smp) in enumerate(zip(u.token_ids, res.samples)):
-                lp = None
-                if req.sampling.logprobs:
-                    k = req.sampling.top_logprobs
-                    lp = TokenLogprob(token, smp.logprob, [(int(i), float(v)) for i, v in
-                                                           zip(smp.top_ids[:k], smp.top_logprobs[:k])])
-                plps = None
-                if req.sampling.prompt_logprobs and n_before + j == 0:
-                    got = self.prompt_lps.pop(req.request_id, {})
-                    plps = [None] + [got.get(i) for i in range(1, req.num_prompt_tokens)]
-                last = j == len(u.token_ids) - 1
-                events.append(TokenEvent(req.request_id, token, lp, done and last,
-                                         req.finish_reason if last else None,
-                                         req.num_prompt_tokens, n_before + j + 1,
-                                         req.num_cached_tokens, plps))
+        for row, res in zip(plan.rows, results):
+            if res is not None and res.prompt_logprobs is not None:
+                keep_prompt_logprobs(row.request, row.start_pos, len(row.token_ids),
+                                     res.prompt_logprobs)
+        updates = self.scheduler.update(plan, [None if res is None else res.token_ids
+                                                for res in results])
+        t2 = time.perf_counter()
+        samples = {row.request.request_id: res.samples
+                   for row, res in zip(plan.rows, results) if res is not None and row.sample}
+        processed = self.output.process(updates, samples)
+        t3 = time.perf_counter()
+        for out in processed:
+            if out.finished:   # a stop string (or a failure) ends a request the scheduler still runs
+                self.scheduler.finish(out.request_id, out.finish_reason)
         prof = self.profile
         prof["schedule"] += t_sched
-        for k, v in self.runner.last_timing.items():
-            prof[k] += v
-        prof["update"] += time.perf_counter() - t1
+        prof["update"] += t2 - t1 + time.perf_counter() - t3
+        prof["detokenize"] += t3 - t2
         prof["steps"] += 1
         prof["tokens"] += plan.num_tokens
-        return events
+        return outputs + processed
+
+    def _row_input(self, row: ScheduledRow) -> RowRequest:
+        req = row.request
+        return RowRequest(RowSlice(row.token_ids, row.start_pos, row.pages, self._next_tokens(row),
+                                   row.num_samples),
+                          req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed)
 
     @staticmethod
     def _next_tokens(row) -> list[int] | None:
-        """For prompt logprobs: the prompt token following each token of the row (-1: none)."""
+        """For prompt logprobs: the prompt token following each token of the row (-1: none).
+        None once the request has output (its prompt logprobs went with the first one)."""
         req = row.request
-        if not req.sampling.prompt_logprobs or row.start_pos >= req.num_prompt_tokens - 1:
+        if (not req.sampling.prompt_logprobs or req.num_output_tokens
+                or row.start_pos >= req.num_prompt_tokens - 1):
             return None
         prompt = req.prompt_token_ids
         return [prompt[p + 1] if p + 1 < len(prompt) else -1
                 for p in range(row.start_pos, row.start_pos + len(row.token_ids))]
 
-    def _keep_prompt_logprobs(self, row, plp) -> None:
-        lps, top_ids, top_lps = plp
-        k = row.request.sampling.top_logprobs
-        prompt = row.request.prompt_token_ids
-        kept = self.prompt_lps.setdefault(row.request.request_id, {})
-        for i in range(len(row.token_ids)):
-            pos = row.start_pos + i + 1
-            if pos < len(prompt):
-                kept[pos] = TokenLogprob(prompt[pos], float(lps[i]),
-                                         [(int(a), float(b)) for a, b in zip(top_ids[i][:k], top_lps[i][:k])])
+    def _run(self, rows: list[ScheduledRow], failed: list) -> list[RowResult | None]:
+        """The step's result per row; None where the row's request failed (its output appended
+        to `failed`) or went back to the queue."""
+        inputs = []
+        for row in rows:
+            try:
+                inputs.append((row, self._row_input(row)))
+            except Exception as e:
+                failed.append(self._fail(row.request, "building its step inputs", e))
+        got = dict(zip((id(row) for row, _ in inputs), self._execute(inputs, failed)))
+        return [got.get(id(row)) for row in rows]
+
+    def _execute(self, inputs: list[tuple], failed: list) -> list[RowResult | None]:
+        if not inputs:
+            return []
+        before = compile_counter.count()
+        try:
+            results = self.runner.run([x for _, x in inputs])
+        except Exception as e:
+            error = e
+        else:
+            for k, v in self.runner.last_timing.items():
+                self.profile[k] += v
+            return results
+        finally:
+            self.step_compiles += compile_counter.count() - before
+        lost = self._kv_lost()
+        if len(inputs) == 1 or lost:
+            for row, _ in inputs:
+                failed.append(self._fail(row.request, "the model step", error))
+            if lost:
+                self._replace_kv()
+            return [None] * len(inputs)
+        # The pool is intact, so nothing of this step reached it: find the rows at fault.
+        return [self._execute([x], failed)[0] if x[0].request.status is RequestStatus.RUNNING
+                else None for x in inputs]
+
+    def _fail(self, req: Request, where: str, error: Exception) -> RequestOutput:
+        log.error("request %s failed in %s: %s: %s", req.request_id, where,
+                  type(error).__name__, error, exc_info=error)
+        self.scheduler.finish(req.request_id, "error")
+        return final_output(req, "error", f"engine step failed in {where}: "
+                                          f"{type(error).__name__}: {error}")
+
+    def _kv_lost(self) -> bool:
+        """True when the KV pool was donated into a call that failed, or holds its error."""
+        leaves = jax.tree.leaves(self.runner.kv)
+        if any(a.is_deleted() for a in leaves):
+            return True
+        try:
+            jax.block_until_ready(leaves)
+        except Exception:
+            return True
+        return False
+
+    def _replace_kv(self) -> None:
+        """A new, zeroed pool; the K/V of every running request and of every cached page went
+        with the old one."""
+        log.warning("the KV pool was lost in a failed call: recomputing %d running requests",
+                    self.scheduler.num_running)
+        lay = self.layout
+        self.runner.kv = kv_pool.zeros(self.model.config, lay.num_pages, lay.page_size,
+                                       self.model.params["embed"].dtype)
+        self.scheduler.preempt_running()
+        self.block_manager.reset_prefix_cache()
 
     def stats(self) -> dict:
         s = self.scheduler.stats()

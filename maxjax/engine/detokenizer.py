@@ -1,7 +1,7 @@
 """Host-side incremental detokenization and stop strings, one object per request.
 
-Whoever turns a request's new token ids into streamed text (the engine's output path or the server's
-stream handler) keeps one `TextStream` per request (or the two pieces alone):
+The engine's OutputProcessor (maxjax/engine/output.py) keeps one `TextStream` on each Request, on
+the engine's thread; the pieces also work alone:
   - `IncrementalDetokenizer`: token ids -> new text. Decoding one token alone is wrong for both
     byte-level BPE (a character's UTF-8 bytes span tokens) and sentencepiece (a leading "▁" becomes a
     space only after other text), so each step decodes a short window of already-emitted tokens

@@ -1,4 +1,7 @@
-"""The engine's per-request state, owned by the Scheduler and read by the ModelRunner and the loop.
+"""A request carries all of its engine state: the Scheduler's (tokens, pages, status), the
+sampling seed the ModelRunner reads, and the output state the OutputProcessor keeps (detokenizer and
+stop strings, prompt logprobs gathered until the first output). No engine piece keeps a side table
+keyed by request id.
 
 A request's token sequence is its prompt followed by the tokens it has generated. The KV cache holds
 the first `num_computed_tokens` of them; the rest (the whole prompt at admission, one sampled token
@@ -9,10 +12,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from maxjax.engine.types import SamplingParams
+from maxjax.engine.detokenizer import TextStream
+from maxjax.engine.types import SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
 
@@ -37,6 +42,9 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
+    seed: int | None = None               # sampling seed: sampling.seed, else drawn at creation
+    adapter_id: str | None = None         # LoRA adapter; None: the base model
+    grammar: Any = None                   # structured-output matcher; None: unconstrained
 
     output_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)   # proposed next tokens, unverified
@@ -54,9 +62,15 @@ class Request:
     page_hashes: list = field(default_factory=list)
     page_uids: list = field(default_factory=list)
 
+    # Output state, kept by the OutputProcessor (maxjax/engine/output.py).
+    text: TextStream | None = None        # created with the first output (None: no tokenizer)
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)   # position -> logprob
+
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         self._tokens = self.prompt_token_ids + list(self.output_token_ids)
+        if self.seed is None:
+            self.seed = self.sampling.seed if self.sampling.seed is not None else new_seed()
 
     @property
     def all_token_ids(self) -> list[int]:

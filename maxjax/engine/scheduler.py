@@ -200,6 +200,11 @@ class Scheduler:
         preempted.append(victim)
         return victim
 
+    def preempt_running(self) -> None:
+        """Send every running request back to the queue to be recomputed (the KV pool was lost)."""
+        while self.running:
+            self._preempt_newest(set(), [])
+
     def schedule(self) -> StepPlan | None:
         budget, max_rows = self.cfg.max_batch_input_tokens, self.cfg.max_batch_size
         rows: list[ScheduledRow] = []

@@ -1,0 +1,120 @@
+"""The one output processor: a step's StepUpdates -> RequestOutputs, for maxjax.LLM and the server's
+AsyncEngine alike. EngineCore.step calls it on the engine's thread right after Scheduler.update, so
+a stop string found here ends its request in the same step (EngineCore then finishes it in the
+scheduler, which frees its pages).
+
+It works on each Request's own state: its TextStream (incremental detokenization and stop strings,
+created with the request's first output) and the prompt logprobs gathered over its prefill chunks
+(`keep_prompt_logprobs`), sent with the first output. `final_output` is the last output of a
+request ended outside its updates (abort, failure); `merge_outputs` folds outputs that queued up
+for one consumer into one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+from maxjax.engine.detokenizer import TextStream
+from maxjax.engine.request import Request
+from maxjax.engine.types import RequestOutput, TokenLogprob
+
+log = logging.getLogger("maxjax.engine")
+
+
+def token_logprob(token_id: int, logprob, top_ids, top_logprobs, k: int) -> TokenLogprob:
+    return TokenLogprob(int(token_id), float(logprob),
+                        [(int(i), float(v)) for i, v in zip(top_ids[:k], top_logprobs[:k])])
+
+
+def keep_prompt_logprobs(req: Request, start_pos: int, num_tokens: int, plp) -> None:
+    """Store on the request the logprobs of the prompt tokens that follow a row's `num_tokens`
+    tokens from `start_pos` (plp: the runner's (logprobs, top ids, top logprobs) arrays)."""
+    lps, top_ids, top_lps = plp
+    k = req.sampling.top_logprobs
+    prompt = req.prompt_token_ids
+    for i in range(num_tokens):
+        pos = start_pos + i + 1
+        if pos < len(prompt):
+            req.prompt_logprobs[pos] = token_logprob(prompt[pos], lps[i], top_ids[i], top_lps[i], k)
+
+
+def final_output(req: Request, reason: str, error: str | None = None) -> RequestOutput:
+    """The last output of a request ended outside its updates (abort, failure): no new tokens."""
+    return RequestOutput(req.request_id, [], finished=True, finish_reason=reason,
+                         prompt_tokens=req.num_prompt_tokens,
+                         completion_tokens=req.num_output_tokens,
+                         cached_tokens=req.num_cached_tokens, error=error)
+
+
+def merge_outputs(outs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: tokens, text and logprobs joined; counts and the
+    finish from the last."""
+    if len(outs) == 1:
+        return outs[0]
+    tokens, text, lps, plps = [], "", None, None
+    for o in outs:
+        tokens += o.new_token_ids
+        text += o.new_text
+        if o.new_logprobs is not None:
+            lps = (lps or []) + o.new_logprobs
+        if o.prompt_logprobs is not None:
+            plps = o.prompt_logprobs
+    return dataclasses.replace(outs[-1], new_token_ids=tokens, new_text=text, new_logprobs=lps,
+                               prompt_logprobs=plps)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer     # None: outputs carry token ids only, no text
+
+    def process(self, updates, samples: dict) -> list[RequestOutput]:
+        """One output per StepUpdate. `samples[request_id]`: the row's runner Samples, the first
+        ones matching the update's tokens. A finished output whose request the scheduler still
+        runs (a stop string, or "error" when processing it raised) is for the caller to finish."""
+        outs = []
+        for u in updates:
+            req = u.request
+            try:
+                outs.append(self._output(req, u.token_ids, samples[req.request_id]))
+            except Exception as e:
+                log.exception("output processing failed for %s", req.request_id)
+                outs.append(final_output(req, "error", f"output processing failed: "
+                                                       f"{type(e).__name__}: {e}"))
+        return outs
+
+    def _text(self, req: Request) -> TextStream | None:
+        if req.text is None and self.tokenizer is not None:
+            req.text = TextStream(self.tokenizer, req.sampling, req.prompt_token_ids)
+        return req.text
+
+    def _output(self, req: Request, token_ids: list[int], samples) -> RequestOutput:
+        sp = req.sampling
+        n_before = req.num_output_tokens - len(token_ids)
+        out = RequestOutput(req.request_id, [], new_logprobs=[] if sp.logprobs else None,
+                            prompt_tokens=req.num_prompt_tokens, cached_tokens=req.num_cached_tokens)
+        if sp.prompt_logprobs and n_before == 0:
+            got, req.prompt_logprobs = req.prompt_logprobs, {}
+            out.prompt_logprobs = [None] + [got.get(i) for i in range(1, req.num_prompt_tokens)]
+        text = self._text(req)
+        last = len(token_ids) - 1
+        for j, (token, smp) in enumerate(zip(token_ids, samples)):
+            out.new_token_ids.append(token)
+            if sp.logprobs:
+                out.new_logprobs.append(token_logprob(token, smp.logprob, smp.top_ids,
+                                                      smp.top_logprobs, sp.top_logprobs))
+            # A stop token id ends the request without appearing in its text (EOS is special
+            # and skipped by the detokenizer anyway).
+            if text is None or (j == last and req.is_finished and token in sp.stop_token_ids):
+                continue
+            out.new_text += text.add([token])
+            if text.stopped:
+                break
+        out.completion_tokens = n_before + len(out.new_token_ids)
+        if text is not None and text.stopped:
+            out.finished, out.finish_reason = True, "stop"
+        elif req.is_finished:
+            out.finished, out.finish_reason = True, req.finish_reason
+        if out.finished and text is not None:
+            out.new_text += text.finish()
+        return out
