@@ -1,8 +1,10 @@
 """The compiled program: one step graph per bucket, the model step fused with sampling.
 
-`step_program` is the function every executable runs; `step_graph_specs` gives, for a bucket set,
-everything needed to trace, compile or export each graph (function, abstract arguments, donated
-arguments) without allocating anything. The engine's ModelRunner compiles these specs (or loads
+`step_program` is the function every step executable runs; `step_graph_specs` gives, for a bucket
+set, everything needed to trace, compile or export each graph (function, abstract arguments,
+donated arguments) without allocating anything; `kv_init_spec` is the one more graph that makes
+the zero KV pool on the device (so a server from artifacts compiles nothing, not even zeros).
+Every graph returns (outputs, kv). The engine's ModelRunner compiles these specs (or loads
 them from artifacts, maxjax/aot/), and AOT export reads them from here and nowhere else.
 
 Inputs: (params, kv, step: StepInputs, samp: SamplingArrays) -> ((SampleOutput, PromptLogprobs), kv)
@@ -20,9 +22,11 @@ import jax.numpy as jnp
 
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import AttentionBackend
+from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.step import step_input_specs
 
 KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step, samp)
+KV_INIT = "kv_init"   # the graph that makes a zero KV pool
 
 
 class PromptLogprobs(NamedTuple):
@@ -84,3 +88,10 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, h
         samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
         specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED))
     return specs
+
+
+def kv_init_spec(cfg, num_pages: int, page_size: int, dtype) -> GraphSpec:
+    """() -> (None, a zero KV pool)."""
+    def kv_init():
+        return None, init_kv(cfg, num_pages, page_size, dtype)
+    return GraphSpec(KV_INIT, None, kv_init, (), ())

@@ -307,14 +307,13 @@ def test_loaded_executables_adopt_pinned_values_and_donate_the_pool(warmed, mode
     from maxjax.engine import compile_counter
     from maxjax.engine.core import EngineCore
     cfg = EngineConfig()                                  # nothing set: everything pinned
-    layout, exes = aot_load.load_for_engine([warmed], model, cfg)
+    layout, exes, kv_init = aot_load.load_for_engine([warmed], model, cfg)
     assert (cfg.max_batch_size, cfg.num_kv_pages, cfg.max_length, cfg.kv_cache_page_size) == \
         (2, 16, 64, 16)
     assert {e.source for e in exes.values()} == {"executable"} and len(exes) == 4
     assert calls == ["executable"] * 5                    # the step graphs and the KV initializer
     before = compile_counter.count()
-    core = EngineCore(model, cfg, layout)
-    core.runner.set_executables(exes)
+    core = EngineCore(model, cfg, layout, exes, kv_init)
     core.warmup()
     assert _one_step_updates_the_pool_in_place(core)
     assert compile_counter.count() == before
@@ -327,10 +326,9 @@ def test_other_device_compiles_the_export_or_refuses(warmed, tmp_path, model, ca
     with pytest.raises(UserError, match="no executable compiled for this device"):
         aot_load.load_for_engine([d], model, EngineConfig(), require_compiled=True)
     cfg = EngineConfig()
-    layout, exes = aot_load.load_for_engine([d], model, cfg)
+    layout, exes, kv_init = aot_load.load_for_engine([d], model, cfg)
     assert {e.source for e in exes.values()} == {"export"} and "executable" not in calls
-    core = EngineCore(model, cfg, layout)
-    core.runner.set_executables(exes)
+    core = EngineCore(model, cfg, layout, exes, kv_init)
     core.warmup()
     assert _one_step_updates_the_pool_in_place(core)      # jit(exp.call, donate_argnums) donates
     assert core.stats()["xla_compiles_since_ready"] == 0

@@ -34,12 +34,11 @@ elif mode == "artifacts-no-weights":
 model = load_model(None, None, None, progress=False, params_source=stored)
 t_weights = time.time()
 cfg = EngineConfig(num_kv_pages=pages, quantization_encoding=model.dtype)
-layout, exes = None, {}
+loaded = ()
 if mode == "artifacts":
     from maxjax.aot import load as aot_load
-    layout, exes = aot_load.load_for_engine([art], model, cfg)
-core = EngineCore(model, cfg, layout)
-core.runner.set_executables(exes)
+    loaded = aot_load.load_for_engine([art], model, cfg)
+core = EngineCore(model, cfg, *loaded)
 core.warmup()
 t_ready = time.time()
 print(json.dumps({"python_start": t0 - t_start, "imports": t_import - t0,

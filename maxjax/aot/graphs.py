@@ -2,7 +2,7 @@
 bytes of an exported or compiled graph, shared by maxjax/aot/export.py and maxjax/aot/load.py.
 
 The graphs are one step graph per bucket (graphs/program.py's step_graph_specs) and the KV pool's
-initializer (graphs/decoder.py's init_kv, which maxjax/engine/kv_pool.py runs), so a server
+initializer (graphs/program.py kv_init_spec, which ModelRunner runs), so a server
 started from artifacts compiles nothing. Every graph is exported with the same flat convention,
 `(*arg_leaves) -> (output_leaves, kv_leaves)`, tuples of arrays only, so the files do not depend on
 pytree registrations: a step graph takes `(params, kv, step, sampling)` leaves and returns its
@@ -22,10 +22,8 @@ from typing import Callable
 import jax
 
 from maxjax.errors import UserError
-from maxjax.graphs.decoder import init_kv, kv_specs
-from maxjax.graphs.program import GraphSpec, step_graph_specs
-
-KV_INIT = "kv_init"
+from maxjax.graphs.decoder import kv_specs
+from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:
@@ -36,10 +34,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
     steps = step_graph_specs(model.arch, cfg, model.params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
                              MAX_TOP_LOGPROBS)
-
-    def kv_init():
-        return None, init_kv(cfg, layout.num_pages, layout.page_size, dtype)
-    return steps + [GraphSpec(KV_INIT, None, kv_init, (), ())]
+    return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype)]
 
 
 def pool_specs(model, layout):
@@ -93,7 +88,7 @@ class StepCallable:
 
 
 def kv_initializer(compiled, kv) -> Callable:
-    """What maxjax/engine/kv_pool.py runs: () -> a zero pool with `kv`'s structure."""
+    """What ModelRunner runs to make its pool: () -> a zero pool with `kv`'s structure."""
     kv_def = jax.tree.structure(kv)
     return lambda: kv_def.unflatten(compiled()[1])
 

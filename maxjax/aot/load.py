@@ -6,9 +6,11 @@ every graph's signature; artifacts/FORMAT.md lists the order), then deserializes
 executable is code. A mismatch is a UserError naming the field and the warm-cache command that
 fixes it; nothing is silently recompiled from Python. Each graph comes from the executable
 compiled for this device, else from the portable export compiled here (logged). The KV
-initializer goes to maxjax/engine/kv_pool.py, so the engine's pool needs no compile either.
+initializer goes to the engine with the step executables, so its pool needs no compile either.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import concurrent.futures
 import dataclasses
@@ -22,7 +24,6 @@ import jax
 from maxjax.aot import graphs
 from maxjax.aot import manifest as mf
 from maxjax.aot.export import warm_cache_command
-from maxjax.engine import kv_pool
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
 
@@ -48,8 +49,8 @@ def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
 
 
 def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False):
-    """(EngineLayout, {Bucket: StepCallable}) from artifact directories, after verifying them;
-    the KV initializer is provided to maxjax/engine/kv_pool.py."""
+    """(EngineLayout, {Bucket: StepCallable}, KV initializer) from artifact directories, after
+    verifying them: what EngineCore(model, cfg, layout, executables, kv_init) takes."""
     from maxjax.engine.core import plan_layout
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
     local = mf.local_device()
@@ -84,7 +85,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         layout = layout or this
         manifests.append(m)
     assert layout is not None
-    return layout, _load_graphs(manifests, model, layout, local, require_compiled)
+    return (layout, *_load_graphs(manifests, model, layout, local, require_compiled))
 
 
 def _read_verified(m: mf.Manifest, name: str, entry: dict) -> bytes:
@@ -113,7 +114,7 @@ def _check_graphs(m: mf.Manifest, specs, kv, fix: str) -> None:
                             f"{g.get('sample_outputs')} outputs; recreate the artifacts with: {fix}")
 
 
-def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
+def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dict, Callable]:
     from jax.experimental import serialize_executable
     specs = graphs.graph_specs(model, layout)
     kv = graphs.pool_specs(model, layout)
@@ -161,6 +162,5 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> dict:
     log.info("loaded %d graphs in %.2f s (%d executables, %d compiled from exports)", len(out),
              time.perf_counter() - t0, counts["executable"], counts["export"])
     compiled, _, _ = out.pop(graphs.KV_INIT)
-    kv_pool.provide(model.config, layout.num_pages, layout.page_size, model.params["embed"].dtype,
-                    graphs.kv_initializer(compiled, kv))
-    return {s.bucket: graphs.StepCallable(*out[s.name]) for s in specs if s.bucket is not None}
+    steps = {s.bucket: graphs.StepCallable(*out[s.name]) for s in specs if s.bucket is not None}
+    return steps, graphs.kv_initializer(compiled, kv)

@@ -46,13 +46,12 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
                  progress)
     engine_cfg.quantization_encoding = model.dtype
-    layout, executables = None, {}
+    loaded = ()
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
-        layout, executables = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
-                                                       require_compiled)
-    core = EngineCore(model, engine_cfg, layout)
-    core.runner.set_executables(executables)
+        loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
+                                          require_compiled)
+    core = EngineCore(model, engine_cfg, *loaded)
     t0 = time.perf_counter()
     core.warmup(_log_compiled if progress else None)
     if progress:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from maxjax.engine import compile_counter, kv_pool
+from maxjax.engine import compile_counter
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
@@ -94,8 +94,10 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
 
 
 class EngineCore:
-    def __init__(self, model, cfg: EngineConfig, layout: EngineLayout | None = None):
-        compile_counter.install()
+    def __init__(self, model, cfg: EngineConfig, layout: EngineLayout | None = None,
+                 executables: dict | None = None, kv_init=None):
+        """`layout`, `executables` (per bucket) and `kv_init`: what maxjax/aot/load.py
+        `load_for_engine` returns, or None to plan and compile them here."""
         self.model = model
         self.cfg = cfg
         self.layout = layout or plan_layout(cfg, model)
@@ -106,7 +108,7 @@ class EngineCore:
                                           cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
         self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
-                                  lay.max_pages_per_row, lay.max_length)
+                                  lay.max_pages_per_row, lay.max_length, executables, kv_init)
         self.output = OutputProcessor(model.tokenizer)
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
@@ -269,9 +271,7 @@ class EngineCore:
         with the old one."""
         log.warning("the KV pool was lost in a failed call: recomputing %d running requests",
                     self.scheduler.num_running)
-        lay = self.layout
-        self.runner.kv = kv_pool.zeros(self.model.config, lay.num_pages, lay.page_size,
-                                       self.model.params["embed"].dtype)
+        self.runner.reset_kv()
         self.scheduler.preempt_running()
         self.block_manager.reset_prefix_cache()
 

@@ -3,8 +3,9 @@
 Each bucket's executable is graphs/program.py's step_program (the model step fused with on-device
 sampling of the step's sample slots), so logits never leave the device: only token ids and
 logprobs come back, in one transfer. The KV pool is donated to
-every call and updated in place. Executables come from `compile_all` (jit + lower + compile) or
-from precompiled artifacts (maxjax/aot/) through `set_executables`; `run` never compiles.
+every call and updated in place; it is made by the program's KV initializer graph. Executables
+(steps and initializer) come from precompiled artifacts (maxjax/aot/) given to the constructor,
+or are compiled here (`compile_all`, and the initializer at construction); `run` never compiles.
 """
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from maxjax.engine import kv_pool
 from maxjax.engine.buckets import Bucket, pick_bucket
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for
-from maxjax.graphs.program import GraphSpec, step_graph_specs
+from maxjax.graphs.program import GraphSpec, kv_init_spec, step_graph_specs
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
 log = logging.getLogger("maxjax.runner")
@@ -60,7 +60,9 @@ class RowResult:
 
 class ModelRunner:
     def __init__(self, model, buckets: list[Bucket], num_pages: int, page_size: int,
-                 max_pages_per_row: int, history_len: int):
+                 max_pages_per_row: int, history_len: int,
+                 executables: dict[Bucket, Callable] | None = None,
+                 kv_init: Callable[[], tuple] | None = None):
         self.model = model
         self.cfg = model.config
         self.buckets = sorted(buckets)
@@ -68,8 +70,13 @@ class ModelRunner:
         self.max_pages = max_pages_per_row
         self.history_len = history_len
         self.num_pages = num_pages
-        self.kv = kv_pool.zeros(self.cfg, num_pages, page_size, model.params["embed"].dtype)
-        self.executables: dict[Bucket, Callable] = {}
+        if kv_init is None:
+            spec = kv_init_spec(self.cfg, num_pages, page_size, model.params["embed"].dtype)
+            compiled = jax.jit(spec.fn).lower().compile()
+            kv_init = lambda: compiled()[1]        # noqa: E731
+        self._kv_init = kv_init
+        self.kv = kv_init()
+        self.executables: dict[Bucket, Callable] = dict(executables or {})
         self.eos = tuple(self.cfg.eos_token_ids)
         self.attention = backend_for(jax.default_backend())
         self.last_timing: dict[str, float] = {}
@@ -90,8 +97,9 @@ class ModelRunner:
             if progress:
                 progress(i + 1, len(specs), spec.name)
 
-    def set_executables(self, executables: dict[Bucket, Callable]) -> None:
-        self.executables.update(executables)
+    def reset_kv(self) -> None:
+        """A new zero pool (the old one was lost in a failed call)."""
+        self.kv = self._kv_init()
 
     def prime_steps(self):
         """Run every executable on a dummy step, greedy then sampled, one per iteration, its K/V
