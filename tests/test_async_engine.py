@@ -9,11 +9,9 @@ import time
 import pytest
 
 from maxjax.engine.async_engine import AsyncEngine
-from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
 from maxjax.engine.types import SamplingParams
-from maxjax.models.loader import load_model
-from tiny_llama import write_tiny_llama
+from tiny_llama import tiny_core
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 7, 9], [11, 3, 8, 20, 31, 4, 9, 100, 7, 2, 12], [40, 41]]
@@ -28,11 +26,8 @@ def wait_until(cond, what: str, timeout: float = 60.0):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model = load_model(write_tiny_llama(tmp_path_factory.mktemp("tiny")), "float32", progress=False)
-    core = EngineCore(model, EngineConfig(max_batch_size=4, max_batch_input_tokens=16,
-                                          max_length=64, num_kv_pages=24, kv_cache_page_size=8))
-    core.warmup()
-    eng = AsyncEngine(core, model.tokenizer, "tiny", None)
+    core = tiny_core(tmp_path_factory.mktemp("tiny"))
+    eng = AsyncEngine(core, core.model.tokenizer, "tiny", None)
     eng.start()
     yield eng
     eng.shutdown()

@@ -4,6 +4,7 @@ import pytest
 from maxjax.engine import block_manager as bm_mod
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.request import Request
+from pool_check import check_pool
 
 PS = 4
 
@@ -30,11 +31,11 @@ def test_pool_never_hands_out_page_0_and_is_all_or_nothing():
     assert b.pages == [] and bm.num_free_pages == 1
     assert bm.allocate(b, 4) and 0 not in b.pages
     assert bm.num_free_pages == 0 and bm.usage() == 1.0
-    bm.check([a, b])
+    check_pool(bm, [a, b])
     bm.free(a)
     bm.free(b)
     assert bm.num_free_pages == 4 and bm.num_used_pages == 0
-    bm.check([])
+    check_pool(bm, [])
 
 
 def test_grow_one_token_at_a_time():
@@ -46,7 +47,7 @@ def test_grow_one_token_at_a_time():
     r.num_computed_tokens = 4
     assert bm.allocate(r, 1) and len(r.pages) == 2
     bm.free(r)
-    bm.check([])
+    check_pool(bm, [])
 
 
 def test_bad_arguments():
@@ -73,10 +74,10 @@ def test_prefix_hit_reuses_three_pages(algo):
     c = req(shared + [5], "c")                    # shares while b still holds them
     compute_all(bm, c)
     assert c.pages[:3] == a_pages[:3] and all(bm.ref_count(p) == 2 for p in a_pages[:3])
-    bm.check([b, c])
+    check_pool(bm, [b, c])
     bm.free(b)
     bm.free(c)
-    bm.check([])
+    check_pool(bm, [])
     assert bm.num_free_pages == 15
 
 
@@ -132,7 +133,7 @@ def test_lru_eviction_order_and_reuse_refreshes():
     assert bm.match_prefix(req([6, 7, 8, 9, 0], "q")).pages == []          # b's evicted
     assert len(bm.match_prefix(req([1, 2, 3, 4, 0], "q")).pages) == 2      # a's kept
     bm.free(c)
-    bm.check([])
+    check_pool(bm, [])
 
 
 def test_eviction_takes_the_tail_of_a_sequence_first():
@@ -144,7 +145,7 @@ def test_eviction_takes_the_tail_of_a_sequence_first():
     assert bm.allocate(b, 3) and bm.evictions == 1
     assert len(bm.match_prefix(req([1, 2, 3, 4, 5, 6, 0], "q")).pages) == 2
     bm.free(b)
-    bm.check([])
+    check_pool(bm, [])
 
 
 def test_forced_collision_never_reuses_wrong_tokens(monkeypatch):
@@ -158,7 +159,7 @@ def test_forced_collision_never_reuses_wrong_tokens(monkeypatch):
     assert bm.num_cached_pages == 1               # b's page could not be cached under a taken key
     bm.free(b)
     assert len(bm.match_prefix(req([1, 2, 3, 4, 0], "c")).pages) == 1
-    bm.check([])
+    check_pool(bm, [])
 
 
 def test_collision_with_same_tokens_under_another_parent(monkeypatch):
@@ -172,7 +173,7 @@ def test_collision_with_same_tokens_under_another_parent(monkeypatch):
     b = req([7, 7, 7, 7, 3, 3, 3, 3, 0], "b")
     m = bm.match_prefix(b)
     assert len(m.pages) == 1                      # c's first page, not a's second page
-    bm.check([])
+    check_pool(bm, [])
 
 
 def test_sha256_and_fast_agree_and_seed_changes_keys():
@@ -183,7 +184,7 @@ def test_sha256_and_fast_agree_and_seed_changes_keys():
             r = req(toks, str(i))
             hits.append(len(compute_all(bm, r).pages))
             bm.free(r)
-        bm.check([])
+        check_pool(bm, [])
         return hits, bm.evictions, set(bm._cache)
     (h1, e1, k1), (h2, e2, k2) = scenario("fast"), scenario("sha256")
     assert h1 == h2 == [0, 2, 1, 0] and e1 == e2
@@ -215,4 +216,4 @@ def test_reset_prefix_cache():
     assert bm.reset_prefix_cache() == 2
     assert bm.num_cached_pages == 2               # the held request's pages stay cached
     bm.free(held)
-    bm.check([])
+    check_pool(bm, [])

@@ -9,6 +9,7 @@ from maxjax.engine.request import Request
 from maxjax.engine.scheduler import Scheduler, accept_drafts
 from maxjax.engine.types import SamplingParams
 from mock_model import MockModel, reference_generate
+from pool_check import check_pool
 
 VOCAB, PAGE = 1000, 4
 
@@ -56,14 +57,14 @@ def test_drafts_keep_outputs_and_roll_back_rejected_tokens(wrong_at):
             # a rollback gives back every page past the final tokens
             assert len(req.pages) == bm.pages_for(req.num_computed_tokens)
             assert bm.num_free_pages >= before - len(req.pages)
-            bm.check([req])
+            check_pool(bm, [req])
         final = req.all_token_ids
         finals = {tuple(final[i:i + PAGE]) for i in range(0, len(final) - PAGE + 1, PAGE)}
         assert cached_chunks(bm) <= finals       # only final tokens ever enter the prefix cache
     assert req.output_token_ids == ref and req.finish_reason == "length"
     if wrong_at is None:
         assert steps < n // 2                    # several tokens per step
-    bm.check([])
+    check_pool(bm, [])
     assert bm.num_used_pages == 0
 
 

@@ -7,12 +7,11 @@ import jax
 import pytest
 
 from maxjax.engine import runner as runner_mod
-from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
 from maxjax.engine.output import merge_outputs
 from maxjax.engine.types import SamplingParams
-from maxjax.models.loader import load_model
-from tiny_llama import write_tiny_llama
+from tiny_llama import tiny_core
+from pool_check import check_pool
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 BAD_SEED = 4242          # marks the bad request's sample slots in the step arrays
@@ -23,10 +22,7 @@ FAIL_AT = 3              # the bad request fails once it has this many tokens
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory):
-    model = load_model(write_tiny_llama(tmp_path_factory.mktemp("tiny")), "float32", progress=False)
-    core = EngineCore(model, EngineConfig(max_batch_size=4, max_batch_input_tokens=16,
-                                          max_length=64, num_kv_pages=24, kv_cache_page_size=8))
-    core.warmup()
+    core = tiny_core(tmp_path_factory.mktemp("tiny"))
     while core.prime_next():
         pass
     return core
@@ -53,7 +49,7 @@ def alone(core):
 def no_leaks(core):
     yield
     assert not core.has_unfinished()
-    core.block_manager.check()
+    check_pool(core.block_manager)
     assert core.block_manager.num_used_pages == 0
     assert core.stats()["xla_compiles_since_ready"] == 0
 

@@ -11,12 +11,10 @@ import urllib.request
 
 import pytest
 from server_harness import ServerThread, http
-from tiny_llama import write_tiny_llama
+from tiny_llama import tiny_core
 
 from maxjax.engine.async_engine import AsyncEngine
-from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import EngineCore
-from maxjax.models.loader import load_model
+from pool_check import check_pool
 
 MAX_LENGTH, VOCAB = 64, 512          # the engine's max_length; tests/tiny_llama.py's vocabulary
 STREAM = {"prompt": [5, 7, 9, 11], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
@@ -81,12 +79,8 @@ class StepGate:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model = load_model(write_tiny_llama(tmp_path_factory.mktemp("tiny")), "float32", progress=False)
-    core = EngineCore(model, EngineConfig(max_batch_size=4, max_batch_input_tokens=16,
-                                          max_length=MAX_LENGTH, num_kv_pages=24,
-                                          kv_cache_page_size=8))
-    core.warmup()
-    engine = AsyncEngine(core, model.tokenizer, "tiny", None)
+    core = tiny_core(tmp_path_factory.mktemp("tiny"), max_length=MAX_LENGTH)
+    engine = AsyncEngine(core, core.model.tokenizer, "tiny", None)
     engine.start()
     wait_until(lambda: core.primed, "priming")
     server = ServerThread(engine)
@@ -158,4 +152,4 @@ def test_bad_requests_leave_a_running_stream_intact(served):
     assert stream.result() == (text, reason, n)
     wait_until(lambda: not core.has_unfinished(), "the stream's request to finish")
     assert core.block_manager.num_used_pages == 0
-    core.block_manager.check()
+    check_pool(core.block_manager)

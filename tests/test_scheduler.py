@@ -15,6 +15,7 @@ from mock_model import MockModel, drive, reference_generate
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.scheduler import Scheduler
 from maxjax.engine.types import SamplingParams
+from pool_check import check_pool
 
 VOCAB = 1000
 
@@ -37,7 +38,7 @@ class Rig:
 
     def check_plan(self, plan):
         live = self.s.running
-        self.bm.check(live)
+        check_pool(self.bm, live)
         assert plan.num_tokens == sum(len(r.token_ids) for r in plan.rows)
         assert plan.num_tokens <= self.s.cfg.max_batch_input_tokens
         assert len(plan.rows) <= self.s.cfg.max_batch_size
@@ -66,7 +67,7 @@ class Rig:
 
     def done(self):
         assert not self.s.has_unfinished()
-        self.bm.check([])
+        check_pool(self.bm, [])
         assert self.bm.num_free_pages == self.bm.num_usable_pages
 
 

@@ -39,3 +39,17 @@ def write_tiny_llama(path, rms_norm_eps=1e-5) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(path)
     return str(path)
+
+
+def tiny_core(directory, **engine_options):
+    """A warmed-up EngineCore on a tiny random Llama written into `directory` (4 rows, 16 tokens
+    a step, 24 pages of 8 tokens, max length 64 unless overridden)."""
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.core import EngineCore
+    from maxjax.models.loader import load_model
+    model = load_model(write_tiny_llama(directory), "float32", progress=False)
+    options = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+                   kv_cache_page_size=8)
+    core = EngineCore(model, EngineConfig(**{**options, **engine_options}))
+    core.warmup()
+    return core

@@ -280,23 +280,3 @@ class BlockManager:
                     self._free.append(p)
         req.pages = []
         req.page_uids = []
-
-    # ---- for tests ----------------------------------------------------------------------------
-    def check(self, live: list[Request] = ()) -> None:
-        """Assert the pool's invariants; `live` are all requests holding pages."""
-        refs = [0] * self.num_pages
-        for r in live:
-            for p in r.pages:
-                refs[p] += 1
-        assert refs[0] == 0 and self._ref[0] == 0, "scratch page handed out"
-        assert refs == self._ref, f"ref counts {self._ref} != held {refs}"
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free) and not free & evictable
-        held = {p for p in range(1, self.num_pages) if self._ref[p] > 0}
-        assert free | evictable | held == set(range(1, self.num_pages)), "page lost"
-        assert not (free | evictable) & held
-        assert all(self._entry[p] is None for p in free)
-        assert all(self._entry[p] is not None for p in evictable)
-        for key, page in self._cache.items():
-            assert self._entry[page] is not None and self._entry[page].key == key
-        assert sum(e is not None for e in self._entry) == len(self._cache)
