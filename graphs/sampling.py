@@ -116,13 +116,13 @@ jax.export.register_namedtuple_serialization(SampleOutput, serialized_name="maxj
 
 
 def build_sampling_arrays(rows: Sequence[tuple], R: int, history_len: int,
-                          eos_token_ids: Sequence[int] = (), vocab_size: int = 0,
-                          max_logit_bias: int = MAX_LOGIT_BIAS,
-                          max_suppress: int = MAX_SUPPRESS) -> SamplingArrays:
+                          eos_token_ids: Sequence[int] = (), vocab_size: int = 0) -> SamplingArrays:
     """Host-side (numpy) arrays for `sample_logits`. Each row is a `SampleSlot` (or a tuple of
     its fields: params, prompt_ids, output_ids, seed[, offset, token_mask]), seed being the
     request's fixed seed (params.seed or `new_seed()` drawn at admission). Rows past len(rows) up
-    to R are greedy padding. `vocab_size` sizes the token mask (0: no mask input)."""
+    to R are greedy padding. `vocab_size` sizes the token mask (0: no mask input). A request
+    reaches a step only once maxjax/engine/validate.py accepted it; the size checks here keep a
+    direct caller from silently losing entries."""
     if len(rows) > R:
         raise ValueError(f"{len(rows)} rows do not fit the bucket R={R}")
     H = history_len
@@ -132,9 +132,9 @@ def build_sampling_arrays(rows: Sequence[tuple], R: int, history_len: int,
         frequency_penalty=np.zeros(R, np.float32), presence_penalty=np.zeros(R, np.float32),
         repetition_penalty=np.ones(R, np.float32), seed=np.zeros((R, 2), np.uint32),
         step=np.zeros(R, np.int32),
-        bias_ids=np.full((R, max_logit_bias), -1, np.int32),
-        bias_values=np.zeros((R, max_logit_bias), np.float32),
-        suppress_ids=np.full((R, max_suppress), -1, np.int32),
+        bias_ids=np.full((R, MAX_LOGIT_BIAS), -1, np.int32),
+        bias_values=np.zeros((R, MAX_LOGIT_BIAS), np.float32),
+        suppress_ids=np.full((R, MAX_SUPPRESS), -1, np.int32),
         history=np.full((R, H), -1, np.int32), output_start=np.zeros(R, np.int32),
         logprobs=np.zeros(R, np.bool_),
         token_mask=np.full((R, mask_words(vocab_size)), ALL_ALLOWED, np.uint32))
@@ -154,16 +154,16 @@ def build_sampling_arrays(rows: Sequence[tuple], R: int, history_len: int,
         a["seed"][r] = (seed >> 32, seed & 0xFFFFFFFF)
         a["step"][r] = len(output_ids) + offset
         if p.logit_bias:
-            if len(p.logit_bias) > max_logit_bias:
-                raise ValueError(f"logit_bias: at most {max_logit_bias} entries "
+            if len(p.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries "
                                  f"(got {len(p.logit_bias)})")
             ids, vals = zip(*p.logit_bias.items())
             a["bias_ids"][r, :len(ids)] = ids
             a["bias_values"][r, :len(ids)] = vals
         if len(output_ids) + offset < p.min_tokens:
             sup = list(dict.fromkeys([*eos_token_ids, *p.stop_token_ids]))
-            if len(sup) > max_suppress:
-                raise ValueError(f"stop_token_ids: at most {max_suppress - len(eos_token_ids)} "
+            if len(sup) > MAX_SUPPRESS:
+                raise ValueError(f"stop_token_ids: at most {MAX_SUPPRESS - len(eos_token_ids)} "
                                  f"ids with min_tokens (got {len(p.stop_token_ids)})")
             a["suppress_ids"][r, :len(sup)] = sup
         if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
