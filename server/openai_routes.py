@@ -17,6 +17,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_
                        chat_chunk, chat_chunk_choice, chat_response, completion_choice,
                        completion_response, error_body, now, usage)
 from .state import STATE, ServerState, parse_request, read_json
+from .structured import grammar_spec
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -123,7 +124,7 @@ def sampling_params(cfg: ServeConfig, req, max_new: int, logprobs: bool, top_log
         logit_bias=bias, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
         logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, structured_output=grammar_spec(req))
 
 
 def error_names(route: str, prompt_field: str) -> dict[str, str]:

@@ -73,6 +73,13 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # Structured output (server/structured.py): OpenAI's, vLLM's and vLLM's older names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Spec fields accepted and ignored (they change nothing here).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -104,7 +111,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -121,9 +127,6 @@ class ChatCompletionRequest(_SamplingFields):
             return "functions", "functions (function calling) are not supported by this server"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool_choice other than 'none'/'auto' is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", ("response_format type "
-                                       f"{self.response_format.get('type')!r} is not supported")
         if self.modalities and set(self.modalities) != {"text"}:
             return "modalities", "only the 'text' modality is supported"
         if self.audio is not None:

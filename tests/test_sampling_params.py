@@ -18,6 +18,7 @@ from maxjax.engine.validate import EngineLimits, check_params, check_request
 from maxjax.errors import RequestError
 from maxjax.graphs.sampling import (MAX_LOGIT_BIAS, MAX_SUPPRESS, SamplingArrays,
                                     build_sampling_arrays)
+from maxjax.structured import GrammarSpec
 from maxjax.server.protocol import ChatCompletionRequest, CompletionRequest
 
 SPECS = param_specs()
@@ -30,7 +31,8 @@ EXAMPLES = {
     "presence_penalty": (-0.5, -0.5), "repetition_penalty": (1.2, 1.2),
     "logit_bias": ({"65": 5}, {65: 5.0}), "min_tokens": (2, 2), "ignore_eos": (True, True),
     "stop": (["zz"], ["zz"]), "stop_token_ids": ([EOS_ID], [EOS_ID]),
-    "logprobs": (True, True), "top_logprobs": (3, 3), "skip_special_tokens": (False, False)}
+    "logprobs": (True, True), "top_logprobs": (3, 3), "skip_special_tokens": (False, False),
+    "structured_output": ({"type": "json_object"}, GrammarSpec.json_object())}
 # SamplingArrays fields that carry no parameter: position and history of the row, grammar mask.
 NOT_PARAMS = {"step", "history", "output_start", "token_mask"}
 LIMITS = EngineLimits(vocab_size=100, max_length=32, eos_token_ids=(2,))
@@ -230,4 +232,6 @@ def test_every_field_has_a_check():
     """Numbers are checked against their declared bounds, bools need none; a new collection
     field needs its own check in validate.py (and a line here)."""
     collections = {n for n in SPECS if not numeric(n) and HINTS[n] is not bool}
-    assert collections == {"logit_bias", "stop", "stop_token_ids"}
+    assert collections == {"logit_bias", "stop", "stop_token_ids", "structured_output"}
+    with pytest.raises(RequestError, match="structured_output"):
+        check_params(SamplingParams(structured_output={"type": "object"}))

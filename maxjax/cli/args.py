@@ -117,6 +117,12 @@ class GenerateOptions:
     profile: bool = field(default=False, metadata={
         "help": "Print where step time went: scheduling, input building, device step + transfer, "
                 "update, detokenization"})
+    json_schema: str | None = field(default=None, metadata={
+        "help": "JSON schema file every output must match"})
+    regex: str | None = field(default=None, metadata={
+        "help": "Regular expression every output must match"})
+    grammar: str | None = field(default=None, metadata={
+        "help": "Lark (or GBNF) grammar file every output must match"})
 
 
 def _sampling_flags():
@@ -139,3 +145,24 @@ SamplingFlags = _sampling_flags()
 def sampling_params(ns: argparse.Namespace) -> SamplingParams:
     """`generate`'s SamplingParams: the flags given, the declared flag defaults for the rest."""
     return SamplingParams(**dataclasses.asdict(build(SamplingFlags, ns)))
+
+
+def grammar_spec(gen: GenerateOptions):
+    """The GrammarSpec of `generate`'s --json-schema / --regex / --grammar (None: none)."""
+    from maxjax.errors import RequestError
+    from maxjax.structured import GrammarSpec
+    given = [k for k in ("json_schema", "regex", "grammar") if getattr(gen, k) is not None]
+    if len(given) > 1:
+        raise UserError(f"give one of --json-schema, --regex, --grammar (got "
+                        f"{', '.join('--' + k.replace('_', '-') for k in given)})")
+    try:
+        if gen.json_schema is not None:
+            return GrammarSpec.json_schema(read_user_file(gen.json_schema, "--json-schema"),
+                                           "--json-schema")
+        if gen.regex is not None:
+            return GrammarSpec.regex(gen.regex, "--regex")
+        if gen.grammar is not None:
+            return GrammarSpec.lark(read_user_file(gen.grammar, "--grammar"), "--grammar")
+    except RequestError as e:
+        raise UserError(f"{e.param}: {e.reason}") from None
+    return None

@@ -11,7 +11,8 @@ import os
 import sys
 
 from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_dataclass_args,
-                             build, check_config_keys, read_config_file, sampling_params)
+                             build, check_config_keys, grammar_spec, read_config_file,
+                             sampling_params)
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import RequestError, UserError
 
@@ -97,6 +98,7 @@ def cmd_generate(args) -> int:
     from maxjax.engine.validate import check_params
     from maxjax.llm import LLM
     params = sampling_params(args)
+    params.structured_output = grammar_spec(gen)
     try:
         check_params(params)
     except RequestError as e:
@@ -116,6 +118,8 @@ def cmd_generate(args) -> int:
         token_prompts = prompts
     try:
         outs = llm.generate(token_prompts, params)
+    except RequestError as e:
+        raise UserError(f"{e.param}: {e.reason}" if e.param.startswith("--") else str(e)) from e
     except ValueError as e:
         raise UserError(str(e)) from e
     if model_opts.export_artifacts:

@@ -6,6 +6,8 @@ through per-request asyncio queues fed with `loop.call_soon_threadsafe`; `genera
 outputs that queued up since its last yield. The RequestOutputs are complete when they leave the
 engine thread (EngineCore.step runs the output processor: text, stop strings, logprobs), so a stop
 string ends its request in the step that found it, and a model step never blocks the event loop.
+A request with a grammar waits for its compilation here, on the caller's side (the grammar
+workers of maxjax/structured/backend.py), before it is sent to the engine thread.
 A fault in a step fails only the requests it is traced to (EngineCore); should a step raise
 anyway (a fault outside those guards), every unfinished request fails and the engine goes on.
 """
@@ -95,9 +97,9 @@ class AsyncEngine:
     def _run_command(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, salt, fut = cmd
+            _, rid, prompt, params, salt, grammar, fut = cmd
             try:
-                self.core.add_request(rid, prompt, params, salt)
+                self.core.add_request(rid, prompt, params, salt, grammar)
                 fut.set_result(None)
             except Exception as e:
                 fut.set_exception(e)
@@ -148,8 +150,10 @@ class AsyncEngine:
             self._streams[request_id] = (loop, q)
         finished = False
         try:
+            grammar = await self._compile(params)
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt, fut))
+            self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt,
+                                grammar, fut))
             await asyncio.wrap_future(fut)
             while not finished:
                 batch = [await q.get()]
@@ -163,5 +167,13 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _compile(self, params: SamplingParams):
+        """The request's grammar, compiled on the grammar workers while this caller waits (the
+        engine thread goes on stepping); None without one."""
+        spec = params.structured_output
+        if spec is None or self.core.grammars is None:
+            return None       # (without a backend, add_request names the field)
+        return await self.core.grammars.compiled_async(spec)
 
     stream = generate   # `async for out in engine.stream(...)`: the same API under its issue name

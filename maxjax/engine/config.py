@@ -31,3 +31,14 @@ class EngineConfig:
         "help": "Fraction of free device memory (host memory on CPU) for weights and KV cache"})
     quantization_encoding: str | None = field(default=None, metadata={
         "help": "Compute dtype: float32 (CPU default) or bfloat16 (GPU default)"})
+    enable_structured_output: bool = field(default=True, metadata={
+        "help": "Constrained decoding: response_format json_schema/json_object, structured_outputs, "
+                "guided_* (off: such requests get a 400 naming the field)"})
+    structured_output_backend: str = field(default="llguidance", metadata={
+        "help": "Grammar backend for constrained decoding: llguidance"})
+    structured_output_any_whitespace: bool = field(default=False, metadata={
+        "help": "Let JSON grammars accept any whitespace between tokens (default: compact JSON, "
+                "so a model cannot run on with spaces until max_tokens)"})
+    structured_output_compile_timeout: float = field(default=10.0, metadata={
+        "help": "Seconds a grammar may take to compile; a request whose grammar takes longer "
+                "gets a 400"})

@@ -30,8 +30,9 @@ from maxjax.engine.runner import ModelRunner, RowRequest, RowResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
 from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_request
-from maxjax.errors import UserError
+from maxjax.errors import RequestError, UserError
 from maxjax.graphs.step import RowSlice
+from maxjax.structured.backend import backend_for
 
 log = logging.getLogger("maxjax.engine")
 DEFAULT_MAX_LENGTH_CAP = 4096
@@ -110,6 +111,7 @@ class EngineCore:
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init)
         self.output = OutputProcessor(model.tokenizer)
+        self.grammars = backend_for(cfg, model)     # None: structured output off
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
         self._priming = None
@@ -144,12 +146,20 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; RequestError (naming the field) if it breaks a limit."""
+                    cache_salt: str | None = None, grammar=None) -> None:
+        """Queue a request; RequestError (naming the field) if it breaks a limit. `grammar`:
+        its structured_output compiled by `self.grammars` (the server awaits that off the engine
+        thread); None: compiled here, blocking."""
         check_request(prompt_token_ids, params,
                       EngineLimits(self.model.config.vocab_size, self.max_length,
                                    self.eos_token_ids))
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
+        spec = params.structured_output
+        if spec is not None:
+            if self.grammars is None:
+                raise RequestError(spec.param, "structured output is off on this server "
+                                               "(--no-enable-structured-output)")
+            req.grammar = self.grammars.new_state(grammar or self.grammars.compiled(spec), spec)
         self.scheduler.add(req)
 
     def abort(self, request_id: str, reason: str = "abort",
@@ -177,6 +187,7 @@ class EngineCore:
                                      res.prompt_logprobs)
         updates = self.scheduler.update(plan, [None if res is None else res.token_ids
                                                 for res in results])
+        self._advance_grammars(updates)
         t2 = time.perf_counter()
         samples = {row.request.request_id: res.samples
                    for row, res in zip(plan.rows, results) if res is not None and row.sample}
@@ -199,6 +210,28 @@ class EngineCore:
                                    row.num_samples),
                           req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed)
 
+    def _grammar_masks(self, rows: list[ScheduledRow]) -> dict[int, np.ndarray]:
+        """id(row) -> the allow-bits of its next token, for the sampling rows under a grammar
+        (filled in one parallel call; unconstrained rows cost nothing). A grammar row samples
+        one slot: drafts for it need its matcher's `validate` first."""
+        rows = [r for r in rows if r.sample and r.request.grammar is not None
+                and r.request.grammar.mask_needed]
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        masks = self.grammars.fill_masks([r.request.grammar for r in rows])
+        self.profile["build_inputs"] += time.perf_counter() - t0
+        return {id(r): m for r, m in zip(rows, masks)}
+
+    def _advance_grammars(self, updates) -> None:
+        """Each constrained request's matcher consumes the tokens its step appended; a token the
+        matcher refuses ends the request ("grammar_error")."""
+        for u in updates:
+            g = u.request.grammar
+            if g is not None and not g.accept(u.token_ids) and not u.request.is_finished:
+                log.warning("request %s: grammar matcher error: %s", u.request.request_id, g.error)
+                self.scheduler.finish(u.request.request_id, "grammar_error")
+
     @staticmethod
     def _next_tokens(row) -> list[int] | None:
         """For prompt logprobs: the prompt token following each token of the row (-1: none).
@@ -215,9 +248,21 @@ class EngineCore:
         """The step's result per row; None where the row's request failed (its output appended
         to `failed`) or went back to the queue."""
         inputs = []
+        try:
+            masks = self._grammar_masks(rows)
+        except Exception as e:          # a fault of the grammar engine: its rows fail
+            masks = {}
+            for row in rows:
+                if row.request.grammar is not None:
+                    failed.append(self._fail(row.request, "filling its grammar mask", e))
         for row in rows:
+            if row.request.is_finished:
+                continue
             try:
-                inputs.append((row, self._row_input(row)))
+                x = self._row_input(row)
+                if id(row) in masks:
+                    x.token_masks = [masks[id(row)]] + [None] * (row.num_samples - 1)
+                inputs.append((row, x))
             except Exception as e:
                 failed.append(self._fail(row.request, "building its step inputs", e))
         got = dict(zip((id(row) for row, _ in inputs), self._execute(inputs, failed)))

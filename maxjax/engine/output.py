@@ -115,6 +115,8 @@ class OutputProcessor:
             out.finished, out.finish_reason = True, "stop"
         elif req.is_finished:
             out.finished, out.finish_reason = True, req.finish_reason
+            if req.finish_reason == "grammar_error":
+                out.error = f"the output broke its grammar: {req.grammar.error}"
         if out.finished and text is not None:
             out.new_text += text.finish()
         return out

@@ -14,6 +14,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
+from maxjax.structured.spec import GrammarSpec
+
 MAX_TOP_LOGPROBS = 20      # the top-k width every step graph is compiled with
 MAX_STOP_STRINGS = 16      # stop strings per request (OpenAI allows 4, vLLM any number)
 MAX_STOP_STRING_CHARS = 256   # characters per stop string: the detokenizer holds back up to this
@@ -104,6 +106,10 @@ class SamplingParams:
     prompt_logprobs: bool = param(False, "Return the prompt tokens' logprobs (completions' echo "
                                          "with logprobs)", chat=(), completions=())
     skip_special_tokens: bool = param(True, "Leave special tokens out of the text")
+    structured_output: GrammarSpec | None = param(
+        None, "The grammar the output must match (JSON schema, regex, choice, Lark); the "
+              "request's field that set it is the spec's `param`",
+        chat=("response_format",), completions=("response_format",))
 
     @property
     def greedy(self) -> bool:
@@ -137,7 +143,7 @@ class RequestOutput:
     new_text: str = ""
     new_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "grammar_error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

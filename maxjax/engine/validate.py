@@ -13,7 +13,9 @@ bounds for early 400s; tests/test_sampling_params.py keeps them equal to the dec
   - stop: at most MAX_STOP_STRINGS strings of at most MAX_STOP_STRING_CHARS characters;
   - stop_token_ids: in the vocabulary and, with min_tokens > 0, at most MAX_SUPPRESS together with
     the model's EOS ids (they are suppressed on the device until min_tokens is reached);
-  - prompt: not empty, token ids in the vocabulary, and prompt + max_new_tokens within max_length.
+  - prompt: not empty, token ids in the vocabulary, and prompt + max_new_tokens within max_length;
+  - structured_output: a GrammarSpec. Whether the grammar compiles is the grammar backend's
+    check (maxjax/structured/backend.py), made before the request reaches the scheduler.
 Limits of the engine's resources (KV pool size, a whole prompt per step without chunked prefill)
 are the Scheduler's, in `Scheduler.add`.
 """
@@ -31,6 +33,7 @@ from maxjax.engine.types import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Sampli
                                  param_specs)
 from maxjax.errors import RequestError
 from maxjax.graphs.sampling import MAX_LOGIT_BIAS, MAX_SUPPRESS
+from maxjax.structured.spec import KINDS, GrammarSpec
 
 MAX_ABS_LOGIT_BIAS = 100.0
 
@@ -91,6 +94,15 @@ def check_params(params: SamplingParams) -> None:
     _check_stop(params.stop)
     if not isinstance(params.stop_token_ids, Sequence):
         raise RequestError("stop_token_ids", "must be a list of token ids")
+    _check_structured(params)
+
+
+def _check_structured(params: SamplingParams) -> None:
+    spec = params.structured_output
+    if spec is None:
+        return
+    if not isinstance(spec, GrammarSpec) or spec.kind not in KINDS:
+        raise RequestError("structured_output", "must be a GrammarSpec (maxjax.structured)")
 
 
 @functools.cache
