@@ -15,7 +15,8 @@ from .config import ServeConfig
 from .engine_client import EngineClient
 from .generation import AdmissionState
 from .metrics import ServerMetrics
-from .openai_routes import chat_completions, completions, render_chat, template_messages
+from .chat_prompt import render_chat, template_messages
+from .openai_routes import chat_completions, completions
 from .protocol import (APIError, DetokenizeRequest, TokenizeRequest, error_body, model_card,
                        now)
 from .state import STATE, ServerState, log, parse_request, read_json

@@ -36,5 +36,24 @@ class ServeConfig:
     shutdown_grace_period: float = field(default=30.0, metadata={
         "help": "Seconds in-flight requests may run after SIGTERM/SIGINT before they are cut"})
 
+    tool_parser: str | None = field(default=None, metadata={
+        "choices": ["hermes", "llama3_json", "mistral", "pythonic", "none"],
+        "help": "Tool-call format parsed out of chat outputs (default: chosen from the chat "
+                "template: mistral, llama3_json, else hermes; none: tools get a 400)"})
+    enable_tool_call_constrained_decode: bool = field(default=True, metadata={
+        "help": "Force tool_choice required / a named function with a grammar in the tool "
+                "parser's format, so the call's arguments match the tool's schema"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "choices": ["qwen3", "deepseek_r1", "none"],
+        "help": "Split <think>...</think> out of chat outputs into the reasoning field "
+                "(default: none)"})
+    emit_reasoning_content: bool | None = field(default=None, metadata={
+        "help": "Reasoning under reasoning_content only (--no-...: under reasoning only; "
+                "default: both)"})
+
+    def reasoning_fields(self) -> tuple[str, ...]:
+        return {None: ("reasoning_content", "reasoning"), True: ("reasoning_content",),
+                False: ("reasoning",)}[self.emit_reasoning_content]
+
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None

@@ -142,7 +142,7 @@ class Generation:
             self._account(c, out)
             if out.finished:
                 self.unfinished -= 1
-                if out.finish_reason in ("error", "abort"):
+                if out.finish_reason in ("error", "abort", "grammar_error"):
                     raise _engine_failure(out)
             yield c, out
 

@@ -11,66 +11,22 @@ from aiohttp import web
 
 from maxjax.engine.types import SamplingParams, TokenLogprob, param_specs
 
+from .chat_output import ChatOutput
+from .chat_prompt import chat_prompt
 from .config import ServeConfig
 from .generation import Generation
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_choice,
                        chat_chunk, chat_chunk_choice, chat_response, completion_choice,
                        completion_response, error_body, now, usage)
 from .state import STATE, ServerState, parse_request, read_json
+from .reasoning import grammar_start
 from .structured import grammar_spec
+from .tools import tool_setup
 
 _DONE = b"data: [DONE]\n\n"
 
 
 # ---- prompts ------------------------------------------------------------------------------------
-
-def template_messages(messages) -> list[dict]:
-    """Messages as the dicts a chat template expects, with content-part arrays joined to text."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if content is None and m.role != "assistant":
-            raise APIError(400, f"messages[{i}].content: required for role {m.role!r}",
-                           param=f"messages[{i}].content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type")
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    what = (f"content part type {kind!r} is not supported (only 'text')"
-                            if kind != "text" else "a text part needs a string 'text'")
-                    raise APIError(400, f"messages[{i}].content[{j}]: {what}",
-                                   param=f"messages[{i}].content[{j}].type")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        msg = {"role": m.role, "content": content if content is not None else ""}
-        for key in ("name", "tool_call_id", "tool_calls"):
-            if getattr(m, key) is not None:
-                msg[key] = getattr(m, key)
-        out.append(msg)
-    return out
-
-
-def render_chat(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool):
-    """Runs in the tokenizer thread. transformers renders the template in a sandboxed jinja env."""
-    import jinja2
-    try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise APIError(400, f"messages: the chat template rejected them: {e}",
-                       param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-async def chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
-    if st.engine.chat_template is None:
-        raise APIError(400, "this model has no chat template: use /v1/completions, or start the "
-                            "server with --chat-template FILE", param="messages")
-    msgs = template_messages(req.messages)
-    return await st.in_tokenizer_thread(render_chat, st.engine.tokenizer, st.engine.chat_template,
-                                        msgs, req.add_generation_prompt)
-
 
 async def completion_prompts(st: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
     """Token id lists, and each prompt's text when it came as text (for echo)."""
@@ -219,26 +175,58 @@ async def _accept(request: web.Request, model_cls):
     return st, req
 
 
+def chat_constraint(st: ServerState, req, params: SamplingParams, tools, prompt_text: str):
+    """The grammar of a chat request: a forced tool call's, else the request's own, applied
+    after the reasoning block when a reasoning parser is on."""
+    spec = params.structured_output
+    if tools and tools.forced and st.cfg.enable_tool_call_constrained_decode:
+        if spec is not None:
+            raise APIError(400, f"{spec.param}: cannot be combined with tool_choice "
+                                f"{tools.choice!r}", param=spec.param)
+        spec = tools.grammar()
+    if spec is not None:
+        spec = spec.after(grammar_start(st.reasoning_parser, prompt_text))
+    return spec
+
+
+def chat_finish(c, out: ChatOutput) -> str:
+    return "tool_calls" if out.tool_calls else c.finish_reason
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     st, req = await _accept(request, ChatCompletionRequest)
-    prompt = await chat_prompt(st, req)
+    tools = tool_setup(req, st.tool_parser)
+    prompt, prompt_text = await chat_prompt(st, req, tools)
     max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens)
     top_n = req.top_logprobs or 0
     params = sampling_params(st.cfg, req, max_new, bool(req.logprobs), top_n)
+    params.structured_output = chat_constraint(st, req, params, tools, prompt_text)
+    if tools and tools.parser == "mistral":
+        params.skip_special_tokens = False      # [TOOL_CALLS] is a special token
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def parser():
+        return ChatOutput(st.reasoning_parser, tools.parser if tools else None, prompt_text,
+                          st.cfg.reasoning_fields())
     async with Generation(st.engine, st.admission, st.metrics, rid, [prompt], req.n,
                           per_choice(params, req.n, req.n), req.cache_salt, t0,
                           CHAT_ERROR_NAMES) as gen:
         st.metrics.prompt_tokens.inc(len(prompt))
+        outs = {c.index: parser() for c in gen.choices}
         if not req.stream:
             async for _ in gen.events():
                 pass
-            choices = [chat_choice(c.index, "".join(c.text), c.finish_reason,
-                                   chat_logprobs(st, c.logprobs, top_n) if req.logprobs else None)
-                       for c in gen.choices]
+            choices = []
+            for c in gen.choices:
+                o = outs[c.index]
+                o.feed(_strip_eos(st, tools, "".join(c.text)))
+                o.finish()
+                choices.append(chat_choice(c.index, o.message(), chat_finish(c, o),
+                                           chat_logprobs(st, c.logprobs, top_n)
+                                           if req.logprobs else None))
             return web.json_response(chat_response(rid, st.model_id, created, choices,
                                                    usage(*gen.usage_counts())))
         resp = await sse_start(request)
@@ -250,12 +238,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 c.index, {"role": "assistant", "content": ""})]))
         try:
             async for c, out in gen.events():
-                if not (out.new_text or out.finished or (req.logprobs and out.new_logprobs)):
-                    continue
-                delta = {"content": out.new_text} if out.new_text else {}
+                o = outs[c.index]
+                deltas = o.feed(_strip_eos(st, tools, out.new_text) if out.new_text else "")
+                if out.finished:
+                    deltas += o.finish()
                 lp = chat_logprobs(st, out.new_logprobs, top_n) if req.logprobs else None
-                await sse_send(resp, chunk([chat_chunk_choice(
-                    c.index, delta, c.finish_reason if out.finished else None, lp)]))
+                if not (deltas or out.finished or (req.logprobs and out.new_logprobs)):
+                    continue
+                deltas = deltas or [{}]
+                for j, delta in enumerate(deltas):
+                    last = j == len(deltas) - 1
+                    await sse_send(resp, chunk([chat_chunk_choice(
+                        c.index, delta, chat_finish(c, o) if out.finished and last else None,
+                        lp if j == 0 else None)]))
         except APIError as e:
             await sse_error(resp, e)
             return resp
@@ -263,6 +258,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await sse_send(resp, chunk([], usage(*gen.usage_counts())))
         await resp.write(_DONE)
         return resp
+
+
+def _strip_eos(st: ServerState, tools, text: str) -> str:
+    """With special tokens kept in the text (the mistral parser), EOS is not content."""
+    eos = getattr(st.engine.tokenizer, "eos_token", None)
+    return text.replace(eos, "") if tools and tools.parser == "mistral" and eos else text
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -105,12 +105,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    # Spec fields we only accept at their "off" value (checked in unsupported()).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (server/tools.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # Spec fields we only accept at their "off" value (checked in unsupported()).
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -121,12 +123,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a requested feature this server does not implement."""
-        if self.tools:
-            return "tools", "tools (function calling) are not supported by this server"
-        if self.functions:
-            return "functions", "functions (function calling) are not supported by this server"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice other than 'none'/'auto' is not supported"
         if self.modalities and set(self.modalities) != {"text"}:
             return "modalities", "only the 'text' modality is supported"
         if self.audio is not None:
@@ -201,9 +197,10 @@ def chat_response(rid: str, model: str, created: int, choices: list[dict], use: 
             "service_tier": None}
 
 
-def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+def chat_choice(index: int, message: dict, finish_reason: str, logprobs: dict | None) -> dict:
+    """`message`: content (and tool_calls, reasoning fields) from server/chat_output.py."""
     return {"index": index, "finish_reason": finish_reason, "logprobs": logprobs,
-            "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []}}
+            "message": {"role": "assistant", **message, "refusal": None, "annotations": []}}
 
 
 def chat_chunk(rid: str, model: str, created: int, choices: list[dict],

@@ -48,6 +48,18 @@ class ServerState:
         tok = self.engine.tokenizer
         return lru_cache(maxsize=65536)(lambda tid: tok.decode([tid], skip_special_tokens=False))
 
+    @cached_property
+    def tool_parser(self) -> str | None:
+        """--tool-parser, else the one the chat template speaks; None: tool calling off."""
+        from .tools import default_parser
+        name = self.cfg.tool_parser or default_parser(self.engine.chat_template)
+        return None if name == "none" else name
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        name = self.cfg.reasoning_parser
+        return None if name in (None, "none") else name
+
     def token_str(self, token_id: int) -> str:
         return self._token_str(token_id)
 

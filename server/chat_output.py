@@ -1,0 +1,117 @@
+"""One chat choice's output text -> OpenAI message fields, streamed or whole by the same code:
+reasoning (server/reasoning.py) first, then tool calls (server/tools.py) in what is content.
+`feed(text)` returns the deltas new since the last call, `finish()` the rest; `message()` the
+non-streamed fields. So streamed deltas reassemble to the non-streamed message by construction.
+
+Deltas: {"reasoning_content" and/or "reasoning": text}, {"content": text}, and per tool call
+{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]} followed by
+{"tool_calls": [{"index", "function": {"arguments": "<the JSON>"}}]}. A call's arguments go out
+whole, once the call is complete (partial-JSON diffs break clients). Text that may be the start of
+a tool call is held back, so no partial tag reaches `content`; if it turns out not to be a call
+it goes out as content.
+"""
+from __future__ import annotations
+
+from .reasoning import ReasoningStream, _held
+from .tools import marker, parse_calls, starts_anywhere
+
+
+class ChatOutput:
+    def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
+                 prompt_text: str = "", reasoning_fields=("reasoning_content", "reasoning")):
+        self.reasoning = ReasoningStream(reasoning_parser, prompt_text) if reasoning_parser \
+            else None
+        self.tool_parser = tool_parser
+        self.reasoning_fields = reasoning_fields
+        self.content, self.reasoning_text, self.tool_calls = "", "", []
+        self._pending = ""          # content not yet sent: a possible marker, or the calls
+        self._in_calls = False
+        self._sent_calls = 0
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        deltas = []
+        if self.reasoning is not None:
+            r, text = self.reasoning.feed(text, final)
+            if r:
+                self.reasoning_text += r
+                deltas.append({f: r for f in self.reasoning_fields})
+        if self.tool_parser is None:
+            if text:
+                self.content += text
+                deltas.append({"content": text})
+            return deltas
+        self._pending += text
+        out = self._content_part(final)
+        if out:
+            self.content += out
+            deltas.append({"content": out})
+        if self._in_calls:
+            deltas += self._call_deltas(final)
+        return deltas
+
+    def finish(self) -> list[dict]:
+        return self.feed("", final=True)
+
+    def message(self) -> dict:
+        msg = {"content": self.content or (None if self.tool_calls else "")}
+        if self.reasoning is not None and self.reasoning_text:
+            msg.update({f: self.reasoning_text for f in self.reasoning_fields})
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+    # ---- tool calls in the content ----------------------------------------------------------
+    def _content_part(self, final: bool) -> str:
+        """The pending text that is surely content; the rest stays pending."""
+        if self._in_calls:
+            return ""
+        p, m = self.tool_parser, marker(self.tool_parser)
+        if starts_anywhere(p):
+            i = self._pending.find(m)
+            if i >= 0:
+                out, self._pending, self._in_calls = self._pending[:i], self._pending[i:], True
+                return out
+            keep = 0 if final else _held(self._pending, m)
+        else:       # the calls are the whole output: decided by its first characters
+            head = self._pending.lstrip()
+            tag = "<|python_tag|>"
+            if p == "llama3_json" and head.startswith(tag):
+                head = head[len(tag):].lstrip()
+            if head.startswith(m):
+                self._in_calls = True
+                return ""
+            if not final and (not head or (p == "llama3_json" and tag.startswith(head))):
+                return ""             # undecided yet
+            self.tool_parser, keep = None, 0      # plain content from here on
+        out = self._pending[:len(self._pending) - keep]
+        self._pending = self._pending[len(out):]
+        return out
+
+    def _call_deltas(self, final: bool) -> list[dict]:
+        if not final and self.tool_parser != "hermes":
+            return []                 # whole-output formats are parsed at the end
+        text = self._pending
+        if not final:                 # hermes: the calls closed so far
+            end = text.rfind("</tool_call>")
+            if end < 0:
+                return []
+            text = text[:end + len("</tool_call>")]
+        calls = parse_calls(self.tool_parser, text)
+        if calls is None:
+            if final:                 # not calls after all: it was content
+                self.content += self._pending
+                out, self._pending = self._pending, ""
+                return [{"content": out}] if out else []
+            return []
+        deltas = []
+        for i, call in enumerate(calls[self._sent_calls:], self._sent_calls):
+            self.tool_calls.append(call)
+            fn = call["function"]
+            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                           "function": {"name": fn["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {
+                "arguments": fn["arguments"]}}]})
+        self._sent_calls = len(calls)
+        if final:
+            self._pending = ""
+        return deltas

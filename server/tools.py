@@ -1,0 +1,288 @@
+"""Tool calling: the request's `tools` / `tool_choice` / `parallel_tool_calls` checked, the tool
+prompt for templates that ignore `tools`, the grammar that forces a call in the model's own
+format (`tool_choice` required or named, `--enable-tool-call-constrained-decode`), and the parsers
+that find calls in the output (`--tool-parser`), whole or streamed (server/chat_output.py).
+
+Formats: hermes `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>` (Qwen2.5/Qwen3,
+ChatML models), llama3_json `{"name": N, "parameters": {...}}` separated by "; " (optionally after
+<|python_tag|>), mistral `[TOOL_CALLS][{"name": N, "arguments": {...}}, ...]`, pythonic
+`[f(a=1), g(b="x")]`.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import uuid
+from dataclasses import dataclass
+
+from maxjax.structured.spec import GrammarSpec
+
+from .protocol import APIError
+
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+MAX_PARALLEL_CALLS = 8
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def default_parser(chat_template: str | None) -> str:
+    """The tool-call format a chat template speaks (ChatML and unknown ones: hermes)."""
+    t = chat_template or ""
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|python_tag|>" in t or "ipython" in t:
+        return "llama3_json"
+    return "hermes"
+
+
+def _bad(param: str, reason: str) -> APIError:
+    return APIError(400, f"{param}: {reason}", param=param)
+
+
+@dataclass
+class ToolSetup:
+    parser: str
+    tools: list[dict]            # the request's tools, {"type": "function", "function": {...}}
+    choice: str                  # "auto" | "required" | a function name
+    parallel: bool
+
+    @property
+    def functions(self) -> list[dict]:
+        fns = [t["function"] for t in self.tools]
+        return fns if self.choice in ("auto", "required") else \
+            [f for f in fns if f["name"] == self.choice]
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+    def grammar(self, start_after: str | None = None) -> GrammarSpec:
+        return GrammarSpec.lark(tool_grammar(self.parser, self.functions,
+                                             self.parallel and self.choice == "required"),
+                                "tools").after(start_after)
+
+
+def _check_schema(schema, param: str) -> None:
+    if not isinstance(schema, dict):
+        raise _bad(param, "must be a JSON schema object")
+    if schema.get("type", "object") != "object":
+        raise _bad(f"{param}.type", f"must be 'object' (got {schema.get('type')!r})")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, (dict, bool)) for v in props.values()):
+        raise _bad(f"{param}.properties", "must map names to schemas")
+    req = schema.get("required", [])
+    if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+        raise _bad(f"{param}.required", "must be a list of property names")
+
+
+def tool_setup(req, parser: str | None) -> ToolSetup | None:
+    """The request's tool calling (None: none asked, or tool_choice "none"); APIError 400 naming
+    the field for a malformed tool, an unknown tool in tool_choice, or a parser that is off."""
+    if req.functions or req.function_call:
+        raise _bad("functions" if req.functions else "function_call",
+                   "deprecated; use tools and tool_choice")
+    tools, choice = req.tools or [], req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("function"), dict) \
+                or not isinstance(choice["function"].get("name"), str):
+            raise _bad("tool_choice", "must be none, auto, required or {\"type\": \"function\", "
+                                      "\"function\": {\"name\": ...}}")
+        choice = choice["function"]["name"]
+    elif choice is None:
+        choice = "auto"
+    elif choice not in ("none", "auto", "required"):
+        raise _bad("tool_choice", f"{choice!r}: must be none, auto, required or a function")
+    if choice == "none":
+        return None
+    if not tools:
+        if choice != "auto":
+            raise _bad("tools", f"required with tool_choice {choice!r}")
+        return None
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function")
+        if t.get("type") != "function" or not isinstance(fn, dict):
+            raise _bad(f"tools[{i}].type", "only function tools are supported")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or not name.replace("_", "a").replace(
+                "-", "a").replace(".", "a").isalnum() or len(name) > 64:
+            raise _bad(f"tools[{i}].function.name", "must be 1-64 letters, digits, _ - or .")
+        if name in names:
+            raise _bad(f"tools[{i}].function.name", f"duplicate tool name {name!r}")
+        names.append(name)
+        if "parameters" in fn:
+            _check_schema(fn["parameters"], f"tools[{i}].function.parameters")
+    if choice not in ("auto", "required") and choice not in names:
+        raise _bad("tool_choice", f"names no tool of this request: {choice!r} (tools: "
+                                  f"{', '.join(names)})")
+    if parser is None:
+        raise _bad("tools", "tool calling is off on this server (--tool-parser none)")
+    return ToolSetup(parser, tools, choice, req.parallel_tool_calls is not False)
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+def tool_prompt(parser: str, tools: list[dict]) -> str:
+    """The instructions a server adds for a template that ignores `tools`."""
+    sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    fmt = {"hermes": "return a json object with function name and arguments within "
+                     "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+                     "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+           "llama3_json": "respond with a JSON object {\"name\": <function-name>, "
+                          "\"parameters\": <args-json-object>}; separate several with \"; \"",
+           "mistral": "respond with [TOOL_CALLS] followed by a JSON list of {\"name\": "
+                      "<function-name>, \"arguments\": <args-json-object>}",
+           "pythonic": "respond with a Python list of calls: [func_name(arg=value, ...)]"}[parser]
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{sigs}\n</tools>\n\nFor each function call, {fmt}")
+
+
+def format_calls(parser: str, calls: list[dict]) -> str:
+    """An assistant message's tool_calls as the model writes them (for templates that ignore
+    tools)."""
+    parsed = [(c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in calls]
+    if parser == "hermes":
+        return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
+                         for n, a in parsed)
+    if parser == "llama3_json":
+        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in parsed)
+    if parser == "mistral":
+        return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in parsed])
+    return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items())
+                           + ")" for n, a in parsed) + "]"
+
+
+def _arguments(args):
+    """OpenAI sends arguments as a JSON string; templates want the object."""
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return {}
+    return args or {}
+
+
+def template_tool_calls(calls: list[dict]) -> list[dict]:
+    return [{**c, "function": {**c["function"], "arguments": _arguments(
+        c["function"].get("arguments"))}} for c in calls]
+
+
+# ---- the forcing grammar ---------------------------------------------------------------------
+
+def _closed(params) -> dict:
+    """The tool's parameters schema; an object with properties but no additionalProperties is
+    closed (its outputs still validate against the open one) so a model cannot add keys forever."""
+    schema = dict(params or {"type": "object"})
+    if "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def tool_grammar(parser: str, functions: list[dict], parallel: bool) -> str:
+    """A Lark grammar (llguidance, with %json) accepting only calls of `functions`, in the
+    parser's format, one or (parallel) up to MAX_PARALLEL_CALLS."""
+    rules, alts = [], []
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    for i, fn in enumerate(functions):
+        params = _closed(fn.get("parameters"))
+        if parser == "pythonic":
+            props = params.get("properties", {})
+            args = [f'"{k}=" v{i}_{j}' for j, k in enumerate(props) if k in
+                    params.get("required", [])]
+            rules += [f"v{i}_{j}: %json " + json.dumps({**(props[k] if isinstance(props[k], dict)
+                                                          else {}), "x-guidance": _COMPACT})
+                      for j, k in enumerate(props) if k in params.get("required", [])]
+            rules.append(f'f{i}: "{fn["name"]}(" ' + ' ", " '.join(args or ['""']) + ' ")"')
+        else:
+            schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                                      key: params},
+                      "required": ["name", key], "additionalProperties": False,
+                      "x-guidance": _COMPACT}
+            rules.append(f"f{i}: %json " + json.dumps(schema))
+        alts.append(f"f{i}")
+    sep = {"hermes": '"\\n"', "llama3_json": '"; "'}.get(parser, '", "')
+    calls = f"call ({sep} call)~0..{MAX_PARALLEL_CALLS - 1}" if parallel else "call"
+    call = "(" + " | ".join(alts) + ")"
+    head = {"hermes": f'start: {calls}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"',
+            "llama3_json": f"start: {calls}\ncall: {call}",
+            "mistral": f'start: "[TOOL_CALLS][" {calls} "]"\ncall: {call}',
+            "pythonic": f'start: "[" {calls} "]"\ncall: {call}'}[parser]
+    return head + "\n" + "\n".join(rules)
+
+
+# ---- parsing the output ------------------------------------------------------------------------
+
+def new_call(name: str, arguments) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _json_calls(items, key: str) -> list[dict] | None:
+    calls = []
+    for it in items:
+        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+            return None
+        args = it.get(key, it.get("arguments", it.get("parameters", {})))
+        if not isinstance(args, dict):
+            return None
+        calls.append(new_call(it["name"], args))
+    return calls
+
+
+def _pythonic_value(node):
+    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[node.id]
+    if isinstance(node, ast.List):
+        return [_pythonic_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_pythonic_value(k): _pythonic_value(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def parse_calls(parser: str, text: str) -> list[dict] | None:
+    """The calls in `text`, which starts at the parser's marker; None: not well-formed calls."""
+    text = text.strip()
+    try:
+        if parser == "hermes":
+            bodies, rest = [], text
+            while rest.startswith("<tool_call>"):
+                end = rest.find("</tool_call>")
+                if end < 0:
+                    return None
+                bodies.append(json.loads(rest[len("<tool_call>"):end]))
+                rest = rest[end + len("</tool_call>"):].strip()
+            return _json_calls(bodies, "arguments") if bodies else None
+        if parser == "llama3_json":
+            text = text.removeprefix("<|python_tag|>").strip()
+            dec, items, i = json.JSONDecoder(), [], 0
+            while i < len(text):
+                obj, i = dec.raw_decode(text, i)
+                items.append(obj)
+                while i < len(text) and text[i] in " ;\n":
+                    i += 1
+            return _json_calls(items, "parameters")
+        if parser == "mistral":
+            items = json.loads(text.removeprefix("[TOOL_CALLS]").strip())
+            return _json_calls(items if isinstance(items, list) else [items], "arguments")
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.List):
+            return None
+        calls = []
+        for c in tree.elts:
+            if not isinstance(c, ast.Call) or not isinstance(c.func, ast.Name) or c.args:
+                return None
+            calls.append(new_call(c.func.id, {k.arg: _pythonic_value(k.value)
+                                              for k in c.keywords}))
+        return calls
+    except (ValueError, SyntaxError):
+        return None
+
+
+def marker(parser: str) -> str:
+    return {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]",
+            "pythonic": "["}[parser]
+
+
+def starts_anywhere(parser: str) -> bool:
+    """hermes and mistral calls may follow some content; the others are the whole output."""
+    return parser in ("hermes", "mistral")
