@@ -15,7 +15,7 @@ from .config import ServeConfig
 from .engine_client import EngineClient
 from .generation import AdmissionState
 from .metrics import ServerMetrics
-from .chat_prompt import render_chat, template_messages
+from .chat_prompt import render_chat, template_ignores_tools, template_messages
 from .openai_routes import chat_completions, completions
 from .protocol import (APIError, DetokenizeRequest, TokenizeRequest, error_body, model_card,
                        now)
@@ -103,8 +103,11 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         if st.engine.chat_template is None:
             raise APIError(400, "this model has no chat template", param="messages")
+        ignores = await st.in_tokenizer_thread(template_ignores_tools, tok,
+                                               st.engine.chat_template)
         ids = await st.in_tokenizer_thread(render_chat, tok, st.engine.chat_template,
-                                           template_messages(req.messages),
+                                           template_messages(req.messages, st.tool_parser
+                                                             if ignores else None),
                                            req.add_generation_prompt)
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
