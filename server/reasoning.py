@@ -39,7 +39,9 @@ class ReasoningStream:
 
     def __init__(self, parser: str, prompt_text: str = ""):
         opened, _ = prompt_state(prompt_text)
-        self.state = "reasoning" if (opened or parser == "deepseek_r1") else "start"
+        # The output may open with <think> even when the block is already open (deepseek_r1).
+        self.state = "start"
+        self._no_start = "reasoning" if (opened or parser == "deepseek_r1") else "content"
         self.buf = ""
         self._after_end = False
 
@@ -54,10 +56,8 @@ class ReasoningStream:
                     continue
                 if not final and START.startswith(stripped):
                     return reasoning, content          # may still open a block
-                self.state = "content"
+                self.state = self._no_start
             if self.state == "reasoning":
-                if self.buf.lstrip().startswith(START):     # deepseek_r1 that writes it anyway
-                    self.buf = self.buf.lstrip()[len(START):]
                 i = self.buf.find(END)
                 if i >= 0:
                     reasoning += self.buf[:i]

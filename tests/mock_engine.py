@@ -1,7 +1,7 @@
 """MockEngine: an EngineClient (server/engine_client.py) whose outputs can be worked out by hand,
 for the server tests. No model: every request "generates" the bytes of OUTPUT_TEXT, starting at
 offset `seed % len(OUTPUT_TEXT)` (0 without a seed), one token per byte, one token per output,
-with `delay` seconds between tokens. The tokenizer is byte-level: token id = byte value, plus
+with `delay` seconds between tokens (or, with `script`, exactly that text, finishing "stop"). The tokenizer is byte-level: token id = byte value, plus
 three special tokens (BOS/EOS/IM_START..). Logprobs: token t has logprob -(t % 10) / 10 and its
 top list is [(t, lp), (t+1, lp-1), (t+2, lp-2), ...]. KV pages: PAGE_SIZE tokens per page, held
 from the first output to the last (or to abort), so tests can assert they return to zero.
@@ -71,7 +71,8 @@ def expected_text(max_tokens: int, seed: int | None = None,
 
 class MockEngine:
     def __init__(self, model_name: str = "mock-model", max_length: int = 512, delay: float = 0.0,
-                 chat_template: str | None = CHAT_TEMPLATE, max_queue: int | None = None):
+                 chat_template: str | None = CHAT_TEMPLATE, max_queue: int | None = None,
+                 script: str | None = None):
         self.model_name = model_name
         self.tokenizer = byte_tokenizer()
         self.chat_template = chat_template
@@ -80,6 +81,7 @@ class MockEngine:
         self.delay = delay
         self.max_queue = max_queue
         self.fail_on: str | None = None     # prompt substring that makes the engine fail
+        self.script = script                # ASCII text every request generates instead
         self.pages: dict[str, int] = {}
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -128,6 +130,10 @@ class MockEngine:
             ntok = p.max_new_tokens if reason == "length" else min(
                 p.max_new_tokens, len(text) + max(len(s) for s in p.stop if full.find(s) ==
                                                   len(text)))
+            if self.script is not None:       # a scripted output, then EOS
+                text = full = self.script[:p.max_new_tokens]
+                reason, ntok = ("stop" if len(self.script) <= p.max_new_tokens else "length",
+                                len(text))
             ids = list(full[:ntok].encode())
             plps = None
             if p.prompt_logprobs:
