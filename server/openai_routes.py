@@ -183,7 +183,7 @@ def chat_constraint(st: ServerState, req, params: SamplingParams, tools, prompt_
         if spec is not None:
             raise APIError(400, f"{spec.param}: cannot be combined with tool_choice "
                                 f"{tools.choice!r}", param=spec.param)
-        spec = tools.grammar()
+        spec = tools.grammar(st.engine.tokenizer)
     if spec is not None:
         spec = spec.after(grammar_start(st.reasoning_parser, prompt_text))
     return spec

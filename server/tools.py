@@ -55,10 +55,10 @@ class ToolSetup:
     def forced(self) -> bool:
         return self.choice != "auto"
 
-    def grammar(self, start_after: str | None = None) -> GrammarSpec:
+    def grammar(self, tokenizer=None) -> GrammarSpec:
         return GrammarSpec.lark(tool_grammar(self.parser, self.functions,
-                                             self.parallel and self.choice == "required"),
-                                "tools").after(start_after)
+                                             self.parallel and self.choice == "required",
+                                             single_tokens(tokenizer)), "tools")
 
 
 def _check_schema(schema, param: str) -> None:
@@ -178,9 +178,27 @@ def _closed(params) -> dict:
     return schema
 
 
-def tool_grammar(parser: str, functions: list[dict], parallel: bool) -> str:
+TAGS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
+
+
+def single_tokens(tokenizer) -> dict[str, int]:
+    """The format's tags that are one added token of the tokenizer (Qwen's <tool_call>)."""
+    added = tokenizer.get_added_vocab() if tokenizer is not None else {}
+    return {t: added[t] for t in TAGS if t in added}
+
+
+def _lit(text: str, tokens: dict[str, int]) -> str:
+    """A Lark literal; a tag the tokenizer has as one token is that token (llguidance treats
+    added tokens as special: a text literal would match them in the mask but not in the
+    matcher)."""
+    return f"<[{tokens[text]}]>" if text in tokens else json.dumps(text)
+
+
+def tool_grammar(parser: str, functions: list[dict], parallel: bool,
+                 tokens: dict[str, int] | None = None) -> str:
     """A Lark grammar (llguidance, with %json) accepting only calls of `functions`, in the
-    parser's format, one or (parallel) up to MAX_PARALLEL_CALLS."""
+    parser's format, one or (parallel) up to MAX_PARALLEL_CALLS. `tokens`: single_tokens()."""
+    tokens = tokens or {}
     rules, alts = [], []
     key = "parameters" if parser == "llama3_json" else "arguments"
     for i, fn in enumerate(functions):
@@ -203,9 +221,10 @@ def tool_grammar(parser: str, functions: list[dict], parallel: bool) -> str:
     sep = {"hermes": '"\\n"', "llama3_json": '"; "'}.get(parser, '", "')
     calls = f"call ({sep} call)~0..{MAX_PARALLEL_CALLS - 1}" if parallel else "call"
     call = "(" + " | ".join(alts) + ")"
-    head = {"hermes": f'start: {calls}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"',
+    open_, close = _lit("<tool_call>", tokens), _lit("</tool_call>", tokens)
+    head = {"hermes": f'start: {calls}\ncall: {open_} "\\n" {call} "\\n" {close}',
             "llama3_json": f"start: {calls}\ncall: {call}",
-            "mistral": f'start: "[TOOL_CALLS][" {calls} "]"\ncall: {call}',
+            "mistral": f'start: {_lit("[TOOL_CALLS]", tokens)} "[" {calls} "]"\ncall: {call}',
             "pythonic": f'start: "[" {calls} "]"\ncall: {call}'}[parser]
     return head + "\n" + "\n".join(rules)
 
