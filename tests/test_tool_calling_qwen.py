@@ -93,3 +93,27 @@ def test_tools_and_tool_results_render_through_the_template(server):
              {"messages": turn, "tools": TOOLS, "max_tokens": 4})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] > len(text) // 8   # the <tools> prompt is in
+
+
+def test_grammar_starts_after_the_reasoning(server):
+    """deepseek_r1: the output starts inside <think>. A +100 bias on </think> makes the random
+    model end the block at once; the JSON grammar applies only from the next token (it would
+    have masked </think> otherwise), so the content is the JSON and the block is reasoning."""
+    from maxjax.server.config import ServeConfig
+    think_end = server.engine.tokenizer.convert_tokens_to_ids("</think>")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    body = {"messages": MSGS, "max_tokens": 30, "temperature": 0,
+            "logit_bias": {str(think_end): 100},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s",
+                                                                       "schema": schema}}}
+    plain = http("POST", server.url + "/v1/chat/completions", body).json()
+    assert json.loads(plain["choices"][0]["message"]["content"]) in ({"ok": True}, {"ok": False})
+    reasoning = ServerThread(server.engine, ServeConfig(reasoning_parser="deepseek_r1"))
+    try:
+        r = http("POST", reasoning.url + "/v1/chat/completions", body).json()
+    finally:
+        reasoning.close()
+    msg = r["choices"][0]["message"]
+    jsonschema.validate(json.loads(msg["content"]), schema)
+    assert r["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"] + 1
