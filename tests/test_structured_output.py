@@ -170,3 +170,19 @@ def test_compile_cache_and_whitespace(llm):
     assert backend.compile(spec) is backend.compile(GrammarSpec.json_schema(SCHEMAS[0][1], "x"))
     out = llm.generate([llm.apply_chat_template(prompt("a person"))], params(spec, False))[0]
     assert not re.search(r"\s", out.text.replace(json.loads(out.text)["name"], "")), out.text
+
+
+def test_generate_flags(tmp_path):
+    from maxjax.cli.args import GenerateOptions, grammar_spec
+    from maxjax.errors import UserError
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(SCHEMAS[0][1]))
+    assert grammar_spec(GenerateOptions(json_schema=str(f))) == GrammarSpec.json_schema(
+        SCHEMAS[0][1])
+    assert grammar_spec(GenerateOptions(regex="[0-9]+")) == GrammarSpec.regex("[0-9]+")
+    assert grammar_spec(GenerateOptions()) is None
+    with pytest.raises(UserError, match="one of"):
+        grammar_spec(GenerateOptions(regex="a", grammar=str(f)))
+    f.write_text("{not json")
+    with pytest.raises(UserError, match="--json-schema"):
+        grammar_spec(GenerateOptions(json_schema=str(f)))

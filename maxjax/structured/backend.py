@@ -63,9 +63,11 @@ class GrammarState:
         """Consume the tokens; False once the matcher is in error (a token it did not allow)."""
         for i, t in enumerate(token_ids):
             if not self.active:
-                self._tail += self._tokenizer.decode([t])
-                if self._start_after in self._tail:
-                    self._start_after = None
+                tail = self._tail + self._tokenizer.decode([t])
+                if self._start_after in tail:
+                    self._start_after, self._tail = None, ""
+                else:
+                    self._tail = tail[-len(self._start_after):]
                 continue
             if not self.matcher.consume_token(int(t)):
                 return False
