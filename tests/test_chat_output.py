@@ -154,3 +154,24 @@ def test_grammar_starts_after_think():
     assert np.flatnonzero(bits).tolist() == [ord("{")]
     assert state.accept(tok.encode('{"a":12}', add_special_tokens=False)) and state.is_stopped
     backend.shutdown()
+
+
+def test_chat_template_kwargs_reach_the_template():
+    from server_harness import http
+    template = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    s = ServerThread(MockEngine(chat_template=template))
+    try:
+        def prompt_tokens(**kw):
+            r = http("POST", s.url + "/v1/chat/completions",
+                     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **kw})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+        assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == \
+            prompt_tokens() + len("NOTHINK")
+        r = http("POST", s.url + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"tools": []}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.tools"
+    finally:
+        s.close()
