@@ -246,3 +246,23 @@ def test_cache_list_and_clear(filled, tmp_path, monkeypatch, capsys):
     assert main(["cache", "clear"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
     assert entries_in(root) == []
+
+
+def test_pool_sized_from_memory_is_stable_across_starts(model, monkeypatch):
+    """The pool shapes every graph: a few % more or less free memory keeps the same entry."""
+    from maxjax.engine import core as core_mod
+    cfg = EngineConfig(max_batch_size=256, quantization_encoding="float32")
+    sizes = set()
+    for free in (10_000_000, 9_700_000, 10_300_000):
+        monkeypatch.setattr(core_mod, "_available_bytes", lambda free=free: free)
+        sizes.add(plan_layout(cfg, model).num_pages)
+    assert len(sizes) == 1
+
+
+def test_compile_jobs_from_the_environment(monkeypatch):
+    from maxjax.aot import export
+    monkeypatch.setenv("MAXJAX_COMPILE_JOBS", "3")
+    assert export.default_jobs() == 3
+    monkeypatch.setenv("MAXJAX_COMPILE_JOBS", "none")
+    with pytest.raises(UserError, match="MAXJAX_COMPILE_JOBS 'none'"):
+        export.default_jobs()

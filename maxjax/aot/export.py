@@ -198,8 +198,14 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
 
 
 def default_jobs() -> int:
-    """Compilations at once: XLA:CPU already compiles one graph on ~1.5 cores, so a second
-    overlaps the other's Python tracing and serial passes (tools/bench_startup.py)."""
+    """Compilations at once ($MAXJAX_COMPILE_JOBS, default 2): XLA:CPU already compiles one
+    graph on ~1.5 cores, so a second overlaps the other's Python tracing and serial passes
+    (tools/bench_startup.py)."""
+    jobs = os.environ.get("MAXJAX_COMPILE_JOBS")
+    if jobs:
+        if not jobs.isdigit() or int(jobs) < 1:
+            raise UserError(f"MAXJAX_COMPILE_JOBS {jobs!r}: expected a number >= 1")
+        return int(jobs)
     return max(1, min(2, os.cpu_count() or 1))
 
 
