@@ -128,6 +128,7 @@ def main() -> int:
         if other:
             subprocess.run(["git", "worktree", "remove", "--force", other[0]], cwd=ROOT,
                            capture_output=True)
+            shutil.rmtree(os.path.dirname(other[0]), ignore_errors=True)     # and its venv
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"cpus {os.cpu_count()}, load average after {os.getloadavg()[0]:.2f}")
     print("| start | to /v1/health 200 (s) | graph phase (s) | runs |")
