@@ -7,10 +7,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Engines built by the engine's one builder (maxjax/engine/build.py) in different tests share
 # graphs through maxjax's compile cache (maxjax/aot/cache.py): one directory for the session
-# (kept across sessions under $MAXJAX_TEST_JAX_CACHE when given), never the user's home. JAX's
+# (kept across sessions beside $MAXJAX_TEST_JAX_CACHE when given), never the user's home. JAX's
 # own persistent cache stays off in this process: an executable it served cannot be stored in
 # maxjax's cache (see maxjax/aot/export.py), so the cache tests would not see their entries.
 _cache = os.environ.get("MAXJAX_TEST_JAX_CACHE")
-os.environ.setdefault("MAXJAX_CACHE_DIR", os.path.join(_cache, "maxjax") if _cache else
+os.environ.setdefault("MAXJAX_CACHE_DIR", _cache.rstrip("/") + ".maxjax" if _cache else
                       tempfile.mkdtemp(prefix="maxjax-compile-cache-"))
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
