@@ -39,6 +39,7 @@ class LLM:
     def __init__(self, model: str | LoadedModel | None = None, *, quantization_encoding: str | None = None,
                  chat_template: str | None = None, custom_architectures=(), progress: bool = False,
                  precompiled_artifacts=(), require_compiled_artifacts: bool = False,
+                 compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
                  **engine_options):
         from maxjax.models import registry
         for spec in custom_architectures:
@@ -47,7 +48,9 @@ class LLM:
                                           **engine_options)
         self.core = build_core(model, self.engine_config, chat_template=chat_template,
                                precompiled_artifacts=precompiled_artifacts or (),
-                               require_compiled=require_compiled_artifacts, progress=progress)
+                               require_compiled=require_compiled_artifacts, progress=progress,
+                               compile_cache=compile_cache,
+                               compile_cache_max_size=compile_cache_max_size)
         self.model = self.core.model
         self.tokenizer = self.model.tokenizer
 

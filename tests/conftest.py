@@ -5,9 +5,12 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Engines built by different tests share graph shapes: a session-wide persistent compilation cache
-# turns the second compile of the same graph into a load.
-_cache = os.environ.get("MAXJAX_TEST_JAX_CACHE") or tempfile.mkdtemp(prefix="maxjax-jax-cache-")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Engines built by the engine's one builder (maxjax/engine/build.py) in different tests share
+# graphs through maxjax's compile cache (maxjax/aot/cache.py): one directory for the session
+# (kept across sessions beside $MAXJAX_TEST_JAX_CACHE when given), never the user's home. JAX's
+# own persistent cache stays off in this process: an executable it served cannot be stored in
+# maxjax's cache (see maxjax/aot/export.py), so the cache tests would not see their entries.
+_cache = os.environ.get("MAXJAX_TEST_JAX_CACHE")
+os.environ.setdefault("MAXJAX_CACHE_DIR", _cache.rstrip("/") + ".maxjax" if _cache else
+                      tempfile.mkdtemp(prefix="maxjax-compile-cache-"))
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")

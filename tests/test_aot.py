@@ -72,13 +72,14 @@ def model_dir(root):
 
 @pytest.fixture(scope="module")
 def warmed(root, model_dir):
-    """warm-cache on machine A (default directory under $MAXJAX_ARTIFACTS_DIR), cpu + cuda."""
+    """warm-cache on machine A (default directory: the compile cache under $MAXJAX_CACHE_DIR),
+    cpu + cuda."""
     env, cwd = machine_env(root, "machine-a", cache=True)
-    env["MAXJAX_ARTIFACTS_DIR"] = os.path.join(root, "machine-a", "artifacts")
+    env["MAXJAX_CACHE_DIR"] = os.path.join(root, "machine-a", "compile-cache")
     r = maxjax(["warm-cache", "--model-path", model_dir, *FLAGS, "--target", "cpu", "cuda"], env, cwd)
     assert r.returncode == 0, r.stderr[-3000:]
     directory = re.search(r"^artifacts: (.+)$", r.stdout, re.M).group(1)
-    assert directory.startswith(env["MAXJAX_ARTIFACTS_DIR"] + "/tiny-llama-")
+    assert os.path.dirname(directory) == env["MAXJAX_CACHE_DIR"]
     assert f"maxjax serve --model-path {model_dir} --precompiled-artifacts {directory}" in r.stdout
     return directory
 
@@ -106,6 +107,17 @@ def test_cross_machine_generate_is_identical_and_compiles_no_graph(root, model_d
     assert (cold_total, cold_since) == (5, 0)
     assert (total, since_ready) == (0, 0)
     assert os.listdir(os.path.join(root, "machine-b", "jax-cache")) == []
+
+
+def test_warm_cache_fills_the_compile_cache(root, model_dir, warmed):
+    """`generate` with the same flags on machine A loads warm-cache's entry: nothing compiles."""
+    env, cwd = machine_env(root, "machine-a", cache=False)
+    env["MAXJAX_CACHE_DIR"] = os.path.dirname(warmed)
+    r = maxjax([*GEN, "--model-path", model_dir, *FLAGS], env, cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Loaded 5 graphs from {warmed} " in r.stderr
+    assert compiles(r.stderr) == (0, 0)
+    assert os.listdir(os.path.dirname(warmed)) == [os.path.basename(warmed)]
 
 
 def test_serve_from_artifacts_compiles_nothing(root, model_dir, warmed):

@@ -43,13 +43,12 @@ def write_tiny_llama(path, rms_norm_eps=1e-5) -> str:
 
 def tiny_core(directory, **engine_options):
     """A warmed-up EngineCore on a tiny random Llama written into `directory` (4 rows, 16 tokens
-    a step, 24 pages of 8 tokens, max length 64 unless overridden)."""
+    a step, 24 pages of 8 tokens, max length 64 unless overridden), built as every entry point
+    builds one: engines of the same options share graphs through the compile cache."""
+    from maxjax.engine.build import build_core
     from maxjax.engine.config import EngineConfig
-    from maxjax.engine.core import EngineCore
     from maxjax.models.loader import load_model
     model = load_model(write_tiny_llama(directory), "float32", progress=False)
     options = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
                    kv_cache_page_size=8)
-    core = EngineCore(model, EngineConfig(**{**options, **engine_options}))
-    core.warmup()
-    return core
+    return build_core(model, EngineConfig(**{**options, **engine_options}))

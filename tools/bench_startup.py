@@ -1,98 +1,148 @@
-"""Start-up time of SmolLM2 (embedded GGUF, default bucket set) from process start to ready:
-cold, with JAX's persistent compilation cache warm, and with --precompiled-artifacts (graphs only,
-and graphs + the stored converted weights); split into imports, weight loading and graph loading.
+"""Start-up time of `maxjax serve` (embedded SmolLM2, default bucket set, --num-kv-pages pinned),
+from process start to `/v1/health` 200, each start a fresh process:
+  cold       an empty compile cache (compiles every graph and stores it)
+  second     the same cache again (loads every graph)
+  artifacts  --precompiled-artifacts from `maxjax warm-cache --artifacts-dir`
+  no-cache   --no-compile-cache (compiles, stores nothing)
+and, with --against REV, REV's own `maxjax serve` cold (installed from a worktree into a venv
+of its own, as tools/ab_step.py does), in the same rounds. "compile" is the graph phase the
+server logs (`graphs ready in` / `Engine ready in`: after the weights, to every graph ready).
 
-    .venv/bin/python tools/bench_startup.py [--num-kv-pages 64] [--runs 1] [--jobs 1 2]
-
-Each measurement is a fresh subprocess; the parent takes the time just before spawning it.
+    .venv/bin/python tools/bench_startup.py [--against REV] [--rounds 1] [--jobs 1 2]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shutil
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
-CHILD = r"""
-import json, os, sys, time
-t_start = float(sys.argv[1]); mode = sys.argv[2]; art = sys.argv[3]; pages = int(sys.argv[4])
-t0 = time.time()
-import jax
-from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import EngineCore
-from maxjax.models.loader import load_model
-t_import = time.time()
-stored = None
-if mode == "artifacts":
-    from maxjax.aot import weights as aot_weights
-    stored = aot_weights.params_source([art])
-elif mode == "artifacts-no-weights":
-    mode = "artifacts"
-model = load_model(None, None, None, progress=False, params_source=stored)
-t_weights = time.time()
-cfg = EngineConfig(num_kv_pages=pages, quantization_encoding=model.dtype)
-loaded = ()
-if mode == "artifacts":
-    from maxjax.aot import load as aot_load
-    loaded = aot_load.load_for_engine([art], model, cfg)
-core = EngineCore(model, cfg, *loaded)
-core.warmup()
-t_ready = time.time()
-print(json.dumps({"python_start": t0 - t_start, "imports": t_import - t0,
-                  "weights": t_weights - t_import, "graphs": t_ready - t_weights,
-                  "total": t_ready - t_start, "graphs_n": len(core.layout.buckets),
-                  "compiles": core.stats()["xla_compiles"]}))
-"""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READY = re.compile(r"(?:graphs ready|Engine ready) in ([\d.]+) s")
 
 
-MODES = ("cold", "cache", "artifacts-no-weights", "artifacts")
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def child(mode: str, art: str, pages: int, env: dict) -> dict:
-    t = time.time()
-    r = subprocess.run([sys.executable, "-c", CHILD, repr(t), mode, art, str(pages)], env=env,
-                       capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(r.stderr[-3000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def serve(python: str, flags: list[str], env: dict, cwd: str) -> dict:
+    """Seconds from spawn to /v1/health 200, and the compile phase from the server's log. `cwd`
+    outside any checkout: `-m` puts it first on sys.path."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    t0 = time.time()
+    proc = subprocess.Popen([python, "-m", "maxjax.cli", "serve", *flags, "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, cwd=cwd, stdout=log, stderr=log)
+    try:
+        while not healthy(f"http://127.0.0.1:{port}/v1/health"):
+            if proc.poll() is not None:
+                sys.exit(open(log.name).read()[-3000:])
+            time.sleep(0.05)
+        total = time.time() - t0
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    text = open(log.name).read()
+    os.unlink(log.name)
+    m = READY.search(text)
+    return {"total": round(total, 2), "compile": float(m.group(1)) if m else float("nan")}
+
+
+def _see_all_site_dirs(python: str) -> None:
+    """The other revision's venv reads this venv's packages; where these come from other
+    site-packages through .pth lines (a venv over another), it reads those too."""
+    import sysconfig
+    out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    dirs = [p for p in sys.path if p.endswith("site-packages") and p != sysconfig.get_path("purelib")]
+    with open(os.path.join(out, "maxjax-bench-deps.pth"), "w") as f:
+        f.write("".join(d + "\n" for d in dirs))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-kv-pages", type=int, default=64,
                     help="KV pool (pinned so that runs compare; does not change compile time)")
-    ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--jobs", type=int, nargs="+", default=[1], help="warm-cache --jobs values to time")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--against", help="a git revision whose cold start to time in the same rounds")
+    ap.add_argument("--jobs", type=int, nargs="+", default=[0],
+                    help="MAXJAX_COMPILE_JOBS values for the cold start (0: the default)")
+    ap.add_argument("--modes", nargs="+", default=["cold", "second", "artifacts", "no-cache"])
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-startup-")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    base["TOKENIZERS_PARALLELISM"] = "false"
-    cold_env = {**base, "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    cache_env = {**base, "JAX_COMPILATION_CACHE_DIR": os.path.join(tmp, "jax-cache"),
-                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    results: dict = {"cpu_count": os.cpu_count(), "loadavg": os.getloadavg()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "MAXJAX_"))}
+    env.update(TOKENIZERS_PARALLELISM="false", JAX_ENABLE_COMPILATION_CACHE="false")
+    flags = ["--num-kv-pages", str(args.num_kv_pages)]
+    other = None
+    if args.against:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        from ab_step import install
+        other = install(args.against)
+        _see_all_site_dirs(other[1])
     art = os.path.join(tmp, "artifacts")
-    for jobs in args.jobs:
-        t0 = time.time()
-        r = subprocess.run([sys.executable, "-m", "maxjax.cli", "warm-cache", "--num-kv-pages",
-                            str(args.num_kv_pages), "--artifacts-dir", art, "--jobs", str(jobs)],
-                           env=cold_env, capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(r.stderr[-3000:])
-        results[f"warm_cache_jobs{jobs}_s"] = round(time.time() - t0, 1)
-    if "cache" in args.modes:
-        child("cache", art, args.num_kv_pages, cache_env)      # fills the persistent cache
-    for mode in args.modes:
-        env = cache_env if mode == "cache" else cold_env
-        runs = [child(mode, art, args.num_kv_pages, env) for _ in range(args.runs)]
-        results[mode] = {k: round(min(r[k] for r in runs), 2) for k in runs[0]}
-    results["loadavg_after"] = os.getloadavg()
-    print(json.dumps(results, indent=1))
+    if "artifacts" in args.modes:
+        subprocess.run([sys.executable, "-m", "maxjax.cli", "warm-cache", *flags,
+                        "--artifacts-dir", art], env=env, check=True, capture_output=True)
+    times: dict[str, list[dict]] = {}
+    try:
+        for r in range(args.rounds):
+            if other:
+                tree, python = other
+                times.setdefault(f"{args.against} cold", []).append(
+                    serve(python, flags, {**env, "MAXJAX_CACHE_DIR": os.path.join(tmp, "o")}, tmp))
+            for jobs in args.jobs:
+                cache = os.path.join(tmp, f"cache-{r}-{jobs}")
+                e = {**env, "MAXJAX_CACHE_DIR": cache, **({"MAXJAX_COMPILE_JOBS": str(jobs)}
+                                                          if jobs else {})}
+                tag = f" (jobs {jobs})" if jobs else ""
+                for mode in args.modes:
+                    extra = {"artifacts": ["--precompiled-artifacts", art],
+                             "no-cache": ["--no-compile-cache"]}.get(mode, [])
+                    if mode == "second" and "cold" not in args.modes:
+                        serve(sys.executable, flags, e, tmp)
+                    if mode in ("artifacts", "no-cache", "second") and jobs != args.jobs[0]:
+                        continue
+                    times.setdefault(mode + tag, []).append(
+                        serve(sys.executable, flags + extra, e, tmp))
+                shutil.rmtree(cache, ignore_errors=True)
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        if other:
+            subprocess.run(["git", "worktree", "remove", "--force", other[0]], cwd=ROOT,
+                           capture_output=True)
+            shutil.rmtree(os.path.dirname(other[0]), ignore_errors=True)     # and its venv
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"cpus {os.cpu_count()}, load average after {os.getloadavg()[0]:.2f}")
+    print("| start | to /v1/health 200 (s) | graph phase (s) | runs |")
+    print("|---|---|---|---|")
+    med = {}
+    for name, runs in times.items():
+        med[name] = {k: statistics.median(x[k] for x in runs) for k in ("total", "compile")}
+        print(f"| {name} | {med[name]['total']:.1f} | {med[name]['compile']:.1f} | "
+              f"{json.dumps([x['total'] for x in runs])} |")
+    if "cold" in med and "second" in med:
+        print(f"second / cold (to health): {med['second']['total'] / med['cold']['total']:.3f}")
+    if other and "cold" in med:
+        base = med[f"{args.against} cold"]
+        print(f"cold graph phase / {args.against}'s: {med['cold']['compile'] / base['compile']:.3f}")
     return 0
 
 

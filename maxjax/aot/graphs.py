@@ -77,7 +77,7 @@ class StepCallable:
 
     def __init__(self, compiled, source: str, out_spec):
         self.compiled = compiled
-        self.source = source        # "executable" or "export"
+        self.source = source        # "executable", "export" or "compiled" (here, just now)
         self.out_spec = out_spec
 
     def __call__(self, params, kv, step, samp):
@@ -85,6 +85,15 @@ class StepCallable:
         out, new_kv = self.compiled(tuple(jax.tree.leaves(params)), tuple(kv_leaves),
                                     tuple(jax.tree.leaves(step)), tuple(jax.tree.leaves(samp)))
         return rebuild(self.out_spec, iter(out)), kv_def.unflatten(new_kv)
+
+
+def engine_graphs(compiled: dict, model, layout) -> tuple[dict, Callable]:
+    """{graph name: (executable, source, output_structure)} -> what EngineCore takes after the
+    layout: ({Bucket: StepCallable}, the KV initializer)."""
+    specs = graph_specs(model, layout)
+    init = compiled[KV_INIT][0]
+    steps = {s.bucket: StepCallable(*compiled[s.name]) for s in specs if s.bucket is not None}
+    return steps, kv_initializer(init, pool_specs(model, layout))
 
 
 def kv_initializer(compiled, kv) -> Callable:

@@ -159,8 +159,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
     with pool:
         for name, (future, structure) in loads.items():
             out[name] = (future.result(), "executable", structure)
-    log.info("loaded %d graphs in %.2f s (%d executables, %d compiled from exports)", len(out),
-             time.perf_counter() - t0, counts["executable"], counts["export"])
-    compiled, _, _ = out.pop(graphs.KV_INIT)
-    steps = {s.bucket: graphs.StepCallable(*out[s.name]) for s in specs if s.bucket is not None}
-    return steps, graphs.kv_initializer(compiled, kv)
+    log.info("Loaded %d graphs from %s in %.2f s (%d executables, %d compiled from exports)",
+             len(out), ", ".join(m.directory for m in manifests), time.perf_counter() - t0,
+             counts["executable"], counts["export"])
+    return graphs.engine_graphs(out, model, layout)

@@ -102,6 +102,13 @@ class ModelOptions:
     export_artifacts: str | None = field(default=None, metadata={
         "args": ["--export-artifacts", "--export-mefs"],
         "help": "Write artifacts for every graph this run compiles into this directory"})
+    compile_cache: bool = field(default=True, metadata={
+        "help": "Keep compiled graphs in $MAXJAX_CACHE_DIR (default ~/.cache/maxjax) and load them "
+                "on the next start with the same model and flags (--no-compile-cache or "
+                "MAXJAX_NO_COMPILE_CACHE=1: compile, store nothing)"})
+    compile_cache_max_size: str | None = field(default=None, metadata={
+        "help": "Size cap of the compile cache, e.g. 500M or 20G; least recently used entries "
+                "go first (default: $MAXJAX_CACHE_MAX_SIZE, else 10G)"})
     log_level: str = field(default="INFO", metadata={
         "help": "DEBUG, INFO, WARNING or ERROR"})
 

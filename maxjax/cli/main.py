@@ -1,4 +1,4 @@
-"""The `maxjax` command: serve, warm-cache, generate, list, benchmark.
+"""The `maxjax` command: serve, warm-cache, generate, cache, list, benchmark.
 
 User errors (bad flag, model, checkpoint, artifact) print one line and exit 2, never a traceback.
 """
@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_dataclass_args,
                              build, check_config_keys, grammar_spec, read_config_file,
@@ -23,13 +24,22 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
         base = read_config_file(args.config_file)
         check_config_keys(base, _config_classes(args), args.config_file)
     model_opts = build(ModelOptions, args, base)
-    logging.basicConfig(level=getattr(logging, model_opts.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, model_opts.log_level.upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_libraries(level)
     _select_devices(model_opts.devices)
     from maxjax.models import registry
     for spec in model_opts.custom_architectures:
         registry.register_custom(spec)
     return model_opts, build(EngineConfig, args, base)
+
+
+def _quiet_libraries(level: int) -> None:
+    """Above DEBUG, other libraries' start-up notes nobody can act on (jax's `Unable to
+    initialize backend 'tpu'`) are not shown: only their warnings and errors."""
+    if level > logging.DEBUG:
+        for name in ("jax", "absl"):
+            logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
 def _config_classes(args):
@@ -107,6 +117,8 @@ def cmd_generate(args) -> int:
     llm = LLM(model_opts.model_path, chat_template=model_opts.chat_template,
               precompiled_artifacts=model_opts.precompiled_artifacts,
               require_compiled_artifacts=model_opts.require_compiled_artifacts,
+              compile_cache=model_opts.compile_cache,
+              compile_cache_max_size=model_opts.compile_cache_max_size,
               progress=not gen.json, **vars(engine_cfg))
     if gen.chat:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
@@ -160,6 +172,23 @@ def cmd_warm_cache(args) -> int:
     return aot_export.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs)
 
 
+def cmd_cache(args) -> int:
+    from maxjax.aot import cache
+    root = cache.directory()
+    if args.action == "clear":
+        n, size = cache.clear(root)
+        print(f"removed {n} entries ({size / 1e6:.1f} MB) from {root}")
+        return 0
+    found = cache.entries(root)
+    print(f"compile cache: {root} ({len(found)} entries, "
+          f"{sum(e.bytes for e in found) / 1e6:.1f} MB; cap {cache.max_bytes() / 1e9:.1f} GB)")
+    for e in reversed(found):       # most recently used first
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        print(f"{e.name}  {e.bytes / 1e6:8.1f} MB  {e.graphs:3d} graphs  {e.device}  "
+              f"last used {used}")
+    return 0
+
+
 def cmd_benchmark(args) -> int:
     from maxjax.bench import command as benchmark
     return benchmark.main(args)
@@ -190,11 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_generate)
 
     sp = model_cmd("warm-cache", "Compile every graph for a config and save the artifacts")
-    sp.add_argument("--artifacts-dir", help="Where to write (default: under artifacts/)")
+    sp.add_argument("--artifacts-dir", help="Where to write (default: the compile cache, "
+                    "which serve, generate and maxjax.LLM read)")
     sp.add_argument("--target", action="extend", nargs="+", default=None,
                     help="Platforms to export for: cpu, cuda, rocm, tpu (default: this machine's)")
-    sp.add_argument("--jobs", type=int, default=1, help="Parallel compilations")
+    sp.add_argument("--jobs", type=int, default=None,
+                    help="Parallel compilations (default: 2, or 1 on a one-core machine)")
     sp.set_defaults(func=cmd_warm_cache)
+
+    sp = sub.add_parser("cache", help="Show or empty the compile cache ($MAXJAX_CACHE_DIR)")
+    sp.add_argument("action", choices=["list", "clear"])
+    sp.set_defaults(func=cmd_cache)
 
     sp = sub.add_parser("list", help="List the supported architectures")
     sp.add_argument("--json", action="store_true")
@@ -218,6 +253,8 @@ def _version() -> str:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers' "PyTorch was not found" advice: maxjax needs only its tokenizers
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

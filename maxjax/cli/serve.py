@@ -38,7 +38,9 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
     from maxjax.engine.build import build_core
     core = build_core(model_opts.model_path, engine_cfg, chat_template=model_opts.chat_template,
                       precompiled_artifacts=model_opts.precompiled_artifacts,
-                      require_compiled=model_opts.require_compiled_artifacts, progress=progress)
+                      require_compiled=model_opts.require_compiled_artifacts, progress=progress,
+                      compile_cache=model_opts.compile_cache,
+                      compile_cache_max_size=model_opts.compile_cache_max_size)
     if model_opts.export_artifacts:
         from maxjax.aot import export as aot_export
         aot_export.export_engine(model_opts.export_artifacts, core)

@@ -1,66 +1,145 @@
 """Building a ready engine, the one way every entry point does it (`maxjax serve`, maxjax.LLM and so
 `maxjax generate`; `maxjax warm-cache` loads its model with `load`):
   1. load the model, its converted weights from the precompiled artifacts when they hold them;
-  2. the step executables: loaded from the artifacts after checking them against the engine config
-     (whose unset values take the ones the artifacts pinned), else compiled;
+  2. the step executables: loaded from the precompiled artifacts after checking them against the
+     engine config (whose unset values take the ones the artifacts pinned); else loaded from the
+     compile cache (maxjax/aot/cache.py), or compiled and stored there on a miss; else (the cache
+     off) compiled;
   3. warm-up: every bucket ready, the executables' first-run priming armed (EngineCore.prime_next).
+With `progress`, each phase logs one line, compiling a count per graph and `Still compiling
+(N s elapsed)` while a long compile gives no other sign of life.
 """
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
 from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import EngineCore
+from maxjax.engine.core import EngineCore, plan_layout
 from maxjax.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("maxjax.engine")
+HEARTBEAT_SECONDS = 15.0
 
 
 def load(model: str | LoadedModel | None, quantization_encoding: str | None = None,
          chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
          progress: bool = False) -> LoadedModel:
     """A LoadedModel as it is; else `load_model(model, ...)` (a GGUF file, a HF directory or
-    repo id, None for the embedded default). `progress`: a loading bar and a log line."""
+    repo id, None for the embedded default). `progress`: a log line (and a loading bar on a
+    terminal)."""
     if isinstance(model, LoadedModel):
         return model
     stored = None
     if precompiled_artifacts:
         from maxjax.aot import weights as aot_weights
         stored = aot_weights.params_source(precompiled_artifacts)
-    loaded = load_model(model, quantization_encoding, chat_template, progress=progress,
-                        params_source=stored)
     if progress:
-        log.info("loaded %s (%s) in %.1f s", loaded.name, loaded.dtype, loaded.load_seconds)
+        log.info("Loading weights: %s", model or "the embedded SmolLM2-135M-Instruct")
+    loaded = load_model(model, quantization_encoding, chat_template,
+                        progress=progress and sys.stderr.isatty(), params_source=stored)
+    if progress:
+        log.info("Loaded %s (%s) in %.1f s", loaded.name, loaded.dtype, loaded.load_seconds)
     return loaded
 
 
 def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
                chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
-               require_compiled: bool = False, progress: bool = False) -> EngineCore:
+               require_compiled: bool = False, progress: bool = False,
+               compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
+               ) -> EngineCore:
     """A warmed-up EngineCore. `engine_cfg` is completed in place: its quantization_encoding
-    becomes the model's dtype, its unset values the artifacts' pinned ones. `require_compiled`:
-    refuse artifacts that hold no executable for this device. `progress`: a loading bar and log
-    lines for loading and compiling."""
+    becomes the model's dtype, its unset values the artifacts' pinned ones (or the sizes this
+    machine gives). `require_compiled`: refuse artifacts that hold no executable for this
+    device. `compile_cache`: False turns the compile cache off (None: on unless
+    MAXJAX_NO_COMPILE_CACHE=1); `compile_cache_max_size` its cap (maxjax/aot/cache.py).
+    `progress`: log lines for loading and compiling."""
+    from maxjax.aot import cache
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
                  progress)
     engine_cfg.quantization_encoding = model.dtype
+    t0 = time.perf_counter()
     loaded = ()
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
         loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
                                           require_compiled)
+    elif cache.enabled(compile_cache):
+        loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress)
     core = EngineCore(model, engine_cfg, *loaded)
-    t0 = time.perf_counter()
-    core.warmup(_log_compiled if progress else None)
+    n = len(core.layout.buckets)
+    with Heartbeat(progress and not loaded) as beat:
+        if progress and not loaded:
+            log.info("Compiling %d step graphs%s", n, "" if cache.enabled(compile_cache)
+                     else " (compile cache off)")
+        core.warmup(beat.graph_done if progress else None)
     if progress:
         lay = core.layout
-        log.info("%d graphs ready in %.1f s (KV pool: %d pages of %d tokens, max length %d)",
-                 len(lay.buckets), time.perf_counter() - t0, lay.num_pages, lay.page_size,
+        log.info("Engine ready in %.1f s: %d step graphs, KV pool of %d pages of %d tokens, "
+                 "max length %d", time.perf_counter() - t0, n, lay.num_pages, lay.page_size,
                  core.max_length)
     return core
 
 
-def _log_compiled(i: int, n: int, name: str) -> None:
-    log.info("compiling graphs: %d/%d (%s)", i, n, name)
+def _from_cache(model, engine_cfg: EngineConfig, limit: int, progress: bool):
+    """(layout, executables, kv_init) from the compile cache entry of this configuration; on a
+    miss, compiled and stored there first. None when it cannot be stored (then the engine
+    compiles as without a cache)."""
+    import jax
+
+    from maxjax.aot import cache, export
+    layout = plan_layout(engine_cfg, model)
+    # The sizes this machine gave are pinned, so the loader plans the same layout.
+    engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
+    path = cache.entry_path(model, engine_cfg, layout)
+    loaded = cache.load(path, model, engine_cfg)
+    if loaded is not None:
+        return loaded
+    n = len(layout.buckets) + 1
+    if progress:
+        log.info("Compiling %d graphs (not in the compile cache yet: storing them in %s)", n,
+                 path)
+    try:
+        with Heartbeat(progress) as beat:
+            _, compiled = cache.fill(path, model, engine_cfg, layout,
+                                     [jax.export.default_export_platform()], export.default_jobs(),
+                                     beat.graph_done if progress else None)
+    except OSError as e:
+        log.warning("compile cache: cannot write %s (%s); compiling without it", path, e)
+        return ()
+    cache.evict(limit, keep=path)
+    from maxjax.aot import graphs
+    return (layout, *graphs.engine_graphs(compiled, model, layout))
+
+
+class Heartbeat:
+    """While active: `graph_done(i, n, name)` logs the progress count; a thread logs
+    `Still compiling (N s elapsed)` when no graph finished for HEARTBEAT_SECONDS."""
+
+    def __init__(self, active: bool):
+        self.active = active
+        self.t0 = self.last = time.perf_counter()
+        self._stop = threading.Event()
+        self.done = (0, 0)
+
+    def __enter__(self) -> Heartbeat:
+        if self.active:
+            threading.Thread(target=self._run, name="maxjax-heartbeat", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def graph_done(self, i: int, n: int, name: str) -> None:
+        self.last, self.done = time.perf_counter(), (i, n)
+        log.info("Compiled %d/%d graphs (%s, %.0f s elapsed)", i, n, name, self.last - self.t0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            now = time.perf_counter()
+            if now - self.last >= HEARTBEAT_SECONDS:
+                self.last = now
+                log.info("Still compiling (%.0f s elapsed)", now - self.t0)

@@ -70,6 +70,11 @@ def _available_bytes() -> int:
     return 4 << 30
 
 
+def _round_down(n: int, bits: int = 3) -> int:
+    drop = max(0, n.bit_length() - bits)
+    return (n >> drop) << drop
+
+
 def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
     mc = model.config
     if cfg.kv_cache_page_size < 1:
@@ -85,8 +90,10 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
         itemsize = np.dtype(model.params["embed"].dtype).itemsize
         page_bytes = 2 * mc.num_layers * page * mc.num_kv_heads * mc.head_dim * itemsize
         budget = int(_available_bytes() * cfg.device_memory_utilization)
-        # No more than every row at max_length could use, plus the scratch page.
-        num_pages = min(budget // page_bytes, cfg.max_batch_size * per_row + 1)
+        # No more than every row at max_length could use, plus the scratch page. The pool
+        # shapes every graph: rounded down to 3 significant bits, the free memory's drift
+        # between starts does not change it (and miss the compile cache).
+        num_pages = min(_round_down(budget // page_bytes), cfg.max_batch_size * per_row + 1)
     if num_pages < 2:
         raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
                         "(raise --device-memory-utilization or set --num-kv-pages)")

@@ -1,0 +1,248 @@
+"""The compile cache: the graphs an engine compiles, kept per user, so that the next start with the
+same model, engine configuration, versions and device loads them instead of compiling.
+
+Called by maxjax/engine/build.py (every entry point: serve, generate, maxjax.LLM), by
+`maxjax warm-cache` without --artifacts-dir, and by `maxjax cache list | clear`.
+
+An entry is an artifact directory (one format, one loader: maxjax/aot/export.py writes it,
+maxjax/aot/load.py verifies every sha256 and signature before it deserializes anything) named by
+a digest of all that decides its bytes: the model and engine fingerprints (the engine's covers
+every bucket, so a new kind of bucket misses by itself), the maxjax/jax/jaxlib versions, the
+graph code digest, the device and the format version. Unlike --precompiled-artifacts, which is
+strict, an entry that fails any check is logged as a warning, removed and rebuilt: never
+loaded, never fatal.
+
+Writes are atomic: an entry is built in a temp directory of the cache and renamed into place,
+so a crash leaves only a `.tmp-*` directory that nothing loads (eviction removes it later);
+when another process renamed its entry first, its entry stays and ours is dropped. Removal
+renames an entry away before deleting it, so a reader sees a whole entry or none. The size is
+bounded: after each write the least recently used entries (a hit touches its directory) go until
+the cache fits $MAXJAX_CACHE_MAX_SIZE / --compile-cache-max-size.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+from maxjax.aot import manifest as mf
+from maxjax.errors import UserError
+
+log = logging.getLogger("maxjax.cache")
+DEFAULT_MAX_SIZE = "10G"
+_STALE_TMP_SECONDS = 24 * 3600
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def directory() -> str:
+    """$MAXJAX_CACHE_DIR, else $XDG_CACHE_HOME/maxjax, else ~/.cache/maxjax."""
+    explicit = os.environ.get("MAXJAX_CACHE_DIR")
+    if explicit:
+        return os.path.abspath(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "maxjax")
+
+
+def enabled(flag: bool | None = None) -> bool:
+    """The flag when given (False: --no-compile-cache), else not MAXJAX_NO_COMPILE_CACHE=1."""
+    if flag is not None and not flag:
+        return False
+    return os.environ.get("MAXJAX_NO_COMPILE_CACHE", "").lower() not in ("1", "true", "yes")
+
+
+def max_bytes(flag: str | None = None) -> int:
+    """The size cap: the flag, else $MAXJAX_CACHE_MAX_SIZE, else 10G (bytes, or K/M/G/T)."""
+    name = "--compile-cache-max-size" if flag else "MAXJAX_CACHE_MAX_SIZE"
+    text = flag or os.environ.get("MAXJAX_CACHE_MAX_SIZE") or DEFAULT_MAX_SIZE
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.I)
+    if not m:
+        raise UserError(f"{name} {text!r}: expected a size such as 500M or 10G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def entry_key(model_fp: dict, engine_fp: dict) -> str:
+    return mf.digest({"format_version": mf.FORMAT_VERSION, "model": model_fp["fingerprint"],
+                      "engine": engine_fp["fingerprint"], "versions": mf.versions(),
+                      "code": mf.code_digest(), "device": mf.local_device()})
+
+
+def entry_path(model, engine_cfg, layout, root: str | None = None) -> str:
+    """Where the entry for this model, engine layout, versions and device lives (named by the
+    key alone: a model's name or path shapes no graph; `maxjax cache list` shows it)."""
+    key = entry_key(mf.model_fingerprint(model),
+                    mf.engine_fingerprint(layout, engine_cfg, model.dtype))
+    return os.path.join(root or directory(), key[:32])
+
+
+def load(path: str, model, engine_cfg):
+    """load_for_engine's (layout, executables, kv_init) from the entry at `path`; None when there
+    is none, or when it fails a check or does not load (then it is removed, with a warning)."""
+    from maxjax.aot import load as aot_load
+    if not os.path.isdir(path):
+        return None
+    try:
+        loaded = aot_load.load_for_engine([path], model, engine_cfg, require_compiled=True)
+    except Exception as e:     # a bad entry is rebuilt, whatever broke in it
+        log.warning("compile cache: entry %s refused (%s); removing it and compiling again",
+                    os.path.basename(path), str(e).split("\n")[0][:300])
+        remove(path)
+        return None
+    touch(path)
+    return loaded
+
+
+def touch(path: str) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def fill(path: str, model, engine_cfg, layout, platforms: list[str], jobs: int,
+         on_graph=None, replace: bool = False) -> tuple[dict, dict]:
+    """Build the entry at `path` (export + compile every graph, in a temp directory renamed into
+    place): build_entry's (manifest, compiled executables). `replace`: an entry already there
+    goes (warm-cache refreshes it); else the first one renamed into place stays."""
+    from maxjax.aot import export
+    tmp = new_tmp(os.path.dirname(path))
+    try:
+        data, compiled = export.build_entry(tmp, model, engine_cfg, layout, platforms, jobs,
+                                            on_graph)
+        served = [g["name"] for g in data["graphs"] if "executable" not in g["files"]]
+        if served:      # see export.py: such executables do not serialize again
+            log.warning("compile cache: not stored: %d graphs came from JAX's persistent "
+                        "compilation cache (JAX_COMPILATION_CACHE_DIR), whose executables "
+                        "cannot be saved again; unset it to use maxjax's cache", len(served))
+            return data, compiled
+        if replace:
+            remove(path)
+        publish(tmp, path)
+        return data, compiled
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish(tmp: str, path: str) -> bool:
+    """Rename the finished `tmp` into `path`; False (and `tmp` removed) when another process's
+    entry is already there (both were built from the same inputs: theirs stays) or when `tmp`
+    was removed meanwhile (`maxjax cache clear`)."""
+    try:
+        os.rename(tmp, path)
+        return True
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(path):
+            log.warning("compile cache: could not store %s (%s)", path, e)
+        return False
+
+
+def remove(path: str) -> None:
+    """Rename away, then delete: a concurrent reader sees the whole entry or nothing."""
+    trash = os.path.join(os.path.dirname(path), f".trash-{os.path.basename(path)}-{os.getpid()}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def new_tmp(root: str | None = None) -> str:
+    root = root or directory()
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=".tmp-", dir=root)
+
+
+@dataclass
+class Entry:
+    path: str
+    bytes: int
+    last_used: float
+    model: str
+    graphs: int
+    device: str
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+
+def _size(path: str) -> int:
+    total = 0
+    for base, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(base, f))
+            except OSError:
+                pass
+    return total
+
+
+def entries(root: str | None = None) -> list[Entry]:
+    """The cache's entries, least recently used first (temp and trash directories excluded)."""
+    import json
+    root = root or directory()
+    out = []
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    for name in names:
+        path = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, mf.MANIFEST)) as f:
+                data = json.load(f)
+            dev = data.get("compiled_for") or {}
+            info = (data.get("model", {}).get("name", "?"), len(data.get("graphs", [])),
+                    f"{dev.get('platform', '?')} {dev.get('device_kind', '?')}")
+        except (OSError, ValueError, AttributeError):
+            info = ("? (unreadable manifest)", 0, "?")
+        try:
+            used = os.stat(path).st_mtime
+        except OSError:
+            continue
+        out.append(Entry(path, _size(path), used, *info))
+    return sorted(out, key=lambda e: e.last_used)
+
+
+def evict(limit: int, keep: str | None = None, root: str | None = None) -> list[str]:
+    """Remove least recently used entries (never `keep`) until the cache fits `limit` bytes, and
+    temp directories a crashed writer left over a day ago; the names removed."""
+    root = root or directory()
+    now = time.time()
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if name.startswith((".tmp-", ".trash-")):
+            try:
+                if now - os.stat(path).st_mtime > _STALE_TMP_SECONDS:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass
+    found = entries(root)
+    total, removed = sum(e.bytes for e in found), []
+    for e in found:
+        if total <= limit:
+            break
+        if keep and os.path.abspath(e.path) == os.path.abspath(keep):
+            continue
+        remove(e.path)
+        total -= e.bytes
+        removed.append(e.name)
+    if removed:
+        log.info("compile cache: evicted %d least recently used entries (cap %.1f GB)",
+                 len(removed), limit / 1e9)
+    return removed
+
+
+def clear(root: str | None = None) -> tuple[int, int]:
+    """Remove every entry and temp directory: (entries removed, bytes freed)."""
+    root = root or directory()
+    found = entries(root)
+    for e in found:
+        remove(e.path)
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith((".tmp-", ".trash-")):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return len(found), sum(e.bytes for e in found)

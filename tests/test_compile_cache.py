@@ -1,0 +1,268 @@
+"""The compile cache (maxjax/aot/cache.py) through the engine's one builder (maxjax.LLM ->
+build_core), on a tiny random Llama: a second start loads every graph (no compilation, same
+greedy tokens); a graph-shaping flag, the model's config or tokenizer, a recorded version or
+the device kind give another entry; a corrupt, truncated or incomplete entry is refused with a
+warning and rebuilt; two processes filling it at once leave one valid entry; --no-compile-cache
+and MAXJAX_NO_COMPILE_CACHE write nothing; LRU eviction under the size cap; `maxjax cache`."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import maxjax
+from maxjax.aot import cache
+from maxjax.aot import manifest as mf
+from maxjax.aot.manifest import MANIFEST
+from maxjax.cli.main import build_parser, main
+from maxjax.engine import compile_counter
+from maxjax.engine.config import EngineConfig
+from maxjax.engine.core import plan_layout
+from maxjax.errors import UserError
+from maxjax.models.loader import load_model
+from tiny_llama import write_tiny_llama
+
+ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+              kv_cache_page_size=8)
+PROMPTS = [[5, 7, 9], [11, 3, 8, 20, 31, 4, 9, 100, 7, 2, 12]]
+GREEDY = maxjax.SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def start(model, root, **options):
+    """(LLM, XLA compilations its start took, how each graph was obtained) with the compile
+    cache in `root`."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MAXJAX_CACHE_DIR", str(root))
+        before = compile_counter.count()
+        llm = maxjax.LLM(model, **{**ENGINE, **options})
+        compiles = compile_counter.count() - before
+    sources = {getattr(e, "source", "jit") for e in llm.core.runner.executables.values()}
+    return llm, compiles, sources
+
+
+def tokens(llm) -> list:
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def entries_in(root) -> list[str]:
+    return sorted(os.listdir(root))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_model(model_dir, "float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def filled(model, tmp_path_factory):
+    """A cache filled by one start: (root, entry path, that start's greedy tokens)."""
+    root = tmp_path_factory.mktemp("compile-cache")
+    llm, _, sources = start(model, root)
+    assert sources == {"compiled"}          # a miss: compiled here, stored
+    (name,) = entries_in(root)
+    return root, os.path.join(root, name), tokens(llm)
+
+
+def copy_of(filled, tmp_path) -> tuple[str, str]:
+    root, entry, _ = filled
+    shutil.copytree(root, tmp_path / "c")
+    return str(tmp_path / "c"), str(tmp_path / "c" / os.path.basename(entry))
+
+
+def test_second_start_loads_every_graph(model, filled):
+    root, entry, first = filled
+    llm, compiles, sources = start(model, root)
+    assert compiles == 0 and sources == {"executable"}
+    assert len(llm.core.runner.executables) == len(llm.core.layout.buckets)
+    assert tokens(llm) == first
+    assert llm.stats()["xla_compiles_since_ready"] == 0
+    assert entries_in(root) == [os.path.basename(entry)]
+
+
+def test_graph_shaping_flag_misses_and_the_cap_evicts(model, filled, tmp_path):
+    root, entry = copy_of(filled, tmp_path)
+    os.utime(entry, (time.time() - 60, time.time() - 60))
+    llm, _, sources = start(model, root, max_batch_input_tokens=8, compile_cache_max_size="1")
+    assert sources == {"compiled"}
+    (name,) = entries_in(root)      # the new entry is kept, the older one over the cap went
+    assert name != os.path.basename(entry)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == filled[2][:1]
+
+
+def test_model_tokenizer_version_and_device_change_the_entry(model, filled, tmp_path,
+                                                            monkeypatch):
+    cfg = EngineConfig(**ENGINE, quantization_encoding="float32")
+    layout = plan_layout(cfg, model)
+    here = cache.entry_path(model, cfg, layout, filled[0])
+    assert here == filled[1]
+    other_model = load_model(write_tiny_llama(tmp_path / "eps", rms_norm_eps=1e-6), "float32",
+                             progress=False)
+    other_template = dataclasses.replace(model, chat_template="{{ messages }}")
+    paths = {here, cache.entry_path(other_model, cfg, layout, filled[0]),
+             cache.entry_path(other_template, cfg, layout, filled[0])}
+    with monkeypatch.context() as mp:
+        real = mf.versions()
+        mp.setattr(mf, "versions", lambda: {**real, "jax": "0.0.1"})
+        paths.add(cache.entry_path(model, cfg, layout, filled[0]))
+        # the loader checks the manifest's versions too: an entry from other versions is refused
+        root, entry = copy_of(filled, tmp_path)
+        assert cache.load(entry, model, dataclasses.replace(cfg)) is None
+        assert not os.path.exists(entry)
+    device = mf.local_device()
+    monkeypatch.setattr(mf, "local_device", lambda: {**device, "device_kind": "other-cpu"})
+    paths.add(cache.entry_path(model, cfg, layout, filled[0]))
+    assert len(paths) == 5
+
+
+def _truncate(path):
+    name = next(f for f in sorted(os.listdir(path)) if f.endswith(".xlaexe") and "step" in f)
+    with open(os.path.join(path, name), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+
+
+def _garbage_manifest(path):
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        f.write('{"format": "maxjax-artifacts", "graphs": [')
+
+
+def _missing_file(path):
+    os.remove(os.path.join(path, next(f for f in sorted(os.listdir(path)) if f.endswith(".xlaexe"))))
+
+
+def _flipped_byte(path):
+    name = next(f for f in sorted(os.listdir(path)) if f.endswith(".xlaexe") and "step" in f)
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage_manifest, _missing_file, _flipped_byte])
+def test_a_bad_entry_is_refused_and_rebuilt(model, filled, tmp_path, caplog, damage):
+    root, entry = copy_of(filled, tmp_path)
+    damage(entry)
+    with caplog.at_level(logging.WARNING, logger="maxjax.cache"):
+        llm, _, sources = start(model, root)
+    assert sources == {"compiled"}
+    assert any("refused" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records), caplog.text
+    assert tokens(llm) == filled[2]
+    assert entries_in(root) == [os.path.basename(entry)]      # rebuilt, and whole again
+    again, compiles, sources = start(model, root)
+    assert compiles == 0 and sources == {"executable"}
+
+
+def test_no_compile_cache_writes_nothing(model, tmp_path, monkeypatch):
+    root = tmp_path / "none"
+    llm, _, sources = start(model, root, compile_cache=False)
+    assert sources == {"jit"} and not root.exists()
+    monkeypatch.setenv("MAXJAX_NO_COMPILE_CACHE", "1")
+    start(model, root)
+    assert not root.exists()
+    opts = build_parser().parse_args(["serve", "--no-compile-cache"])
+    assert opts.compile_cache is False
+
+
+def test_two_processes_filling_at_once_leave_one_valid_entry(model, model_dir, tmp_path):
+    root = tmp_path / "shared"
+    env = {**os.environ, "MAXJAX_CACHE_DIR": str(root), "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    cmd = [sys.executable, "-m", "maxjax.cli", "generate", "--model-path", model_dir,
+           *[x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))],
+           "--prompt", "w5 w7 w9", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "xla compiles: 6 total, 0 since ready" in err      # both compiled and stored
+    assert outs[0][0] == outs[1][0]
+    (name,) = entries_in(root)          # one entry, no temp directory left
+    _, compiles, sources = start(model, root)
+    assert compiles == 0 and sources == {"executable"}
+
+
+def _fake_entry(root, name, size, used):
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    mf.write_manifest(path, {"model": {"name": name}, "graphs": [{}], "compiled_for": None})
+    with open(os.path.join(path, "blob"), "wb") as f:
+        f.write(b"\0" * size)
+    os.utime(path, (used, used))
+    return path
+
+
+def test_lru_eviction_and_stale_temp_dirs(tmp_path):
+    now = time.time()
+    a = _fake_entry(tmp_path, "a", 1000, now - 30)
+    b = _fake_entry(tmp_path, "b", 1000, now - 20)
+    c = _fake_entry(tmp_path, "c", 1000, now - 10)
+    cache.touch(a)                                   # a hit: a is now the most recent
+    stale, fresh = tmp_path / ".tmp-old", tmp_path / ".tmp-writing"
+    stale.mkdir()
+    fresh.mkdir()
+    os.utime(stale, (now - 2 * 86400, now - 2 * 86400))
+    assert cache.evict(2500, keep=None, root=str(tmp_path)) == ["b"]
+    assert cache.evict(0, keep=c, root=str(tmp_path)) == ["a"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-writing", "c"]
+
+
+def test_size_cap_values(monkeypatch):
+    assert cache.max_bytes("500M") == 500 << 20 and cache.max_bytes("1.5G") == 3 << 29
+    assert cache.max_bytes("4096") == 4096
+    monkeypatch.setenv("MAXJAX_CACHE_MAX_SIZE", "2G")
+    assert cache.max_bytes() == 2 << 30
+    with pytest.raises(UserError, match="--compile-cache-max-size 'lots': expected a size"):
+        cache.max_bytes("lots")
+
+
+def test_default_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("MAXJAX_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.directory() == str(tmp_path / "maxjax")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache.directory() == str(tmp_path / "home" / ".cache" / "maxjax")
+
+
+def test_cache_list_and_clear(filled, tmp_path, monkeypatch, capsys):
+    root, entry = copy_of(filled, tmp_path)
+    monkeypatch.setenv("MAXJAX_CACHE_DIR", root)
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert f"compile cache: {root} (1 entries" in out
+    assert os.path.basename(entry) in out and "6 graphs" in out
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert entries_in(root) == []
+
+
+def test_pool_sized_from_memory_is_stable_across_starts(model, monkeypatch):
+    """The pool shapes every graph: a few % more or less free memory keeps the same entry."""
+    from maxjax.engine import core as core_mod
+    cfg = EngineConfig(max_batch_size=256, quantization_encoding="float32")
+    sizes = set()
+    for free in (10_000_000, 9_700_000, 10_300_000):
+        monkeypatch.setattr(core_mod, "_available_bytes", lambda free=free: free)
+        sizes.add(plan_layout(cfg, model).num_pages)
+    assert len(sizes) == 1
+
+
+def test_compile_jobs_from_the_environment(monkeypatch):
+    from maxjax.aot import export
+    monkeypatch.setenv("MAXJAX_COMPILE_JOBS", "3")
+    assert export.default_jobs() == 3
+    monkeypatch.setenv("MAXJAX_COMPILE_JOBS", "none")
+    with pytest.raises(UserError, match="MAXJAX_COMPILE_JOBS 'none'"):
+        export.default_jobs()
