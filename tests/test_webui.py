@@ -130,7 +130,8 @@ def test_streamed_reply(server, tab):
     page = tab.page
     page.goto(server.url + "/")
     page.wait_for_selector("#model:text('mock-model')")
-    assert page.is_hidden("#mode option[value=json_schema]")
+    assert page.eval_on_selector("#mode option[value=json_schema]", "o => o.hidden")
+    assert not page.eval_on_selector("#mode option[value=tools]", "o => o.hidden")
     assert page.is_hidden("#schema") and page.is_hidden("#tools") and page.is_visible("#system")
     tab.send("hello", max_tokens=60, seed=3)
     # text arrives while the request is still running: it is streamed, not delivered at once

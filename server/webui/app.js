@@ -337,8 +337,10 @@ function renderStats(s) {
       return li;
     }));
     const rows = [["model", s.info.model], ["max_length", s.info.max_length], ["page_size", s.info.page_size],
-                  ["num_pages", s.info.num_pages], ["structured_output", s.info.structured_output],
-                  ...Object.entries(s.info.engine_config)];
+                  ["num_pages", s.info.num_pages],
+                  ["structured_output", s.info.structured_output]];
+    const named = new Set(rows.map(([k]) => k));
+    rows.push(...Object.entries(s.info.engine_config).filter(([k]) => !named.has(k)));
     $("#config tbody").replaceChildren(...rows.map(([k, v]) => row(k, String(v))));
   }
   state.last = s;
