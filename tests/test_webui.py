@@ -298,3 +298,32 @@ def test_phone_width(server, browser):  # noqa: F811
         assert t.errors == []
     finally:
         t.close()
+
+
+def test_tools_mode_shows_the_call(browser):  # noqa: F811
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    s, t = ServerThread(MockEngine(script=call, max_length=2048)), Tab(browser)
+    try:
+        t.page.goto(s.url + "/")
+        t.page.wait_for_selector("#model:text('mock-model')")
+        t.send("weather in Paris?", mode="tools", max_tokens=200)
+        text, meta = t.last_reply()
+        assert text.strip() == 'tool call: get_weather({"city": "Paris"})' and "tool_calls" in meta
+        sent = s.engine.tokenizer.decode(s.engine.requests[-1][1])
+        assert "get_weather" in sent                      # the tools reached the template
+        assert t.errors == []
+    finally:
+        t.close()
+        s.close()
+
+
+def test_stats_while_loading():
+    engine = MockEngine()
+    engine.is_ready = False
+    s = ServerThread(engine)
+    try:
+        stats = http("GET", s.url + "/stats").json()
+        assert (stats["ready"], stats["model"], stats["info"]) == (False, None, None)
+        assert stats["capabilities"] == {"chat": False, "json_schema": False, "tools": False}
+    finally:
+        s.close()
