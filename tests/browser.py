@@ -1,7 +1,8 @@
 """Headless Chromium for the web UI tests: Debian's `chromium` driven by Playwright (whose own
 browser download needs a CDN that CI cannot reach). `browser` is module-scoped; `Tab` is one page
-in a fresh context that records console errors and uncaught exceptions. Screenshots go to
-$MAXJAX_SCREENSHOTS (default build/screenshots)."""
+in a fresh context that records console errors and uncaught exceptions; `metrics` parses
+/metrics as /stats names its values. Screenshots go to $MAXJAX_SCREENSHOTS (default
+build/screenshots)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,8 @@ import shutil
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import http
 
 SCREENSHOTS = os.environ.get("MAXJAX_SCREENSHOTS") or os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "screenshots")
@@ -92,3 +95,17 @@ def wait_until(cond, what: str, timeout: float = 30.0):
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def metrics(url) -> dict:
+    """/metrics as the page's snapshot names them: name -> value (labelled: label values)."""
+    out = {}
+    for fam in text_string_to_metric_families(http("GET", url + "/metrics").text):
+        for s in fam.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            if s.labels:
+                out.setdefault(s.name, {})[",".join(s.labels.values())] = s.value
+            else:
+                out[s.name] = s.value
+    return out

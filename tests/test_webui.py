@@ -8,9 +8,8 @@ import urllib.request
 
 import openai
 import pytest
-from browser import Tab, browser, wait_until  # noqa: F401  (browser: a fixture)
+from browser import Tab, browser, metrics, wait_until  # noqa: F401  (browser: a fixture)
 from mock_engine import MockEngine, expected_text
-from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerThread, http
 
 from maxjax.server.config import ServeConfig
@@ -37,20 +36,6 @@ def tab(browser):  # noqa: F811
     t = Tab(browser)
     yield t
     t.close()
-
-
-def metrics(url) -> dict:
-    """/metrics as the page's snapshot names them: name -> value (labelled: label values)."""
-    out = {}
-    for fam in text_string_to_metric_families(http("GET", url + "/metrics").text):
-        for s in fam.samples:
-            if s.name.endswith(("_bucket", "_created")):
-                continue
-            if s.labels:
-                out.setdefault(s.name, {})[",".join(s.labels.values())] = s.value
-            else:
-                out[s.name] = s.value
-    return out
 
 
 # ---- over HTTP ------------------------------------------------------------------------------

@@ -3,7 +3,6 @@ streamed greedy reply equal to the API's, JSON-schema mode offered and obeyed, s
 engine request (running 0, no KV page held), and the dashboard moving under load and then
 showing the numbers of /metrics with no compilation while serving. Saves the README screenshots."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,14 +11,14 @@ import threading
 import jsonschema
 import openai
 import pytest
-from browser import Tab, browser, wait_until  # noqa: F401  (browser: a fixture)
+from browser import Tab, browser, metrics, wait_until  # noqa: F401  (browser: a fixture)
 from server_harness import http
-from test_webui import metrics
 
 # The engine of tests/test_engine_smollm2.py: its graphs are in the shared compilation cache.
 FLAGS = ["--max-length", "512", "--max-batch-size", "8", "--max-batch-input-tokens", "32",
          "--kv-cache-page-size", "16", "--num-kv-pages", "48"]
 QUESTION = "What is the capital of France?"
+MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +54,8 @@ def test_streamed_greedy_reply_equals_the_api(url, tab):
     text, meta = tab.last_reply()
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     want = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}], temperature=0,
-        top_p=1, max_tokens=24).choices[0].message.content
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, top_p=1,
+        max_tokens=24).choices[0].message.content
     assert text == want and "Paris" in text
     assert "TTFT" in meta and "tok/s" in meta
     assert not tab.page.eval_on_selector("#mode option[value=json_schema]", "o => o.hidden")
@@ -104,7 +103,7 @@ def test_dashboard_under_load(url, tab):
     def load():
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         threads = [threading.Thread(target=client.completions.create, kwargs=dict(
-            model="SmolLM2-135M-Instruct", prompt=f"Story {i}: once upon a time", max_tokens=96, temperature=0,
+            model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=96, temperature=0,
             extra_body={"ignore_eos": True})) for i in range(4)]
         for t in threads:
             t.start()
