@@ -20,8 +20,9 @@ from .openai_routes import chat_completions, completions
 from .protocol import (APIError, DetokenizeRequest, TokenizeRequest, error_body, model_card,
                        now)
 from .state import STATE, ServerState, log, parse_request, read_json
+from .webui import OPEN_PREFIXES, add_routes as add_webui_routes
 
-_OPEN_PATHS = ("/health", "/v1/health", "/metrics")
+_OPEN_PATHS = ("/health", "/v1/health", "/metrics", "/")
 
 
 def _json_error(status: int, message: str, param=None, code=None, headers=None):
@@ -37,7 +38,8 @@ async def _middleware(request: web.Request, handler):
     endpoint = route.canonical if route is not None else "unmatched"
     status = 500
     try:
-        if key and request.path not in _OPEN_PATHS:
+        open_path = request.path in _OPEN_PATHS or request.path.startswith(OPEN_PREFIXES)
+        if key and not open_path:
             auth = request.headers.get("Authorization", "")
             given = auth[7:] if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(given.encode(), key.encode()):
@@ -148,6 +150,7 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     for prefix in ("", "/v1"):
         app.router.add_post(f"{prefix}/tokenize", tokenize)
         app.router.add_post(f"{prefix}/detokenize", detokenize)
+    add_webui_routes(app, cfg.webui)
 
     async def _close_pool(app):
         state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

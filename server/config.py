@@ -36,6 +36,10 @@ class ServeConfig:
     shutdown_grace_period: float = field(default=30.0, metadata={
         "help": "Seconds in-flight requests may run after SIGTERM/SIGINT before they are cut"})
 
+    webui: bool = field(default=True, metadata={
+        "help": "Serve the browser playground and engine dashboard at / (--no-webui: / is a 404; "
+                "/stats and /stats/stream stay)"})
+
     tool_parser: str | None = field(default=None, metadata={
         "choices": ["hermes", "llama3_json", "mistral", "pythonic", "none"],
         "help": "Tool-call format parsed out of chat outputs (default: chosen from the chat "

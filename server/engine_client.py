@@ -36,3 +36,8 @@ class EngineClient(Protocol):
     def stats(self) -> dict:
         """Counters and gauges read at /metrics scrape time; keys as in STATS_KEYS."""
         ...
+
+    def info(self) -> dict:
+        """What does not change while serving, for the dashboard: model, max_length, page_size,
+        num_pages, buckets (names), structured_output (bool), engine_config (flat dict)."""
+        ...

@@ -153,6 +153,7 @@ class Generation:
             self._admitted -= 1
         ntok = len(out.new_token_ids)
         if ntok:
+            self.metrics.generation_tokens.inc(ntok)   # as they come: the dashboard's tokens/s
             if not c.last_time:
                 self.metrics.ttft.observe(now - self.t_arrival)
             else:
@@ -172,7 +173,6 @@ class Generation:
         if out.finished:
             c.finish_reason = "length" if out.finish_reason == "length" else "stop"
             self.metrics.e2e.observe(now - self.t_arrival)
-            self.metrics.generation_tokens.inc(c.completion_tokens)
 
     async def close(self) -> None:
         """Cancel the pumps and abort every choice that has not finished; idempotent."""

@@ -24,7 +24,15 @@ _ENGINE_METRICS = (
      "Prompt tokens found in the prefix cache"),
     ("preemptions", "maxjax_preemptions", "counter", "Requests preempted for lack of KV pages"),
     ("xla_compiles", "maxjax_xla_compiles", "counter", "XLA compilations since start"),
+    ("xla_compiles_since_ready", "maxjax_xla_compiles_since_ready", "counter",
+     "XLA compilations inside serving steps (must stay 0)"),
     ("steps", "maxjax_engine_steps", "counter", "Engine steps run"),
+    ("scheduled_rows", "maxjax_engine_scheduled_rows", "counter",
+     "Rows (requests) over all engine steps"),
+    ("scheduled_tokens", "maxjax_engine_scheduled_tokens", "counter",
+     "Tokens over all engine steps (prefill and decode)"),
+    ("kv_pages_cached", "maxjax_kv_cache_pages_cached", "gauge",
+     "Free KV pages still holding a reusable prefix"),
 )
 
 
@@ -75,3 +83,17 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self) -> dict:
+        """The samples /metrics renders, from one collection of the same registry: name ->
+        value, or name -> {label values joined by ",": value}; histogram buckets left out."""
+        out: dict = {}
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name.endswith(("_bucket", "_created")):
+                    continue
+                if s.labels:
+                    out.setdefault(s.name, {})[",".join(s.labels.values())] = s.value
+                else:
+                    out[s.name] = s.value
+        return out

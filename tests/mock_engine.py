@@ -113,6 +113,11 @@ class MockEngine:
                 "preemptions": 0, "xla_compiles": self.compiles, "steps": 7,
                 "step_seconds": {"schedule": 0.25, "device_step": 1.5}}
 
+    def info(self):
+        return {"model": self.model_name, "max_length": self.max_length, "page_size": PAGE_SIZE,
+                "num_pages": 1000, "buckets": ["step_t1_r1", "step_t8_r4"],
+                "structured_output": False, "engine_config": {"max_batch_size": 4}}
+
     # -- helpers ----------------------------------------------------------------------------------
     @property
     def pages_used(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -133,8 +134,19 @@ class AsyncEngine:
                 "prefix_cache_hits": s.get("prefix_hit_tokens", 0),
                 "preemptions": s.get("preemptions", 0), "xla_compiles": s.get("xla_compiles", 0),
                 "xla_compiles_since_ready": s.get("xla_compiles_since_ready", 0),
-                "steps": s.get("steps", 0),
+                "steps": s.get("steps", 0), "kv_pages_cached": s.get("pages_cached", 0),
+                "scheduled_tokens": s.get("scheduled_tokens", 0),
+                "scheduled_rows": s.get("scheduled_rows", 0),
                 "step_seconds": dict(s.get("step_seconds", {}))}
+
+    def info(self) -> dict:
+        core, lay = self.core, self.core.layout
+        cfg = {k: v for k, v in dataclasses.asdict(core.cfg).items()
+               if isinstance(v, (str, int, float, bool)) or v is None}
+        return {"model": self.model_name, "max_length": lay.max_length,
+                "page_size": lay.page_size, "num_pages": lay.num_pages,
+                "buckets": [b.name for b in lay.buckets],
+                "structured_output": core.grammars is not None, "engine_config": cfg}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -95,6 +95,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0
+        self.num_scheduled_rows = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
 
@@ -282,6 +283,7 @@ class Scheduler:
         num_tokens = self.cfg.max_batch_input_tokens - budget
         self.num_steps += 1
         self.num_scheduled_tokens += num_tokens
+        self.num_scheduled_rows += len(rows)
         self.num_decode_tokens += n_decode
         self.num_prefill_tokens += num_tokens - n_decode
         return StepPlan(rows, num_tokens, preempted)
@@ -345,7 +347,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"steps": self.num_steps, "preemptions": self.num_preemptions,
-                "scheduled_tokens": self.num_scheduled_tokens, "prefill_tokens": self.num_prefill_tokens,
+                "scheduled_tokens": self.num_scheduled_tokens,
+                "scheduled_rows": self.num_scheduled_rows, "prefill_tokens": self.num_prefill_tokens,
                 "decode_tokens": self.num_decode_tokens, "waiting": len(self.waiting),
                 "running": len(self.running), **self.bm.stats()}
 
