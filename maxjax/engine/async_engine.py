@@ -132,7 +132,8 @@ class AsyncEngine:
                 "preemptions": s.get("preemptions", 0), "xla_compiles": s.get("xla_compiles", 0),
                 "xla_compiles_since_ready": s.get("xla_compiles_since_ready", 0),
                 "steps": s.get("steps", 0),
-                "step_seconds": dict(s.get("step_seconds", {}))}
+                "step_seconds": dict(s.get("step_seconds", {})),
+                **{k: v for k, v in s.items() if k.startswith("spec_")}}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -48,6 +48,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)   # proposed next tokens, unverified
+    spec_counts: tuple = (0.0, 0.0)       # decayed (kept, verified) drafts: its acceptance rate
     num_computed_tokens: int = 0          # tokens whose K/V are in this request's pages
     pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
