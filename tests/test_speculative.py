@@ -152,13 +152,33 @@ def ngram(model):
     return LLM(model, speculative_method="ngram", **ENGINE)
 
 
+@pytest.fixture(scope="module")
+def self_draft(model):
+    from maxjax.models.loader import embedded_model_path
+    return LLM(model, speculative_method="draft", draft_model_path=embedded_model_path(),
+               num_speculative_tokens=3, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def random_draft(model, tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's tokenizer and vocabulary."""
+    from tiny_llama import write_tiny_llama
+    path = write_tiny_llama(tmp_path_factory.mktemp("draft"), tokenizer=model.tokenizer,
+                            vocab_size=model.config.vocab_size)
+    return LLM(model, speculative_method="draft", draft_model_path=path, **ENGINE)
+
+
 @pytest.fixture(autouse=True)
 def pool_empty_after(request):
     yield
-    for name in ("base", "ngram"):
+    for name in ("base", "ngram", "self_draft", "random_draft"):
         if name in request.fixturenames:
-            stats = request.getfixturevalue(name).stats()
+            llm = request.getfixturevalue(name)
+            stats = llm.stats()
             assert stats["pages_used"] == 0 and stats["running"] == stats["waiting"] == 0, stats
+            proposer = llm.core.speculator and llm.core.speculator.proposer
+            if hasattr(proposer, "bm"):                 # the draft model's own pool
+                assert proposer.bm.num_used_pages == 0 and not proposer.live
 
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
@@ -177,8 +197,18 @@ def accepted(llm) -> int:
     return llm.stats()["spec_accepted_tokens"]
 
 
-def test_greedy_output_identical_batched(base, ngram, prompts):
-    want = [o.token_ids for o in base.generate(prompts, GREEDY)]
+@pytest.fixture(scope="module")
+def want(base, prompts):
+    return [o.token_ids for o in base.generate(prompts, GREEDY)]
+
+
+def acceptance(llm, before: dict) -> float:
+    s = llm.stats()
+    return ((s["spec_accepted_tokens"] - before.get("spec_accepted_tokens", 0))
+            / (s["spec_draft_tokens"] - before.get("spec_draft_tokens", 0)))
+
+
+def test_greedy_output_identical_batched(ngram, prompts, want):
     before = accepted(ngram)
     got = [o.token_ids for o in ngram.generate(prompts, GREEDY)]
     assert got == want
@@ -235,9 +265,42 @@ def test_profile_and_stats_report_acceptance(ngram):
     assert stats["spec_accepted_at"][0] <= stats["spec_drafted_at"][0]
 
 
-def test_no_compilation_after_warmup(base, ngram):
-    assert ngram.stats()["xla_compiles_since_ready"] == 0
-    assert base.stats()["xla_compiles_since_ready"] == 0
+def test_smollm2_drafting_for_itself_accepts_nearly_everything(self_draft, prompts, want):
+    before = self_draft.stats()
+    assert [o.token_ids for o in self_draft.generate(prompts, GREEDY)] == want
+    assert acceptance(self_draft, before) > 0.95
+
+
+def test_draft_output_identical_with_preemption(base, self_draft, prompts):
+    long = [p + prompts[2] * 2 for p in prompts]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in base.generate(long, params)]
+    before = self_draft.stats()
+    assert [o.token_ids for o in self_draft.generate(long, params)] == want
+    assert self_draft.stats()["preemptions"] > before["preemptions"]
+    assert self_draft.stats()["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+
+
+def test_random_draft_changes_nothing_and_is_rarely_right(random_draft, prompts, want):
+    before = random_draft.stats()
+    assert [o.token_ids for o in random_draft.generate(prompts, GREEDY)] == want
+    assert random_draft.stats()["spec_rows_verified"] > before.get("spec_rows_verified", 0)
+    assert acceptance(random_draft, before) < 0.2
+
+
+def test_draft_with_another_vocabulary_is_a_user_error(model, tmp_path):
+    from tiny_llama import write_tiny_llama
+    path = write_tiny_llama(tmp_path / "other")         # 512 ids, a word-level tokenizer
+    with pytest.raises(UserError, match="vocabulary"):
+        LLM(model, speculative_method="draft", draft_model_path=path, **ENGINE)
+    with pytest.raises(UserError, match="--draft-devices"):
+        LLM(model, speculative_method="draft", draft_model_path=path, draft_devices="tpu",
+            **ENGINE)
+
+
+def test_no_compilation_after_warmup(base, ngram, self_draft, random_draft):
+    for llm in (base, ngram, self_draft, random_draft):
+        assert llm.stats()["xla_compiles_since_ready"] == 0
 
 
 def test_metrics_show_acceptance_by_position(ngram):

@@ -125,6 +125,8 @@ class EngineCore:
     def warmup(self, progress=None) -> None:
         """Compile (or check loaded) every bucket; after this no step compiles."""
         self.runner.compile_all(progress)
+        if self.speculator:
+            self.speculator.warmup()
         self._priming = self.runner.prime_steps()
 
     @property
@@ -168,7 +170,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self.speculator:
+            before = compile_counter.count()
             self.speculator.propose(self.scheduler)
+            self.step_compiles += compile_counter.count() - before
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
             return []
@@ -177,9 +181,6 @@ class EngineCore:
         self.runner.last_bucket = None
         results = self._run(plan.rows, outputs)
         t1 = time.perf_counter()
-        if self.speculator:
-            self.speculator.observe(plan.rows, results, self.runner.last_bucket,
-                                    self.runner.last_timing.get("device_step"))
         for row, res in zip(plan.rows, results):
             if res is not None and res.prompt_logprobs is not None:
                 keep_prompt_logprobs(row.request, row.start_pos, len(row.token_ids),
@@ -194,6 +195,9 @@ class EngineCore:
         for out in processed:
             if out.finished:   # a stop string (or a failure) ends a request the scheduler still runs
                 self.scheduler.finish(out.request_id, out.finish_reason)
+        if self.speculator:
+            self.speculator.observe(plan.rows, results, self.runner.last_bucket,
+                                    self.runner.last_timing.get("device_step"))
         prof = self.profile
         prof["schedule"] += t_sched
         prof["update"] += t2 - t1 + time.perf_counter() - t3

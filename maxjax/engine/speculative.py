@@ -19,12 +19,13 @@ How many drafts: verifying costs a bigger bucket (on XLA:CPU an 8-token step tak
 1-token one; at 32 rows the extra tokens cost through every layer), so each step picks the
 total draft count that maximizes expected tokens per second, from the measured device time of
 each bucket (learned online; a bucket not yet timed is assumed to cost what the next smaller
-measured one does, so it is tried) and each request's estimated acceptance (a draft at position j is
+measured one does, so it is tried; one decision in 64 is a random count, to measure again) and each request's estimated acceptance (a draft at position j is
 worth a^j; a: the request's kept / verified drafts, with the running average as prior). Drafts
 only use the budget that pending prefills leave.
 """
 from __future__ import annotations
 
+import random
 from typing import Sequence
 
 import numpy as np
@@ -38,6 +39,9 @@ from maxjax.errors import UserError
 _DECAY = 0.9          # per observation, of a request's acceptance counts
 _PRIOR_WEIGHT = 2.0   # drafts' worth of the global rate in a request's estimate
 _TIME_EMA = 0.2
+# Every so many decisions a random draft count: its bucket's time and the acceptance estimates
+# are measured again (the machine's load changes; a bad first sample must not stop speculation).
+_EXPLORE_EVERY = 64
 DEFAULT_TOKENS = {"ngram": 7, "draft": 4}
 
 
@@ -71,7 +75,12 @@ def build(cfg, layout, model=None) -> "Speculator | None":
     k = draft_tokens(cfg)
     if not k:
         return None
-    proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.speculative_method == "draft":
+        from maxjax.engine import draft
+        proposer = draft.DraftProposer(draft.load_draft(cfg, model), layout, cfg.max_batch_size,
+                                       cfg.max_batch_input_tokens)
+    else:
+        proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,
                       cfg.max_batch_input_tokens, cfg.use_greedy_acceptance)
 
@@ -93,6 +102,9 @@ class NgramProposer:
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
         return [ngram_propose(r.all_token_ids, k, self.min_n, self.max_n) for r in requests]
 
+    def warmup(self) -> None:
+        pass
+
     def observe(self, rows, results) -> None:
         pass
 
@@ -108,6 +120,8 @@ class Speculator:
         self.greedy_only = greedy_only
         self.step_seconds: dict = {}           # Bucket -> EMA of its device step time
         self._runs: dict = {}                  # Bucket -> steps seen (the first is not timed)
+        self._decisions = 0
+        self._rng = random.Random(0)
         self.kept, self.verified = 1.0, 2.0    # global acceptance counts (prior 0.5)
         # counters (stats(), /metrics, generate --profile)
         self.num_rows_verified = 0
@@ -115,6 +129,10 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.drafted_at = [0] * num_tokens
         self.accepted_at = [0] * num_tokens
+
+    def warmup(self) -> None:
+        """Compile (and prime) what the proposer runs: the draft model's graphs."""
+        self.proposer.warmup()
 
     # ---- before the step ------------------------------------------------------------------------
     def propose(self, scheduler) -> None:
@@ -179,7 +197,11 @@ class Speculator:
         counts = {0, max_d}
         counts |= {b.num_tokens - n - prefill for b in self.buckets
                    if 0 < b.num_tokens - n - prefill < max_d}
-        return max(sorted(counts), key=rate)
+        counts = sorted(counts)
+        self._decisions += 1
+        if self._decisions % _EXPLORE_EVERY == 0:
+            return self._rng.choice(counts)
+        return max(counts, key=rate)
 
     # ---- after the step -------------------------------------------------------------------------
     def observe(self, rows, results, bucket, seconds: float | None) -> None:
