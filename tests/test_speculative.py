@@ -218,13 +218,22 @@ def test_greedy_output_identical_batched(ngram, prompts, want):
     assert ngram.stats()["prefix_hit_pages"] > 0
 
 
-def test_greedy_output_identical_with_preemption(base, ngram, prompts):
-    long = [p + prompts[2] * 2 for p in prompts]  # ~9 pages each: 7 do not fit 47 pages
-    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in base.generate(long, params)]
+LONG = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def long_prompts(prompts):
+    return [p + prompts[2] * 2 for p in prompts]  # ~10 pages each: 7 do not fit 47 pages
+
+
+@pytest.fixture(scope="module")
+def want_long(base, long_prompts):
+    return [o.token_ids for o in base.generate(long_prompts, LONG)]
+
+
+def test_greedy_output_identical_with_preemption(ngram, long_prompts, want_long):
     before = ngram.stats()["preemptions"], accepted(ngram)
-    got = [o.token_ids for o in ngram.generate(long, params)]
-    assert got == want
+    assert [o.token_ids for o in ngram.generate(long_prompts, LONG)] == want_long
     assert ngram.stats()["preemptions"] > before[0]
     assert accepted(ngram) > before[1]
 
@@ -271,12 +280,9 @@ def test_smollm2_drafting_for_itself_accepts_nearly_everything(self_draft, promp
     assert acceptance(self_draft, before) > 0.95
 
 
-def test_draft_output_identical_with_preemption(base, self_draft, prompts):
-    long = [p + prompts[2] * 2 for p in prompts]
-    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in base.generate(long, params)]
+def test_draft_output_identical_with_preemption(self_draft, long_prompts, want_long):
     before = self_draft.stats()
-    assert [o.token_ids for o in self_draft.generate(long, params)] == want
+    assert [o.token_ids for o in self_draft.generate(long_prompts, LONG)] == want_long
     assert self_draft.stats()["preemptions"] > before["preemptions"]
     assert self_draft.stats()["spec_accepted_tokens"] > before["spec_accepted_tokens"]
 
@@ -319,3 +325,65 @@ def test_metrics_show_acceptance_by_position(ngram):
     assert samples[("maxjax_spec_decode_acceptance_rate", "0")] == \
         stats["spec_accepted_at"][0] / stats["spec_drafted_at"][0]
     assert samples[("maxjax_spec_decode_mean_accepted_tokens", None)] > 0
+
+
+def test_artifacts_hold_the_verification_buckets(tmp_path):
+    """warm-cache's graphs are the layout's, verification buckets included; artifacts built
+    without speculation are refused (before anything is deserialized) with the command that
+    builds the right ones."""
+    from maxjax.aot import export as aot_export
+    from maxjax.engine.build import build_core
+    from maxjax.engine.core import plan_layout
+    from tiny_llama import write_tiny_llama
+    tiny = load_model(write_tiny_llama(tmp_path / "tiny"), "float32", progress=False)
+    engine = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=64, num_kv_pages=16,
+                  kv_cache_page_size=16, quantization_encoding="float32")
+    spec_cfg = EngineConfig(speculative_method="ngram", num_speculative_tokens=3, **engine)
+    aot_export.write_artifacts(str(tmp_path / "spec"), tiny, spec_cfg, plan_layout(spec_cfg, tiny),
+                               ["cpu"], progress=False)
+    plain = EngineConfig(**engine)
+    aot_export.write_artifacts(str(tmp_path / "plain"), tiny, plain, plan_layout(plain, tiny),
+                               ["cpu"], progress=False)
+    import json
+    with open(tmp_path / "spec" / "manifest.json") as f:
+        names = {g["name"] for g in json.load(f)["graphs"]}
+    assert {"step_t8_r2", "step_t8_r2_s8", "step_t4_r2_s4"} <= names     # (serving them: test_aot)
+    with pytest.raises(UserError, match="--speculative-method ngram --num-speculative-tokens 3"):
+        build_core(tiny, EngineConfig(speculative_method="ngram", num_speculative_tokens=3,
+                                      **engine), precompiled_artifacts=[str(tmp_path / "plain")])
+
+
+def test_a_failing_proposer_costs_only_the_drafts(tmp_path):
+    """A draft-model call that raises: the step verifies no drafts, the draft cache starts over,
+    and the output is the same as without speculation."""
+    from tiny_llama import tiny_core, write_tiny_llama
+    path = write_tiny_llama(tmp_path / "m")
+    core = tiny_core(tmp_path / "m", speculative_method="draft", draft_model_path=path,
+                     num_speculative_tokens=2)
+    proposer, run = core.speculator.proposer, core.speculator.proposer.runner.run
+    calls = {"n": 0}
+
+    def flaky(rows):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("draft step failed")
+        return run(rows)
+    proposer.runner.run = flaky
+    outs = {}
+    for i, prompt in enumerate([[5, 6, 7, 8, 9], [10, 11, 12]]):
+        core.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                         ignore_eos=True))
+    while core.has_unfinished():
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert o.finish_reason in (None, "length")
+    core.speculator = None
+    core.scheduler.max_draft_tokens = 0
+    for i, prompt in enumerate([[5, 6, 7, 8, 9], [10, 11, 12]]):
+        core.add_request(f"s{i}", prompt, SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                         ignore_eos=True))
+    while core.has_unfinished():
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert outs["r0"] == outs["s0"] and outs["r1"] == outs["s1"] and calls["n"] > 3
+    check_pool(proposer.bm, [r.draft_state for r in proposer.live])   # no page lost on a reset

@@ -171,7 +171,11 @@ class EngineCore:
         t0 = time.perf_counter()
         if self.speculator:
             before = compile_counter.count()
-            self.speculator.propose(self.scheduler)
+            try:
+                self.speculator.propose(self.scheduler)
+            except Exception:     # the drafts are only a guess: none this step, nothing fails
+                log.exception("draft proposal failed: this step verifies no drafts")
+                self.speculator.reset(self.scheduler)
             self.step_compiles += compile_counter.count() - before
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:

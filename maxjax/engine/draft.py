@@ -92,6 +92,14 @@ class DraftProposer:
     def observe(self, rows, results) -> None:
         self.release_finished()
 
+    def reset(self) -> None:
+        """Forget every request's draft cache (a failed call may have lost the pool)."""
+        for r in self.live:
+            self.bm.free(r.draft_state)
+            r.draft_state = None
+        self.live = []
+        self.runner.reset_kv()
+
     # ---- the draft's cache ------------------------------------------------------------------------
     def _sync(self, r: Request) -> Request | None:
         """The request's draft sequence, rolled back to the tokens it still shares with it."""

@@ -105,6 +105,9 @@ class NgramProposer:
     def warmup(self) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
+
     def observe(self, rows, results) -> None:
         pass
 
@@ -133,6 +136,12 @@ class Speculator:
     def warmup(self) -> None:
         """Compile (and prime) what the proposer runs: the draft model's graphs."""
         self.proposer.warmup()
+
+    def reset(self, scheduler) -> None:
+        """After a failed proposal: no drafts, and the proposer's state starts over."""
+        for r in scheduler.running:
+            r.draft_token_ids = []
+        self.proposer.reset()
 
     # ---- before the step ------------------------------------------------------------------------
     def propose(self, scheduler) -> None:
