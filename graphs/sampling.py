@@ -95,7 +95,8 @@ class SampleSlot(NamedTuple):
     """One sampled position: its request's parameters and tokens so far, and where it is."""
     params: Any                   # maxjax.engine.types.SamplingParams (read by attribute)
     prompt_ids: Sequence[int]
-    output_ids: Sequence[int]     # generated before this step
+    output_ids: Sequence[int]     # generated before this slot (a verified draft's slot: the
+                                  # drafts before it included, offset 0)
     seed: int                     # the request's fixed 64-bit seed
     offset: int = 0               # the slot's index among its row's slots (k-th next token)
     token_mask: np.ndarray | None = None   # u32[ceil(V/32)] allow-bits; None: all allowed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from maxjax.engine import speculative
 from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import SamplingParams, TokenLogprob
@@ -127,4 +128,5 @@ class LLM:
         lines = [f"{steps} steps, {tokens} tokens, {total:.2f} s",
                  "| phase | ms per step | share |", "|---|---|---|"]
         lines += [f"| {k} | {v / steps * 1e3:.2f} | {100 * v / total:.1f}% |" for k, v in prof.items()]
-        return "\n".join(lines)
+        spec = speculative.report(self.core.stats())
+        return "\n".join(lines + ([spec] if spec else []))

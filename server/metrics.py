@@ -33,6 +33,12 @@ _ENGINE_METRICS = (
      "Tokens over all engine steps (prefill and decode)"),
     ("kv_pages_cached", "maxjax_kv_cache_pages_cached", "gauge",
      "Free KV pages still holding a reusable prefix"),
+    ("spec_rows_verified", "maxjax_spec_decode_num_drafts", "counter",
+     "Speculative decoding: request rows that verified draft tokens in a step"),
+    ("spec_draft_tokens", "maxjax_spec_decode_num_draft_tokens", "counter",
+     "Speculative decoding: draft tokens verified"),
+    ("spec_accepted_tokens", "maxjax_spec_decode_num_accepted_tokens", "counter",
+     "Speculative decoding: draft tokens accepted"),
 )
 
 
@@ -57,6 +63,26 @@ class _EngineCollector:
         for phase, seconds in (stats.get("step_seconds") or {}).items():
             phases.add_metric([phase], float(seconds))
         yield phases
+        yield from _spec_metrics(stats)
+
+
+def _spec_metrics(stats: dict):
+    """Acceptance by draft position (0: the first draft after the row's last token)."""
+    drafted, accepted = stats.get("spec_drafted_at") or [], stats.get("spec_accepted_at") or []
+    per_pos = CounterMetricFamily("maxjax_spec_decode_num_accepted_tokens_per_pos",
+                                  "Speculative decoding: draft tokens accepted, by position",
+                                  labels=["position"])
+    rate = GaugeMetricFamily("maxjax_spec_decode_acceptance_rate",
+                             "Speculative decoding: accepted / verified drafts, by position",
+                             labels=["position"])
+    for j, (d, a) in enumerate(zip(drafted, accepted)):
+        per_pos.add_metric([str(j)], float(a))
+        rate.add_metric([str(j)], a / d if d else 0.0)
+    rows = stats.get("spec_rows_verified") or 0
+    mean = GaugeMetricFamily("maxjax_spec_decode_mean_accepted_tokens",
+                             "Speculative decoding: drafts accepted per verifying row and step")
+    mean.add_metric([], (stats.get("spec_accepted_tokens") or 0) / rows if rows else 0.0)
+    yield from (per_pos, rate, mean)
 
 
 class ServerMetrics:

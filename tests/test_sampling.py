@@ -122,6 +122,44 @@ def test_sampled_frequencies_match_distribution(kw):
     assert chi2 < 30, chi2       # dof <= 7: p < 1e-4
 
 
+def _chi2(counts, want):
+    n = counts.sum()
+    assert np.all(counts[want == 0] == 0), counts
+    return np.sum((counts - n * want)[want > 0] ** 2 / (n * want[want > 0]))
+
+
+@pytest.mark.parametrize("drafts", [[4, 0], [1, 0]])
+def test_draft_verification_emits_the_target_distribution(drafts):
+    """Speculative decoding's rule (maxjax/engine/speculative.py): every slot of a verified row
+    samples as a step without drafts would (same seed, its own output position, the drafts before
+    it counted as output), and Scheduler's accept_drafts keeps a draft while it equals the token
+    sampled before it. For deterministic drafts unlike the target, the emitted tokens must follow
+    the target: the first ~ p0, and after an accepted first draft, the second ~ p1. [4, 0]: an
+    unlikely first draft; [1, 0]: a second draft that top_p filters out (never accepted)."""
+    from maxjax.engine.scheduler import accept_drafts
+    R, batches = 4096, 5
+    kw = dict(temperature=0.8, top_p=0.9)
+    probs = [PROBS, PROBS[::-1].copy(), np.roll(PROBS, 3)]      # the target at slots 0, 1, 2
+    params = SP(**kw)
+    emitted = []
+    for b in range(batches):
+        slots = []
+        for j, p in enumerate(probs):
+            logits = np.broadcast_to(np.log(p).astype(np.float32), (R, len(p)))
+            rows = [(params, [1], drafts[:j], b * R + i) for i in range(R)]
+            slots.append(np.asarray(sample(logits, build_sampling_arrays(rows, R, H),
+                                           num_top_logprobs=0).token_ids))
+        emitted += [accept_drafts(drafts, [int(s[i]) for s in slots]) for i in range(R)]
+    first = np.bincount([e[0] for e in emitted], minlength=len(PROBS)).astype(float)
+    assert _chi2(first, expected(probs[0], **kw)) < 30        # dof <= 7: p < 1e-4
+    after = [e[1] for e in emitted if e[0] == drafts[0]]
+    assert len(after) > 1000
+    second = np.bincount(after, minlength=len(PROBS)).astype(float)
+    assert _chi2(second, expected(probs[1], **kw)) < 30
+    if drafts == [1, 0]:                                     # 0 is filtered out at slot 1
+        assert not any(len(e) > 2 for e in emitted)
+
+
 def _numpy_thresholds(probs, top_k, top_p):
     out = []
     for p, k, tp in zip(probs, top_k, top_p):

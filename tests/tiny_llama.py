@@ -7,13 +7,14 @@ import os
 import numpy as np
 
 
-def write_tiny_llama(path, rms_norm_eps=1e-5) -> str:
-    """A 2-layer random Llama as an HF directory (config.json, safetensors, word-level tokenizer)."""
+def write_tiny_llama(path, rms_norm_eps=1e-5, tokenizer=None, vocab_size=512) -> str:
+    """A 2-layer random Llama as an HF directory (config.json, safetensors, word-level tokenizer;
+    or `tokenizer`, a transformers tokenizer of `vocab_size` ids, e.g. another model's)."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     os.makedirs(path, exist_ok=True)
-    V, H, I, L, NH, KV, D = 512, 64, 128, 2, 4, 2, 16
+    V, H, I, L, NH, KV, D = vocab_size, 64, 128, 2, 4, 2, 16
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
            "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
            "num_attention_heads": NH, "num_key_value_heads": KV, "max_position_embeddings": 512,
@@ -33,6 +34,9 @@ def write_tiny_llama(path, rms_norm_eps=1e-5) -> str:
                   p + "input_layernorm.weight": np.ones(H, np.float32),
                   p + "post_attention_layernorm.weight": np.ones(H, np.float32)})
     save_file(t, os.path.join(path, "model.safetensors"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+        return str(path)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -185,12 +185,19 @@ def _model_flag(model) -> list[str]:
     return [] if embedded else ["--model-path", model.source]
 
 
+# Speculation adds verification buckets to the bucket set: the command repeats these flags.
+SPEC_FLAGS = ("speculative_method", "num_speculative_tokens")
+
+
 def warm_cache_command(model, engine: dict, directory: str | None, platforms: list[str]) -> str:
     """The `maxjax warm-cache` command line that builds artifacts for this model and engine."""
     parts = ["maxjax", "warm-cache", *_model_flag(model), "--quantization-encoding", model.dtype]
     for k in ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
               "num_kv_pages"):
         parts += [mf.FLAGS[k], str(engine[k])]
+    for k in SPEC_FLAGS:
+        if engine.get(k) is not None:
+            parts += [f"--{k.replace('_', '-')}", str(engine[k])]
     parts += ["--target", *platforms]
     if directory:
         parts += ["--artifacts-dir", directory]

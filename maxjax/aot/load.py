@@ -23,7 +23,7 @@ import jax
 
 from maxjax.aot import graphs
 from maxjax.aot import manifest as mf
-from maxjax.aot.export import warm_cache_command
+from maxjax.aot.export import SPEC_FLAGS, warm_cache_command
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
 
@@ -65,6 +65,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
             for k, v in eng.items():
                 if v is None or (v == _DEFAULTS[k] and k != field):
                     eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
+            eng.update({k: getattr(user, k) for k in SPEC_FLAGS})
             return warm_cache_command(model, eng, d, [local["platform"]])
         m = None    # fix() reads the pinned values once the manifest is read
         m = mf.read_manifest(d, fix(None))

@@ -137,7 +137,8 @@ class AsyncEngine:
                 "steps": s.get("steps", 0), "kv_pages_cached": s.get("pages_cached", 0),
                 "scheduled_tokens": s.get("scheduled_tokens", 0),
                 "scheduled_rows": s.get("scheduled_rows", 0),
-                "step_seconds": dict(s.get("step_seconds", {}))}
+                "step_seconds": dict(s.get("step_seconds", {})),
+                **{k: v for k, v in s.items() if k.startswith("spec_")}}
 
     def info(self) -> dict:
         core, lay = self.core, self.core.layout

@@ -4,6 +4,10 @@ Token buckets T are powers of two up to the step's token budget. Rows R follow T
 max_batch_size)): decode-only steps have T == R, and for bigger T padding R costs only R
 logit rows, which is small next to T tokens through every layer. One graph per T keeps the
 bucket count (and start-up compile time) at log2(budget) + 1.
+
+Speculative decoding adds, for each T > R, a verification bucket with S = min(T, R * (k + 1))
+sample slots (S == R would add nothing for T <= R): a step without drafts keeps the one-slot-per-
+row graph (the extra slots cost LM-head rows and sampling), a step with drafts takes the other.
 """
 from __future__ import annotations
 
@@ -32,12 +36,14 @@ def _pow2_at_least(n: int) -> int:
 
 def bucket_set(max_batch_input_tokens: int, max_batch_size: int,
                samples_per_row: int = 1) -> list[Bucket]:
-    """`samples_per_row` > 1 gives rows room to sample several positions (draft tokens + 1)."""
+    """`samples_per_row` > 1 (draft tokens + 1) adds the verification buckets."""
     top = _pow2_at_least(max(max_batch_input_tokens, max_batch_size))
     out, t = [], 1
     while t <= top:
         rows = min(t, _pow2_at_least(max_batch_size))
-        out.append(Bucket(t, rows, min(t, rows * samples_per_row)))
+        out.append(Bucket(t, rows))
+        if min(t, rows * samples_per_row) > rows:
+            out.append(Bucket(t, rows, min(t, rows * samples_per_row)))
         t *= 2
     return out
 

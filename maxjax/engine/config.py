@@ -42,3 +42,26 @@ class EngineConfig:
     structured_output_compile_timeout: float = field(default=10.0, metadata={
         "help": "Seconds a grammar may take to compile; a request whose grammar takes longer "
                 "gets a 400"})
+    # Speculative decoding (maxjax/engine/speculative.py).
+    speculative_method: str | None = field(default=None, metadata={
+        "choices": ["ngram", "draft"],
+        "help": "Propose draft tokens and verify them in one step: ngram (prompt lookup) or "
+                "draft (a smaller model, --draft-model-path)"})
+    num_speculative_tokens: int | None = field(default=None, metadata={
+        "help": "Most draft tokens verified per request and step (default: 7 for ngram, 4 for "
+                "draft); fewer, or none, when the measured step times say they do not pay"})
+    prompt_lookup_min: int = field(default=2, metadata={
+        "help": "ngram: shortest suffix looked up in the request's tokens"})
+    prompt_lookup_max: int = field(default=4, metadata={
+        "help": "ngram: longest suffix looked up in the request's tokens"})
+    use_greedy_acceptance: bool = field(default=False, metadata={
+        "help": "Speculate only for greedy requests (temperature 0 or top_k 1); others decode "
+                "one token per step"})
+    draft_model_path: str | None = field(default=None, metadata={
+        "help": "draft: the draft model (GGUF file, HF directory or repo id) sharing the "
+                "target's vocabulary"})
+    draft_quantization_encoding: str | None = field(default=None, metadata={
+        "help": "draft: compute dtype of the draft model (default: the target's)"})
+    draft_devices: str | None = field(default=None, metadata={
+        "help": "draft: devices of the draft model (default: --devices; only the same is "
+                "supported)"})

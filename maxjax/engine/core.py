@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from maxjax.engine import compile_counter
+from maxjax.engine import compile_counter, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
@@ -97,7 +97,8 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
     if num_pages < 2:
         raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
                         "(raise --device-memory-utilization or set --num-kv-pages)")
-    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size)
+    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
+                         speculative.draft_tokens(cfg) + 1)
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets)
 
 
@@ -114,7 +115,9 @@ class EngineCore:
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.block_manager = BlockManager(lay.num_pages, lay.page_size, cfg.enable_prefix_caching,
                                           cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
-        self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids)
+        self.speculator = speculative.build(cfg, lay, model)
+        self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids,
+                                   self.speculator.k if self.speculator else 0)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init)
         self.output = OutputProcessor(model.tokenizer)
@@ -131,6 +134,8 @@ class EngineCore:
     def warmup(self, progress=None) -> None:
         """Compile (or check loaded) every bucket; after this no step compiles."""
         self.runner.compile_all(progress)
+        if self.speculator:
+            self.speculator.warmup()
         self._priming = self.runner.prime_steps()
 
     @property
@@ -181,11 +186,20 @@ class EngineCore:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.speculator:
+            before = compile_counter.count()
+            try:
+                self.speculator.propose(self.scheduler)
+            except Exception:     # the drafts are only a guess: none this step, nothing fails
+                log.exception("draft proposal failed: this step verifies no drafts")
+                self.speculator.reset(self.scheduler)
+            self.step_compiles += compile_counter.count() - before
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
             return []
         t_sched = time.perf_counter() - t0
         outputs: list[RequestOutput] = []          # first those of the requests that failed
+        self.runner.last_bucket = None
         results = self._run(plan.rows, outputs)
         t1 = time.perf_counter()
         for row, res in zip(plan.rows, results):
@@ -203,6 +217,9 @@ class EngineCore:
         for out in processed:
             if out.finished:   # a stop string (or a failure) ends a request the scheduler still runs
                 self.scheduler.finish(out.request_id, out.finish_reason)
+        if self.speculator:
+            self.speculator.observe(plan.rows, results, self.runner.last_bucket,
+                                    self.runner.last_timing.get("device_step"))
         prof = self.profile
         prof["schedule"] += t_sched
         prof["update"] += t2 - t1 + time.perf_counter() - t3
@@ -333,4 +350,6 @@ class EngineCore:
         s["xla_compiles_since_ready"] = self.step_compiles
         s["steps"] = self.profile["steps"]
         s["step_seconds"] = {k: v for k, v in self.profile.items() if k not in ("steps", "tokens")}
+        if self.speculator:
+            s.update(self.speculator.stats())
         return s

@@ -48,6 +48,8 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)   # proposed next tokens, unverified
+    spec_counts: tuple = (0.0, 0.0)       # decayed (kept, verified) drafts: its acceptance rate
+    draft_state: Any = None               # its sequence in a draft model's KV pool (engine/draft.py)
     num_computed_tokens: int = 0          # tokens whose K/V are in this request's pages
     pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

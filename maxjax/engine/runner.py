@@ -58,6 +58,17 @@ class RowResult:
         return [s.token_id for s in self.samples]
 
 
+def _slots(r: RowRequest) -> list[sampling.SampleSlot]:
+    """The row's sample slots. Slot j > 0 follows j draft tokens (the row's tokens after its
+    first sampled position): its penalties and min_tokens count them as generated."""
+    n, k = len(r.slice.token_ids), r.slice.num_samples
+    drafts = list(r.slice.token_ids[n - k + 1:])
+    return [sampling.SampleSlot(r.params, r.prompt_ids,
+                                [*r.output_ids, *drafts[:j]] if j else r.output_ids, r.seed, 0,
+                                r.token_masks[j] if r.token_masks else None)
+            for j in range(k)]
+
+
 class ModelRunner:
     def __init__(self, model, buckets: list[Bucket], num_pages: int, page_size: int,
                  max_pages_per_row: int, history_len: int,
@@ -80,6 +91,7 @@ class ModelRunner:
         self.eos = tuple(self.cfg.eos_token_ids)
         self.attention = backend_for(jax.default_backend())
         self.last_timing: dict[str, float] = {}
+        self.last_bucket: Bucket | None = None
 
     def graph_specs(self) -> list[GraphSpec]:
         return step_graph_specs(self.model.arch, self.cfg, self.model.params, self.kv, self.buckets,
@@ -125,10 +137,8 @@ class ModelRunner:
     def run(self, rows: list[RowRequest]) -> list[RowResult]:
         t0 = time.perf_counter()
         num_tokens = sum(len(r.slice.token_ids) for r in rows)
-        slots = [sampling.SampleSlot(r.params, r.prompt_ids, r.output_ids, r.seed, j,
-                                     r.token_masks[j] if r.token_masks else None)
-                 for r in rows for j in range(r.slice.num_samples)]
-        bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
+        slots = [slot for r in rows for slot in _slots(r)]
+        bucket = self.last_bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
                                  self.max_pages, self.page_size, bucket.num_samples, self.attention)
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
