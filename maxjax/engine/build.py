@@ -13,6 +13,7 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
+from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("maxjax.engine")
@@ -47,6 +48,9 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
                  progress)
     engine_cfg.quantization_encoding = model.dtype
     loaded = ()
+    if precompiled_artifacts and engine_cfg.enable_lora:
+        raise UserError("--enable-lora with --precompiled-artifacts: artifacts hold no LoRA "
+                        "graphs yet; drop one of the two")
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
         loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
