@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from maxjax.engine.core import EngineCore, make_lora_manager
+from maxjax import LLM
+from maxjax.engine.core import make_lora_manager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import RequestError, UserError
@@ -43,14 +44,13 @@ def setup(tmp_path_factory):
     refs.update({k: hf_greedy(m, PROMPT, NEW) for k, (_, m) in adapters.items()})
     paths = {k: p for k, (p, _) in adapters.items()}
     model = load_model(model_dir, "float32", progress=False)
-    cfg = EngineConfig(max_batch_size=4, max_batch_input_tokens=32, max_length=64,
-                       num_kv_pages=40, kv_cache_page_size=8, enable_lora=True, max_num_loras=2,
-                       max_lora_rank=8, lora_paths=[f"a={paths['a']}", f"b={paths['b']}"])
-    core = EngineCore(model, cfg)
-    core.warmup()
+    llm = LLM(model, max_batch_size=4, max_batch_input_tokens=32, max_length=64, num_kv_pages=40,
+              kv_cache_page_size=8, enable_lora=True, max_num_loras=2, max_lora_rank=8,
+              lora_paths=[f"a={paths['a']}", f"b={paths['b']}"])
+    core = llm.core
     while core.prime_next():
         pass
-    return SimpleNamespace(core=core, model=model, refs=refs, paths=paths, dir=d)
+    return SimpleNamespace(llm=llm, core=core, model=model, refs=refs, paths=paths, dir=d)
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +110,13 @@ def test_mixed_batch_matches_each_alone_and_peft(setup):
     for k in ("a", "b"):
         assert mixed[k][0] == alone[k]
     assert mixed["base"][0] == alone[None]
+
+
+def test_offline_generate_takes_a_lora_per_prompt(setup):
+    outs = setup.llm.generate([PROMPT] * 3, GREEDY, lora=["b", None, "a"])
+    assert [o.token_ids for o in outs] == [setup.refs[k][1] for k in ("b", None, "a")]
+    with pytest.raises(RequestError, match="not loaded"):
+        setup.llm.generate(PROMPT, GREEDY, lora="zzz")
 
 
 def test_prefix_cache_is_keyed_by_adapter(setup):
