@@ -1,5 +1,6 @@
-"""LoRA in the graph: per target projection, every adapter slot's A [S, in, r] and B [S, r, out]
-stacked (slot 0 all zeros: the base model), selected per token by the step's `lora_slot`.
+"""LoRA in the graph: per target projection, every adapter slot's A [in, S, r] and B [S, r, out]
+stacked (slot 0 all zeros: the base model), selected per token by the step's `lora_slot`; A is
+laid out [in, S, r] so both stacks flatten into plain matmul operands.
 
 Fused projections hold their parts' adapters side by side: q|k|v's A is [A_q | A_k | A_v] along
 the rank and its B block-diagonal, so one matmul pair serves all three (rank 3r, exact).
@@ -31,14 +32,14 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def lora_specs(cfg: ModelConfig, num_slots: int, max_rank: int) -> list[dict]:
-    """Per layer, per target: {"a": [S, in, parts * r], "b": [S, parts * r, out]}."""
+    """Per layer, per target: {"a": [in, S, parts * r], "b": [S, parts * r, out]}."""
     shapes = module_shapes(cfg)
     layer = {}
     for key, (modules, (ax_in, ax_out)) in TARGETS.items():
         d_in = shapes[modules[0]][0]
         d_out = sum(shapes[m][1] for m in modules)
         r = len(modules) * max_rank
-        layer[key] = {"a": ArraySpec((num_slots, d_in, r), ("lora_slots", ax_in, "lora_rank")),
+        layer[key] = {"a": ArraySpec((d_in, num_slots, r), (ax_in, "lora_slots", "lora_rank")),
                       "b": ArraySpec((num_slots, r, d_out), ("lora_slots", "lora_rank", ax_out))}
     return [dict(layer) for _ in range(cfg.num_layers)]
 

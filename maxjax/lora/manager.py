@@ -103,7 +103,7 @@ class LoraManager:
     def _write(self, slot: int, adapter: Adapter) -> None:
         for host_layer, weights in zip(self.host, adapter.weights):
             for key, (a, b) in weights.items():
-                host_layer[key]["a"][slot] = a
+                host_layer[key]["a"][:, slot] = a
                 host_layer[key]["b"][slot] = b
         # A copy: on CPU device_put may alias a numpy buffer that the next write changes.
         self.device = jax.device_put(jax.tree.map(np.copy, self.host))
