@@ -18,6 +18,7 @@ import numpy as np
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import attention
 from maxjax.graphs import layers as L
+from maxjax.graphs import lora
 from maxjax.graphs import sharding
 from maxjax.graphs.sharding import ArraySpec
 from maxjax.graphs.step import StepInputs
@@ -131,7 +132,12 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     local_theta = cfg.rope_local_theta or cfg.rope_theta
     inv_l = L.rope_inv_freq(cfg.head_dim, local_theta, None)
     rope = (L.rope_cos_sin(step.positions, inv_g), L.rope_cos_sin(step.positions, inv_l))
+    adapters = params.get("lora")     # present when the engine serves LoRA (graphs/lora.py)
+    if adapters:
+        onehot = lora.slot_onehot(step.lora_slot, adapters[0]["wo"]["b"].shape[0], h.dtype)
     for i, p in enumerate(params["layers"]):
+        if adapters:
+            p = lora.with_adapters(p, adapters[i], onehot)
         with jax.named_scope(f"layer{i}"):
             h, kv = _layer(cfg, step, rope, i, h, kv, p)
     return L.rms_norm(h, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one), kv

@@ -78,13 +78,15 @@ def abstract(tree):
 def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, history_len: int,
                      num_top_logprobs: int,
                      backend: AttentionBackend | None = None) -> list[GraphSpec]:
-    """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones;
+    """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones (params
+    with a "lora" entry, graphs/lora.py, take a per-token adapter slot input);
     `backend`: the attention backend (graphs/attention.py; None: the default platform's)."""
     fn = partial(step_program, arch, cfg, num_top_logprobs)
     params, kv = abstract(params), abstract(kv)
     specs = []
     for b in sorted(buckets):
-        step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend)
+        step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend,
+                                lora="lora" in params)
         samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
         specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED))
     return specs

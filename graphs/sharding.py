@@ -40,7 +40,7 @@ Rules = Mapping[str, str | None]   # logical axis -> mesh axis name, None: repli
 TENSOR_PARALLEL: Rules = {
     "embed": None, "vocab": MODEL_AXIS, "q_heads": MODEL_AXIS, "kv_heads": MODEL_AXIS,
     "qkv": MODEL_AXIS, "gate_up": MODEL_AXIS, "mlp": MODEL_AXIS, "head_dim": None,
-    "layers": None, "pages": None, "page": None,
+    "layers": None, "pages": None, "page": None, "lora_slots": None, "lora_rank": None,
 }
 
 

@@ -37,6 +37,7 @@ class StepInputs:
     attn: Any                 # the attention backend's metadata (graphs/attention.py)
     sample_idx: jax.Array     # int32[S]  token slot whose next token each sample slot samples
     next_token: jax.Array     # int32[T]  prompt token after each slot, for prompt logprobs; -1: none
+    lora_slot: Any = None     # int32[T]  each token's adapter slot (0: none); None: LoRA off
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -51,11 +52,12 @@ class RowSlice:
     pages: Sequence[int]      # every page the request holds, covering start_pos + len(token_ids)
     next_tokens: Sequence[int] | None = None   # per token: the prompt token after it (-1: none)
     num_samples: int = 1      # sample slots at the row's last tokens
+    lora_slot: int = 0        # the row's adapter slot (0: the base model)
 
 
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
                      num_samples: int | None = None,
-                     backend: AttentionBackend | None = None) -> StepInputs:
+                     backend: AttentionBackend | None = None, lora: bool = False) -> StepInputs:
     i32 = np.int32
     backend = backend or backend_for()
     return StepInputs(
@@ -66,14 +68,15 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
         attn=backend.metadata_specs(num_tokens, num_rows),
         sample_idx=jax.ShapeDtypeStruct((num_samples or num_rows,), i32),
         next_token=jax.ShapeDtypeStruct((num_tokens,), i32),
+        lora_slot=jax.ShapeDtypeStruct((num_tokens,), i32) if lora else None,
     )
 
 
 def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, max_pages: int,
                       page_size: int, num_samples: int | None = None,
-                      backend: AttentionBackend | None = None) -> StepInputs:
+                      backend: AttentionBackend | None = None, lora: bool = False) -> StepInputs:
     """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
-    bucket."""
+    bucket. `lora`: fill `lora_slot` (padding tokens: slot 0)."""
     n = sum(len(r.token_ids) for r in rows)
     num_samples = num_samples or num_rows
     n_samples = sum(r.num_samples for r in rows)
@@ -87,6 +90,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     sample_idx = np.zeros(num_samples, np.int32)
     s = 0
     next_token = np.full(num_tokens, -1, np.int32)
+    lora_slot = np.zeros(num_tokens, np.int32) if lora else None
     t = 0
     for r, row in enumerate(rows):
         k = len(row.token_ids)
@@ -104,6 +108,9 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         s += row.num_samples
         if getattr(row, "next_tokens", None) is not None:   # scheduler rows carry none
             next_token[t:t + k] = row.next_tokens
+        if lora:
+            lora_slot[t:t + k] = getattr(row, "lora_slot", 0)
         t += k
     attn = (backend or backend_for()).build_metadata(rows, num_tokens, num_rows)
-    return StepInputs(token_ids, positions, slots, page_table, attn, sample_idx, next_token)
+    return StepInputs(token_ids, positions, slots, page_table, attn, sample_idx, next_token,
+                      lora_slot)

@@ -66,21 +66,27 @@ class LLM:
                                                   return_dict=False)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[CompletionOutput]:
+                 cache_salt: str | None = None,
+                 lora: str | list[str | None] | None = None) -> list[CompletionOutput]:
         """prompts: a string, a list of strings, or a list of token-id lists. Requests with a
-        `cache_salt` share prefix-cache pages only with requests of the same salt."""
+        `cache_salt` share prefix-cache pages only with requests of the same salt. `lora`: the
+        LoRA adapter (a name from lora_paths or `load_lora`) of every prompt, or one per prompt
+        (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora names for {len(prompts)} prompts")
         outs, pending = {}, []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, name in zip(prompts, params, loras):
                 ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{next(_ids)}"
-                self.core.add_request(rid, ids, p, cache_salt)
+                self.core.add_request(rid, ids, p, cache_salt, lora=name)
                 pending.append(rid)
                 outs[rid] = CompletionOutput(prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs else None)
@@ -90,6 +96,13 @@ class LLM:
                 self.core.abort(rid)
             raise
         return [outs[rid] for rid in pending]
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in `path` as `name` (needs enable_lora=True); compiles nothing."""
+        self.core.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.core.unload_lora(name)
 
     def _run(self, outs: dict) -> None:
         live = set(outs)

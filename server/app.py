@@ -11,6 +11,8 @@ import time
 
 from aiohttp import web
 
+from maxjax.errors import RequestError
+
 from .config import ServeConfig
 from .engine_client import EngineClient
 from .generation import AdmissionState
@@ -78,15 +80,57 @@ async def health(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.check_ready()
+    adapters = st.engine.lora_adapters()
     return web.json_response({"object": "list", "data": [
-        model_card(st.model_id, st.created, st.engine.max_length)]})
+        _card(st, name) for name in [None, *adapters]]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.check_ready()
-    st.check_model(request.match_info["model_id"])
-    return web.json_response(model_card(st.model_id, st.created, st.engine.max_length))
+    return web.json_response(_card(st, st.check_model(request.match_info["model_id"])))
+
+
+def _card(st: ServerState, lora: str | None) -> dict:
+    if lora is None:
+        return model_card(st.model_id, st.created, st.engine.max_length)
+    return model_card(lora, st.created, st.engine.max_length, parent=st.model_id,
+                      root=st.engine.lora_adapters().get(lora))
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's route: {lora_name, lora_path}; loading compiles nothing."""
+    st = request.app[STATE]
+    name, path = _lora_fields(await read_json(request), ("lora_name", "lora_path"))
+    st.check_ready()
+    await _lora_call(st.engine.load_lora(name, path))
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """{lora_name}: refused (400) while unfinished requests use it; 404 when not loaded."""
+    st = request.app[STATE]
+    (name,) = _lora_fields(await read_json(request), ("lora_name",))
+    st.check_ready()
+    if name not in st.engine.lora_adapters():
+        raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name",
+                       code="model_not_found")
+    await _lora_call(st.engine.unload_lora(name))
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _lora_fields(body: dict, names: tuple) -> tuple:
+    for n in names:
+        if not isinstance(body.get(n), str) or not body[n]:
+            raise APIError(400, f"{n}: required, a non-empty string", param=n)
+    return tuple(body[n] for n in names)
+
+
+async def _lora_call(coro) -> None:
+    try:
+        await coro
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -144,6 +188,8 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/health", health)
     app.router.add_get("/metrics", metrics)

@@ -20,13 +20,26 @@ class EngineClient(Protocol):
     is_ready: bool             # False while loading/compiling: /health answers 503
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None,
+                 lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs: each RequestOutput holds the tokens (and their
         detokenized text, stop strings already applied and excluded) new since the last one; the
         last has finished=True and a finish_reason ("stop" | "length" | "abort" | "error").
         Raises ValueError (bad params; the message names the field) or QueueFullError, either
         when called or on the first iteration. Closing or cancelling the iteration before the
-        last output must abort the request (free its pages)."""
+        last output must abort the request (free its pages). `lora`: a loaded adapter's name."""
+        ...
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters served: name -> the path it was loaded from."""
+        ...
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """RequestError naming the field (lora_name, lora_path) when it cannot be loaded."""
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """RequestError (lora_name) when unknown, or while unfinished requests use it."""
         ...
 
     def abort(self, request_id: str) -> None:

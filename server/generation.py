@@ -65,8 +65,10 @@ class Generation:
 
     def __init__(self, engine: EngineClient, admission: AdmissionState, metrics: ServerMetrics,
                  base_id: str, prompts: list[list[int]], n: int, params: list[SamplingParams],
-                 cache_salt: str | None, t_arrival: float, error_names: dict[str, str]):
+                 cache_salt: str | None, t_arrival: float, error_names: dict[str, str],
+                 lora: str | None = None):
         self.engine, self.admission, self.metrics = engine, admission, metrics
+        self.lora = lora
         self.error_names = error_names
         self.params, self.cache_salt, self.t_arrival = params, cache_salt, t_arrival
         self.prompts = prompts
@@ -111,7 +113,7 @@ class Generation:
         gen = None
         try:
             gen = self.engine.generate(c.request_id, self.prompts[c.prompt_index],
-                                       self.params[c.index], self.cache_salt)
+                                       self.params[c.index], self.cache_salt, self.lora)
             async for out in gen:
                 self.queue.put_nowait((c, out, None))
                 if out.finished:

@@ -168,11 +168,11 @@ async def _accept(request: web.Request, model_cls):
     st: ServerState = request.app[STATE]
     req = parse_request(model_cls, await read_json(request), st.cfg.allow_extra_request_fields)
     st.check_ready()
-    st.check_model(req.model)
+    lora = st.check_model(req.model)
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
-    return st, req
+    return st, req, lora
 
 
 def chat_constraint(st: ServerState, req, params: SamplingParams, tools, prompt_text: str):
@@ -195,7 +195,7 @@ def chat_finish(c, out: ChatOutput) -> str:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
-    st, req = await _accept(request, ChatCompletionRequest)
+    st, req, lora = await _accept(request, ChatCompletionRequest)
     tools = tool_setup(req, st.tool_parser)
     prompt, prompt_text = await chat_prompt(st, req, tools)
     max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens)
@@ -213,7 +213,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           st.cfg.reasoning_fields())
     async with Generation(st.engine, st.admission, st.metrics, rid, [prompt], req.n,
                           per_choice(params, req.n, req.n), req.cache_salt, t0,
-                          CHAT_ERROR_NAMES) as gen:
+                          CHAT_ERROR_NAMES, lora) as gen:
         st.metrics.prompt_tokens.inc(len(prompt))
         outs = {c.index: parser() for c in gen.choices}
         if not req.stream:
@@ -268,7 +268,7 @@ def _strip_eos(st: ServerState, tools, text: str) -> str:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
-    st, req = await _accept(request, CompletionRequest)
+    st, req, lora = await _accept(request, CompletionRequest)
     prompts, texts = await completion_prompts(st, req.prompt)
     max_new = default_max_tokens(st, prompts, req.max_tokens)
     want_lp = req.logprobs is not None
@@ -283,7 +283,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                   for t, p in zip(texts, prompts)] if req.echo else None
     async with Generation(st.engine, st.admission, st.metrics, rid, prompts, n,
                           per_choice(params, len(prompts) * n, n), req.cache_salt, t0,
-                          COMPLETION_ERROR_NAMES) as gen:
+                          COMPLETION_ERROR_NAMES, lora) as gen:
         st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         lp_builders = {c.index: CompletionLogprobs(st, top_n) for c in gen.choices}
 

@@ -231,6 +231,9 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def model_card(model_id: str, created: int, max_length: int) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "maxjax",
-            "max_model_len": max_length}
+def model_card(model_id: str, created: int, max_length: int, parent: str | None = None,
+               root: str | None = None) -> dict:
+    """A /v1/models entry; a LoRA adapter's names its base model as `parent` (vLLM's fields)."""
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "maxjax",
+            "max_model_len": max_length, "root": root or model_id, "parent": parent}
+    return card

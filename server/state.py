@@ -66,10 +66,14 @@ class ServerState:
     async def in_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                                f"{self.model_id!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown one."""
+        if model is None or model == self.model_id:
+            return None
+        if model in self.engine.lora_adapters():
+            return model
+        raise APIError(404, f"model {model!r} does not exist; this server serves "
+                            f"{self.model_id!r}", param="model", code="model_not_found")
 
     def check_ready(self) -> None:
         if not self.engine.is_ready:

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from maxjax.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from maxjax.engine.validate import EngineLimits, check_request
+from maxjax.errors import RequestError
 from maxjax.server.engine_client import QueueFullError
 
 OUTPUT_TEXT = "The quick brown fox jumps over the lazy dog. "
@@ -90,7 +91,16 @@ class MockEngine:
         self.compiles = 3
 
     # -- EngineClient ---------------------------------------------------------------------------
-    def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
+    def lora_adapters(self):
+        return {}
+
+    async def load_lora(self, name, path):
+        raise RequestError("lora_name", "LoRA is off on this server (--enable-lora)")
+
+    async def unload_lora(self, name):
+        raise RequestError("lora_name", "LoRA is off on this server (--enable-lora)")
+
+    def generate(self, request_id, prompt_token_ids, params, cache_salt=None, lora=None):
         check_request(prompt_token_ids, params,
                       EngineLimits(len(self.tokenizer), self.max_length, (EOS_ID,)))
         if self.max_queue is not None and len(self.running) >= self.max_queue:

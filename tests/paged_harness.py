@@ -16,9 +16,10 @@ def _bucket(n: int) -> int:
 
 
 def paged_greedy(arch, cfg, params, prompts, chunk: int, new_tokens: int, page_size: int = 16,
-                 dtype=np.float32):
+                 dtype=np.float32, lora_slots=None):
     """Returns (logits, tokens): per prompt, the float32 logits after its last prompt token and
-    after each generated token but the last ([new_tokens, vocab]), and the greedy tokens."""
+    after each generated token but the last ([new_tokens, vocab]), and the greedy tokens.
+    `lora_slots`: per prompt, its adapter slot in params["lora"] (graphs/lora.py)."""
     lengths = [len(p) + new_tokens for p in prompts]
     pages_per_seq = [-(-n // page_size) for n in lengths]
     max_pages = max(pages_per_seq)
@@ -37,11 +38,13 @@ def paged_greedy(arch, cfg, params, prompts, chunk: int, new_tokens: int, page_s
             if len(logits_out[i]) >= new_tokens:
                 continue
             take = min(chunk, len(seq) - done[i])
-            rows.append(RowSlice(seq[done[i]:done[i] + take], done[i], tables[i]))
+            rows.append(RowSlice(seq[done[i]:done[i] + take], done[i], tables[i],
+                                 lora_slot=lora_slots[i] if lora_slots else 0))
             who.append((i, done[i] + take == len(seq)))
             done[i] += take
         T = _bucket(sum(len(r.token_ids) for r in rows))
-        step = build_step_inputs(rows, T, _bucket(len(rows)), max_pages, page_size)
+        step = build_step_inputs(rows, T, _bucket(len(rows)), max_pages, page_size,
+                                 lora=lora_slots is not None)
         logits, kv = step_fn(params, kv, step)
         logits = np.asarray(logits)
         for r, (i, at_end) in enumerate(who):

@@ -103,6 +103,19 @@ def test_salt_isolates_and_same_salt_shares():
     assert len(bm.match_prefix(req(range(9), "z", salt="alice")).pages) == 2
 
 
+@pytest.mark.parametrize("algo", ["fast", "sha256"])
+def test_lora_adapter_isolates_pages(algo):
+    bm = BlockManager(16, PS, hash_algo=algo)
+    a = Request("a", list(range(9)), adapter_id="ad#1")
+    compute_all(bm, a)
+    bm.free(a)
+    for other in (None, "ad#2", "bd#1"):        # the base model, a reload, another adapter
+        assert bm.match_prefix(Request("x", list(range(9)), adapter_id=other)).pages == []
+    # a user salt spelling the adapter's key does not reach its pages either
+    assert bm.match_prefix(req(range(9), "y", salt=repr((None, "ad#1")))).pages == []
+    assert len(bm.match_prefix(Request("z", list(range(9)), adapter_id="ad#1")).pages) == 2
+
+
 def test_partial_match_stops_at_first_different_page():
     bm = BlockManager(16, PS)
     compute_all(bm, req(list(range(8)) + [50] * 5, "a"))

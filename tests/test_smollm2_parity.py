@@ -136,3 +136,41 @@ def test_hf_directory_matches_gguf(ours, reference, prompts, ours_run, tmp_path_
     # a batch of one compiles to other kernels than the batch of three: close, not bit-equal
     assert_logits_close(logits[0], ours_run[0][1][:4], rel=1e-5)
     assert tokens[0] == ours_run[1][1][:4]
+
+
+def test_lora_adapter_parity_with_peft(ours, reference, prompts, tmp_path_factory):
+    """A random PEFT adapter on every projection: our stacked-slot graph (adapter in slot 1 of 2,
+    rows of the base model and of the adapter in the same steps) against peft + transformers."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from maxjax.lora.manager import LoraManager
+    torch.manual_seed(0)                        # PEFT's A init
+    peft_model = get_peft_model(copy.deepcopy(reference), LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj",
+                                                               "o_proj", "gate_proj", "up_proj",
+                                                               "down_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    path = str(tmp_path_factory.mktemp("smol_lora"))
+    peft_model.save_pretrained(path)
+    lora = LoraManager(ours.config, np.float32, 2, 8, 1)
+    lora.load("x", path)
+    pin = SimpleNamespace(adapter_id=lora.resolve("x"), lora_slot=0)
+    lora.acquire(pin)
+    new = 8
+    logits, tokens = paged_greedy(ours.arch, ours.config, {**ours.params, "lora": lora.device},
+                                  [prompts[0], prompts[0]], CHUNK, new, PAGE,
+                                  lora_slots=[pin.lora_slot, 0])
+    ref_logits, ref_tokens = hf_greedy(peft_model.eval(), prompts[0], new)
+    base_logits, base_tokens = hf_greedy(reference, prompts[0], new)
+    assert tokens[0] == ref_tokens and tokens[1] == base_tokens
+    assert_logits_close(logits[0], ref_logits, rel=1e-3)
+    assert_logits_close(logits[1], base_logits, rel=1e-3)
+    # the adapter moves the logits 20x more than the parity tolerance allows
+    assert float(np.max(np.abs(ref_logits - base_logits))) > 0.02 * float(np.max(np.abs(base_logits)))

@@ -178,7 +178,8 @@ def model_fingerprint(model) -> dict:
 
 
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
-                 "num_kv_pages", "max_pages_per_row", "dtype", "buckets")
+                 "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
+                 "max_lora_rank")
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
@@ -191,7 +192,10 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "max_batch_input_tokens": engine_cfg.max_batch_input_tokens,
           "kv_cache_page_size": layout.page_size, "num_kv_pages": layout.num_pages,
           "max_pages_per_row": layout.max_pages_per_row, "dtype": dtype,
-          "buckets": [[b.num_tokens, b.num_rows, b.num_samples] for b in layout.buckets]}
+          "buckets": [[b.num_tokens, b.num_rows, b.num_samples] for b in layout.buckets],
+          # the LoRA slot stacks are graph inputs (graphs/lora.py); the adapters themselves are not
+          "lora_slots": engine_cfg.max_num_loras + 1 if engine_cfg.enable_lora else 0,
+          "max_lora_rank": engine_cfg.max_lora_rank if engine_cfg.enable_lora else 0}
     fp["fingerprint"] = digest(fp)
     return fp
 

@@ -98,9 +98,16 @@ class AsyncEngine:
     def _run_command(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, salt, grammar, fut = cmd
+            _, rid, prompt, params, salt, grammar, lora, fut = cmd
             try:
-                self.core.add_request(rid, prompt, params, salt, grammar)
+                self.core.add_request(rid, prompt, params, salt, grammar, lora)
+                fut.set_result(None)
+            except Exception as e:
+                fut.set_exception(e)
+        elif kind == "lora":
+            _, fn, args, fut = cmd
+            try:
+                fn(*args)
                 fut.set_result(None)
             except Exception as e:
                 fut.set_exception(e)
@@ -149,8 +156,24 @@ class AsyncEngine:
                 "buckets": [b.name for b in lay.buckets],
                 "structured_output": core.grammars is not None, "engine_config": cfg}
 
+    def lora_adapters(self) -> dict[str, str]:
+        lora = self.core.lora
+        return {} if lora is None else {n: a.path for n, (_, a) in list(lora.adapters.items())}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._on_engine_thread(self.core.load_lora, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._on_engine_thread(self.core.unload_lora, name)
+
+    async def _on_engine_thread(self, fn, *args) -> None:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("lora", fn, args, fut))
+        await asyncio.wrap_future(fut)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.max_pending_requests is not None and \
                 self._stats.get("waiting", 0) >= self.max_pending_requests:
             raise QueueFullError(f"{self._stats.get('waiting')} requests are pending "
@@ -166,7 +189,7 @@ class AsyncEngine:
             grammar = await self._compile(params)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt,
-                                grammar, fut))
+                                grammar, lora, fut))
             await asyncio.wrap_future(fut)
             while not finished:
                 batch = [await q.get()]

@@ -49,10 +49,16 @@ def _hash_fast(prev, salt, tokens: tuple) -> int:
     return hash((prev, salt, tokens))
 
 
+def _salt(req: Request):
+    """What isolates a request's pages besides its tokens: its cache_salt and its LoRA adapter
+    (pages computed under one adapter never serve another)."""
+    return req.cache_salt if req.adapter_id is None else (req.cache_salt, req.adapter_id)
+
+
 def _hash_sha256(prev: bytes, salt, tokens: tuple) -> bytes:
     h = hashlib.sha256(prev)
     if salt is not None:
-        s = salt.encode()
+        s = salt.encode() if isinstance(salt, str) else repr(salt).encode()
         h.update(len(s).to_bytes(8, "little"))
         h.update(s)
     else:
@@ -142,7 +148,7 @@ class BlockManager:
         while len(hashes) <= i:
             j = len(hashes)
             prev = hashes[-1] if hashes else self._root
-            hashes.append(self._hash(prev, req.cache_salt, tuple(toks[j * ps:(j + 1) * ps])))
+            hashes.append(self._hash(prev, _salt(req), tuple(toks[j * ps:(j + 1) * ps])))
         return hashes[i]
 
     def match_prefix(self, req: Request) -> PrefixMatch:
@@ -158,7 +164,7 @@ class BlockManager:
             if page is None:
                 break
             e = self._entry[page]
-            if (e.parent_uid != parent or e.salt != req.cache_salt
+            if (e.parent_uid != parent or e.salt != _salt(req)
                     or e.tokens != tuple(toks[i * ps:(i + 1) * ps])):
                 break
             pages.append(page)
@@ -183,13 +189,13 @@ class BlockManager:
             other = self._cache.get(key)
             if other is not None:
                 e = self._entry[other]
-                if e.parent_uid == parent and e.salt == req.cache_salt and e.tokens == tokens:
+                if e.parent_uid == parent and e.salt == _salt(req) and e.tokens == tokens:
                     uids.append(e.uid)      # same content already cached (computed twice at once)
                     continue
                 uids.append(None)
                 return
             page = req.pages[i]
-            e = _Entry(key, self._next_uid, parent, req.cache_salt, tokens)
+            e = _Entry(key, self._next_uid, parent, _salt(req), tokens)
             self._next_uid += 1
             self._entry[page] = e
             self._cache[key] = page

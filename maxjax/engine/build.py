@@ -19,6 +19,7 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore, plan_layout
+from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("maxjax.engine")
@@ -63,11 +64,14 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     engine_cfg.quantization_encoding = model.dtype
     t0 = time.perf_counter()
     loaded = ()
+    if precompiled_artifacts and engine_cfg.enable_lora:
+        raise UserError("--enable-lora with --precompiled-artifacts: artifacts hold no LoRA "
+                        "graphs yet; drop one of the two")
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
         loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
                                           require_compiled)
-    elif cache.enabled(compile_cache):
+    elif cache.enabled(compile_cache) and not engine_cfg.enable_lora:  # no LoRA graphs in entries
         loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress)
     core = EngineCore(model, engine_cfg, *loaded)
     n = len(core.layout.buckets)

@@ -39,6 +39,17 @@ class EngineConfig:
     structured_output_any_whitespace: bool = field(default=False, metadata={
         "help": "Let JSON grammars accept any whitespace between tokens (default: compact JSON, "
                 "so a model cannot run on with spaces until max_tokens)"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "Serve LoRA adapters: a request's `model` names one (--lora-paths, or loaded at "
+                "run time with POST /v1/load_lora_adapter)"})
+    lora_paths: list[str] = field(default_factory=list, metadata={
+        "help": "Adapters to load at start, each NAME=PATH (a PEFT directory)"})
+    max_num_loras: int = field(default=4, metadata={
+        "help": "Adapters active in one batch (device slots; more loaded ones swap in, LRU)"})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "Largest adapter rank served (smaller ones are zero-padded)"})
+    max_cpu_loras: int = field(default=16, metadata={
+        "help": "Adapters held in host memory (loaded); loading one more is refused"})
     structured_output_compile_timeout: float = field(default=10.0, metadata={
         "help": "Seconds a grammar may take to compile; a request whose grammar takes longer "
                 "gets a 400"})

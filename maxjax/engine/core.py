@@ -102,6 +102,31 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets)
 
 
+def make_lora_manager(cfg: EngineConfig, model):
+    """The LoraManager for --enable-lora with its --lora-paths loaded, else None (UserError for
+    a bad flag or adapter)."""
+    if not cfg.enable_lora:
+        if cfg.lora_paths:
+            raise UserError("--lora-paths needs --enable-lora")
+        return None
+    for flag, v in (("--max-num-loras", cfg.max_num_loras), ("--max-lora-rank", cfg.max_lora_rank),
+                    ("--max-cpu-loras", cfg.max_cpu_loras)):
+        if v < 1:
+            raise UserError(f"{flag} must be >= 1 (got {v})")
+    from maxjax.lora.manager import LoraManager
+    manager = LoraManager(model.config, model.params["embed"].dtype, cfg.max_num_loras,
+                          cfg.max_lora_rank, max(cfg.max_cpu_loras, len(cfg.lora_paths)))
+    for item in cfg.lora_paths:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora-paths {item!r}: expected NAME=PATH")
+        try:
+            manager.load(name, path, "--lora-paths")
+        except RequestError as e:
+            raise UserError(f"--lora-paths {name}: {e.reason}") from None
+    return manager
+
+
 class EngineCore:
     def __init__(self, model, cfg: EngineConfig, layout: EngineLayout | None = None,
                  executables: dict | None = None, kv_init=None):
@@ -113,13 +138,15 @@ class EngineCore:
         lay = self.layout
         self.max_length = lay.max_length
         self.eos_token_ids = tuple(model.config.eos_token_ids)
+        self.lora = make_lora_manager(cfg, model)
         self.block_manager = BlockManager(lay.num_pages, lay.page_size, cfg.enable_prefix_caching,
                                           cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
         self.speculator = speculative.build(cfg, lay, model)
         self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids,
-                                   self.speculator.k if self.speculator else 0)
+                                   self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
-                                  lay.max_pages_per_row, lay.max_length, executables, kv_init)
+                                  lay.max_pages_per_row, lay.max_length, executables, kv_init,
+                                  self.lora)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
@@ -158,14 +185,21 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, grammar=None) -> None:
+                    cache_salt: str | None = None, grammar=None, lora: str | None = None) -> None:
         """Queue a request; RequestError (naming the field) if it breaks a limit. `grammar`:
         its structured_output compiled by `self.grammars` (the server awaits that off the engine
-        thread); None: compiled here, blocking."""
+        thread); None: compiled here, blocking. `lora`: the name of a loaded adapter."""
         check_request(prompt_token_ids, params,
                       EngineLimits(self.model.config.vocab_size, self.max_length,
                                    self.eos_token_ids))
-        req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
+        adapter_id = None
+        if lora is not None:
+            if self.lora is None:
+                raise RequestError("model", f"adapter {lora!r}: LoRA is off on this server "
+                                            "(--enable-lora)")
+            adapter_id = self.lora.resolve(lora)
+        req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
+                      adapter_id=adapter_id)
         spec = params.structured_output
         if spec is not None:
             if self.grammars is None:
@@ -173,6 +207,24 @@ class EngineCore:
                                                "(--no-enable-structured-output)")
             req.grammar = self.grammars.new_state(grammar or self.grammars.compiled(spec), spec)
         self.scheduler.add(req)
+
+    # ---- LoRA adapters (no compilation: loading writes host memory, swapping a device slot) ----
+    def load_lora(self, name: str, path: str) -> None:
+        """RequestError naming the field for a bad name or adapter."""
+        if self.lora is None:
+            raise RequestError("lora_name", "LoRA is off on this server (--enable-lora)")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Refused (RequestError) while an unfinished request uses the adapter."""
+        if self.lora is None:
+            raise RequestError("lora_name", "LoRA is off on this server (--enable-lora)")
+        uid = self.lora.resolve(name, "lora_name")
+        in_use = sum(r.adapter_id == uid for r in self.scheduler.requests.values())
+        self.lora.unload(name, in_use)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else self.lora.names()
 
     def abort(self, request_id: str, reason: str = "abort",
               error: str | None = None) -> RequestOutput | None:
@@ -231,7 +283,7 @@ class EngineCore:
     def _row_input(self, row: ScheduledRow) -> RowRequest:
         req = row.request
         return RowRequest(RowSlice(row.token_ids, row.start_pos, row.pages, self._next_tokens(row),
-                                   row.num_samples),
+                                   row.num_samples, req.lora_slot),
                           req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed)
 
     def _grammar_masks(self, rows: list[ScheduledRow]) -> dict[int, np.ndarray]:

@@ -43,7 +43,8 @@ class Request:
     cache_salt: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     seed: int | None = None               # sampling seed: sampling.seed, else drawn at creation
-    adapter_id: str | None = None         # LoRA adapter; None: the base model
+    adapter_id: str | None = None         # LoRA adapter (a load's id, maxjax/lora/); None: base
+    lora_slot: int = 0                    # the device slot of its adapter while running (0: none)
     grammar: Any = None                   # structured-output matcher; None: unconstrained
 
     output_token_ids: list[int] = field(default_factory=list)

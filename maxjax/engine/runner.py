@@ -73,8 +73,10 @@ class ModelRunner:
     def __init__(self, model, buckets: list[Bucket], num_pages: int, page_size: int,
                  max_pages_per_row: int, history_len: int,
                  executables: dict[Bucket, Callable] | None = None,
-                 kv_init: Callable[[], tuple] | None = None):
+                 kv_init: Callable[[], tuple] | None = None, lora=None):
+        """`lora`: the LoraManager whose device slots join the params (None: no LoRA)."""
         self.model = model
+        self.lora = lora
         self.cfg = model.config
         self.buckets = sorted(buckets)
         self.page_size = page_size
@@ -93,8 +95,15 @@ class ModelRunner:
         self.last_timing: dict[str, float] = {}
         self.last_bucket: Bucket | None = None
 
+    @property
+    def params(self) -> dict:
+        """What every step executable takes: the model's params, and the LoRA slots if served."""
+        if self.lora is None:
+            return self.model.params
+        return {**self.model.params, "lora": self.lora.device}
+
     def graph_specs(self) -> list[GraphSpec]:
-        return step_graph_specs(self.model.arch, self.cfg, self.model.params, self.kv, self.buckets,
+        return step_graph_specs(self.model.arch, self.cfg, self.params, self.kv, self.buckets,
                                 self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention)
 
     def compile_all(self, progress: Callable[[int, int, str], None] | None = None) -> None:
@@ -125,12 +134,12 @@ class ModelRunner:
             rows = [RowSlice([0] * n, 0, [SCRATCH_PAGE] * -(-n // self.page_size))] + [
                 RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
             step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size,
-                                     b.num_samples, self.attention)
+                                     b.num_samples, self.attention, self.lora is not None)
             for params in (greedy, sampled):
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
                                                       b.num_samples, self.history_len, self.eos,
                                                       self.cfg.vocab_size)
-                out, self.kv = self.executables[b](self.model.params, self.kv, step, samp)
+                out, self.kv = self.executables[b](self.params, self.kv, step, samp)
                 jax.block_until_ready(out)
                 yield b
 
@@ -140,11 +149,12 @@ class ModelRunner:
         slots = [slot for r in rows for slot in _slots(r)]
         bucket = self.last_bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
-                                 self.max_pages, self.page_size, bucket.num_samples, self.attention)
+                                 self.max_pages, self.page_size, bucket.num_samples, self.attention,
+                                 self.lora is not None)
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()
-        (out, plp), self.kv = self.executables[bucket](self.model.params, self.kv, step, samp)
+        (out, plp), self.kv = self.executables[bucket](self.params, self.kv, step, samp)
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None

@@ -75,7 +75,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, engine_config: EngineConfig, block_manager: BlockManager, max_length: int,
-                 eos_token_ids=(), max_draft_tokens: int = 0):
+                 eos_token_ids=(), max_draft_tokens: int = 0, lora=None):
+        """`lora`: the LoraManager (maxjax/lora/manager.py) whose device slots running requests
+        hold, None without LoRA."""
         cfg = engine_config
         if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
             raise ValueError("max_batch_size and max_batch_input_tokens must be >= 1")
@@ -89,6 +91,7 @@ class Scheduler:
         self.max_length = max_length
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
+        self.lora = lora
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}    # every unfinished request
@@ -140,6 +143,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.bm.free(req)
+        if self.lora is not None:
+            self.lora.release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -193,6 +198,8 @@ class Scheduler:
                 break
         del self.running[i]
         self.bm.free(victim)
+        if self.lora is not None:
+            self.lora.release(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
@@ -266,8 +273,12 @@ class Scheduler:
             req = self.waiting[0]
             prefix = self.bm.match_prefix(req)
             chunk = self._chunk(req, budget, req.num_tokens - len(prefix.pages) * ps)
+            if self.lora is not None and not self.lora.can_acquire(req):
+                break                       # every adapter slot is held by running requests
             if chunk == 0 or not self.bm.allocate(req, chunk, prefix):
                 break
+            if self.lora is not None:
+                self.lora.acquire(req)
             self.waiting.popleft()
             if not req.admitted:
                 req.admitted = True
