@@ -64,6 +64,8 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     engine_cfg.quantization_encoding = model.dtype
     t0 = time.perf_counter()
     loaded = ()
+    # Cache entries hold no LoRA graphs (maxjax/aot/graphs.py): with LoRA the engine compiles.
+    use_cache = cache.enabled(compile_cache) and not engine_cfg.enable_lora
     if precompiled_artifacts and engine_cfg.enable_lora:
         raise UserError("--enable-lora with --precompiled-artifacts: artifacts hold no LoRA "
                         "graphs yet; drop one of the two")
@@ -71,14 +73,13 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
         from maxjax.aot import load as aot_load
         loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
                                           require_compiled)
-    elif cache.enabled(compile_cache) and not engine_cfg.enable_lora:  # no LoRA graphs in entries
+    elif use_cache:
         loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress)
     core = EngineCore(model, engine_cfg, *loaded)
     n = len(core.layout.buckets)
     with Heartbeat(progress and not loaded) as beat:
         if progress and not loaded:
-            log.info("Compiling %d step graphs%s", n, "" if cache.enabled(compile_cache)
-                     else " (compile cache off)")
+            log.info("Compiling %d step graphs%s", n, "" if use_cache else " (compile cache off)")
         core.warmup(beat.graph_done if progress else None)
     if progress:
         lay = core.layout

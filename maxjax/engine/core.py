@@ -194,10 +194,7 @@ class EngineCore:
                                    self.eos_token_ids))
         adapter_id = None
         if lora is not None:
-            if self.lora is None:
-                raise RequestError("model", f"adapter {lora!r}: LoRA is off on this server "
-                                            "(--enable-lora)")
-            adapter_id = self.lora.resolve(lora)
+            adapter_id = self._lora_manager("model").resolve(lora)
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
                       adapter_id=adapter_id)
         spec = params.structured_output
@@ -211,17 +208,18 @@ class EngineCore:
     # ---- LoRA adapters (no compilation: loading writes host memory, swapping a device slot) ----
     def load_lora(self, name: str, path: str) -> None:
         """RequestError naming the field for a bad name or adapter."""
-        if self.lora is None:
-            raise RequestError("lora_name", "LoRA is off on this server (--enable-lora)")
-        self.lora.load(name, path)
+        self._lora_manager("lora_name").load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Refused (RequestError) while an unfinished request uses the adapter."""
-        if self.lora is None:
-            raise RequestError("lora_name", "LoRA is off on this server (--enable-lora)")
-        uid = self.lora.resolve(name, "lora_name")
+        uid = self._lora_manager("lora_name").resolve(name, "lora_name")
         in_use = sum(r.adapter_id == uid for r in self.scheduler.requests.values())
         self.lora.unload(name, in_use)
+
+    def _lora_manager(self, param: str):
+        if self.lora is None:
+            raise RequestError(param, "LoRA is off on this server (--enable-lora)")
+        return self.lora
 
     def lora_names(self) -> list[str]:
         return [] if self.lora is None else self.lora.names()
