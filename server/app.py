@@ -19,8 +19,10 @@ from .generation import AdmissionState
 from .metrics import ServerMetrics
 from .chat_prompt import render_chat, template_ignores_tools, template_messages
 from .openai_routes import chat_completions, completions
-from .protocol import (APIError, DetokenizeRequest, TokenizeRequest, error_body, model_card,
-                       now)
+from .openapi import describe, openapi_json
+from .protocol import (APIError, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
+                       UnloadLoraRequest, error_body, model_card, now)
+from .responses import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
 from .state import STATE, ServerState, log, parse_request, read_json
 from .webui import OPEN_PREFIXES, add_routes as add_webui_routes
 
@@ -71,13 +73,19 @@ async def _middleware(request: web.Request, handler):
         st.metrics.requests.labels(endpoint, str(status)).inc()
 
 
+@describe(response=Health)
 async def health(request: web.Request) -> web.Response:
-    if request.app[STATE].engine.is_ready:
+    """200 once the model is loaded and the engine runs; 503 while loading or after it failed."""
+    engine = request.app[STATE].engine
+    if engine.is_ready:
         return web.json_response({"status": "ok"})
-    return web.json_response({"status": "loading"}, status=503)
+    failed = getattr(engine, "dead", None) is not None
+    return web.json_response({"status": "failed" if failed else "loading"}, status=503)
 
 
+@describe(response=ModelList)
 async def list_models(request: web.Request) -> web.Response:
+    """The served model and its loaded LoRA adapters."""
     st = request.app[STATE]
     st.check_ready()
     adapters = st.engine.lora_adapters()
@@ -85,7 +93,9 @@ async def list_models(request: web.Request) -> web.Response:
         _card(st, name) for name in [None, *adapters]]})
 
 
+@describe(response=ModelCard)
 async def get_model(request: web.Request) -> web.Response:
+    """One model (or adapter) by id."""
     st = request.app[STATE]
     st.check_ready()
     return web.json_response(_card(st, st.check_model(request.match_info["model_id"])))
@@ -98,32 +108,27 @@ def _card(st: ServerState, lora: str | None) -> dict:
                       root=st.engine.lora_adapters().get(lora))
 
 
+@describe(request=LoadLoraRequest, content_type="text/plain")
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """vLLM's route: {lora_name, lora_path}; loading compiles nothing."""
     st = request.app[STATE]
-    name, path = _lora_fields(await read_json(request), ("lora_name", "lora_path"))
+    req = parse_request(LoadLoraRequest, await read_json(request), False)
     st.check_ready()
-    await _lora_call(st.engine.load_lora(name, path))
-    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+    await _lora_call(st.engine.load_lora(req.lora_name, req.lora_path))
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
+@describe(request=UnloadLoraRequest, content_type="text/plain")
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     """{lora_name}: refused (400) while unfinished requests use it; 404 when not loaded."""
     st = request.app[STATE]
-    (name,) = _lora_fields(await read_json(request), ("lora_name",))
+    name = parse_request(UnloadLoraRequest, await read_json(request), False).lora_name
     st.check_ready()
     if name not in st.engine.lora_adapters():
         raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name",
                        code="model_not_found")
     await _lora_call(st.engine.unload_lora(name))
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-def _lora_fields(body: dict, names: tuple) -> tuple:
-    for n in names:
-        if not isinstance(body.get(n), str) or not body[n]:
-            raise APIError(400, f"{n}: required, a non-empty string", param=n)
-    return tuple(body[n] for n in names)
 
 
 async def _lora_call(coro) -> None:
@@ -134,11 +139,14 @@ async def _lora_call(coro) -> None:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus metrics (text format)."""
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+@describe(request=TokenizeRequest, response=TokenizeResponse)
 async def tokenize(request: web.Request) -> web.Response:
+    """A prompt (or chat messages, through the chat template) as token ids."""
     st: ServerState = request.app[STATE]
     req = parse_request(TokenizeRequest, await read_json(request), False)
     st.check_ready()
@@ -164,7 +172,9 @@ async def tokenize(request: web.Request) -> web.Response:
                               [st.token_str(t) for t in ids] if req.return_token_strs else None})
 
 
+@describe(request=DetokenizeRequest, response=DetokenizeResponse)
 async def detokenize(request: web.Request) -> web.Response:
+    """Token ids as text."""
     st: ServerState = request.app[STATE]
     req = parse_request(DetokenizeRequest, await read_json(request), False)
     st.check_ready()
@@ -193,6 +203,7 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     app.router.add_get("/health", health)
     app.router.add_get("/v1/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     for prefix in ("", "/v1"):
         app.router.add_post(f"{prefix}/tokenize", tokenize)
         app.router.add_post(f"{prefix}/detokenize", detokenize)
@@ -204,6 +215,16 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     return app
 
 
+def runner_options(cfg: ServeConfig) -> dict:
+    """aiohttp's connection handling: the idle timeout also cuts a client that never finishes
+    its request head (aiohttp's own default is an hour); header sizes are aiohttp's defaults,
+    stated here so the limits live in one place."""
+    return {"handle_signals": False, "handler_cancellation": True, "access_log": None,
+            "shutdown_timeout": cfg.shutdown_grace_period,
+            "keepalive_timeout": cfg.http_idle_timeout, "max_line_size": 8190,
+            "max_field_size": 8190, "max_headers": 128}
+
+
 async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
                      stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set): then stop accepting connections, give
@@ -211,8 +232,7 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
     app = build_app(engine, cfg)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine requests instead of generating tokens nobody reads.
-    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=cfg.shutdown_grace_period, access_log=None)
+    runner = web.AppRunner(app, **runner_options(cfg))
     await runner.setup()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

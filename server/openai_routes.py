@@ -15,9 +15,11 @@ from .chat_output import ChatOutput
 from .chat_prompt import chat_prompt
 from .config import ServeConfig
 from .generation import Generation
+from .openapi import describe
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_choice,
                        chat_chunk, chat_chunk_choice, chat_response, completion_choice,
                        completion_response, error_body, now, usage)
+from .responses import ChatCompletion, ChatCompletionChunk, Completion
 from .state import STATE, ServerState, parse_request, read_json
 from .reasoning import grammar_start
 from .structured import grammar_spec
@@ -193,7 +195,9 @@ def chat_finish(c, out: ChatOutput) -> str:
     return "tool_calls" if out.tool_calls else c.finish_reason
 
 
+@describe(request=ChatCompletionRequest, response=ChatCompletion, stream=ChatCompletionChunk)
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI chat completions (streamed as SSE with stream: true)."""
     t0 = time.perf_counter()
     st, req, lora = await _accept(request, ChatCompletionRequest)
     tools = tool_setup(req, st.tool_parser)
@@ -266,7 +270,9 @@ def _strip_eos(st: ServerState, tools, text: str) -> str:
     return text.replace(eos, "") if tools and tools.parser == "mistral" and eos else text
 
 
+@describe(request=CompletionRequest, response=Completion, stream=Completion)
 async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI (legacy) completions (streamed as SSE with stream: true)."""
     t0 = time.perf_counter()
     st, req, lora = await _accept(request, CompletionRequest)
     prompts, texts = await completion_prompts(st, req.prompt)

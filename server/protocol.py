@@ -20,6 +20,7 @@ class APIError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error",
              404: "invalid_request_error", 405: "invalid_request_error",
+             408: "invalid_request_error",
              413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
 
@@ -162,6 +163,15 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+
+
+class LoadLoraRequest(UnloadLoraRequest):
+    lora_path: str = Field(min_length=1)
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -7,6 +7,7 @@ import os
 import sys
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
+         "CreateChatCompletionRequest", "CreateCompletionRequest",
          "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse"]
 DROP = {"description", "example", "examples", "x-oaiMeta", "x-oaiTypeLabel", "x-stainless-const",
         "discriminator", "deprecated", "title", "x-oaiExpandable"}
