@@ -16,6 +16,10 @@ class RequestError(ValueError):
         self.param, self.reason = param, reason
 
 
+class EngineDeadError(Exception):
+    """The engine's loop has died; the server answers 503 and is on its way out."""
+
+
 class QueueFullError(Exception):
     """The engine's request queue is at capacity; the server answers 429 with Retry-After."""
 

@@ -26,7 +26,7 @@ from .responses import DetokenizeResponse, Health, ModelCard, ModelList, Tokeniz
 from .state import STATE, ServerState, log, parse_request, read_json
 from .webui import OPEN_PREFIXES, add_routes as add_webui_routes
 
-_OPEN_PATHS = ("/health", "/v1/health", "/metrics", "/")
+_OPEN_PATHS = ("/health", "/v1/health", "/")     # and the web UI's static files (OPEN_PREFIXES)
 
 
 def _json_error(status: int, message: str, param=None, code=None, headers=None):
@@ -162,9 +162,11 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = await st.in_tokenizer_thread(render_chat, tok, st.engine.chat_template,
                                            template_messages(req.messages, st.tool_parser
                                                              if ignores else None),
-                                           req.add_generation_prompt)
+                                           req.add_generation_prompt, None, None, False,
+                                           st.check_fits)
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
+        st.check_fits(req.prompt, "prompt")
         ids = await st.in_tokenizer_thread(lambda: tok.encode(req.prompt,
                                                               add_special_tokens=special))
     return web.json_response({"count": len(ids), "max_model_len": st.engine.max_length,

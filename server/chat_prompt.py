@@ -63,14 +63,17 @@ def _render_text(tokenizer, template: str, messages: list[dict], add_generation_
 
 
 def render_chat(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool,
-                tools=None, kwargs=None, with_text: bool = False):
-    """Runs in the tokenizer thread: the prompt's token ids (and text, `with_text`)."""
+                tools=None, kwargs=None, with_text: bool = False, fits=None):
+    """Runs in the tokenizer thread: the prompt's token ids (and text, `with_text`). `fits`:
+    ServerState.check_fits, called on the rendered text before it is tokenized."""
     import jinja2
     try:
         text = _render_text(tokenizer, template, messages, add_generation_prompt, tools, kwargs)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise APIError(400, f"messages: the chat template rejected them: {e}",
                        param="messages") from None
+    if fits is not None:
+        fits(text, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)
     return (ids, text) if with_text else ids
 
@@ -120,4 +123,4 @@ async def chat_prompt(st, req, tools) -> tuple[list[int], str]:
     return await st.in_tokenizer_thread(render_chat, engine.tokenizer, engine.chat_template,
                                         msgs, req.add_generation_prompt,
                                         None if (ignores or not tools) else tools.tools,
-                                        kwargs, True)
+                                        kwargs, True, st.check_fits)

@@ -17,8 +17,8 @@ class ServeConfig:
     served_model_name: str | None = field(default=None, metadata={
         "help": "Model id clients send and /v1/models reports (default: the model's name)"})
     api_key: str | None = field(default=None, metadata={
-        "help": f"Require `Authorization: Bearer KEY` on /v1 routes (default: ${API_KEY_ENV} "
-                "if set; /health and /metrics stay open)"})
+        "help": f"Require `Authorization: Bearer KEY` on every route but /health and the web "
+                f"UI's static page (default: ${API_KEY_ENV} if set)"})
     max_queue_size: int | None = field(default=None, metadata={
         "help": "Cap on requests waiting for their first token; beyond it new requests get "
                 "HTTP 429 with Retry-After (default: unbounded)"})
@@ -31,8 +31,16 @@ class ServeConfig:
         "help": "Default sampling temperature for requests that do not set one (default 1.0)"})
     top_k: int | None = field(default=None, metadata={
         "help": "Default top-k for requests that do not set one (default: off)"})
-    max_request_body_bytes: int = field(default=32 * 1024 * 1024, metadata={
+    max_request_body_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "Largest accepted request body; larger ones get HTTP 413"})
+    http_idle_timeout: float = field(default=15.0, metadata={
+        "help": "Seconds a connection may stay open without sending a complete request head "
+                "(idle keep-alive, or half-sent headers) before it is closed"})
+    http_body_timeout: float = field(default=30.0, metadata={
+        "help": "Seconds a client may take to send a request body before it gets HTTP 408"})
+    http_write_timeout: float = field(default=60.0, metadata={
+        "help": "Seconds a streamed response may wait on a client that reads nothing before "
+                "the connection is cut (and its requests aborted)"})
     shutdown_grace_period: float = field(default=30.0, metadata={
         "help": "Seconds in-flight requests may run after SIGTERM/SIGINT before they are cut"})
 

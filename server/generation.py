@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from maxjax.engine.types import RequestOutput, SamplingParams, TokenLogprob
-from maxjax.errors import RequestError
+from maxjax.errors import EngineDeadError, RequestError
 
 from .engine_client import EngineClient, QueueFullError
 from .metrics import ServerMetrics
@@ -211,6 +211,8 @@ def _api_error(exc: BaseException, error_names: dict[str, str]) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc) or "the engine queue is full; retry later",
                         code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
     if isinstance(exc, RequestError):
         param = error_names.get(exc.param, exc.param)
         return APIError(400, f"{param}: {exc.reason}", param=param)

@@ -3,9 +3,11 @@ one process, as in tests): request/token counters and latency histograms the han
 plus the engine's gauges and counters read from `engine.stats()` at scrape time."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,13 @@ def _spec_metrics(stats: dict):
     yield from (per_pos, rate, mean)
 
 
+def _task_count() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:   # no running loop (a scrape from another thread)
+        return 0
+
+
 class ServerMetrics:
     def __init__(self, engine):
         self.registry = r = CollectorRegistry()
@@ -106,6 +115,11 @@ class ServerMetrics:
         self.server_waiting = Gauge("maxjax_server_requests_waiting",
                                     "Engine requests submitted that have no token yet", registry=r)
         r.register(_EngineCollector(engine))
+        # process_open_fds, process_resident_memory_bytes: what tools/soak.py and tools/fuzz.py
+        # watch for leaks; the task count is read on the event loop, where /metrics runs.
+        ProcessCollector(registry=r)
+        Gauge("maxjax_server_asyncio_tasks", "asyncio tasks alive on the server's event loop",
+              registry=r).set_function(_task_count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

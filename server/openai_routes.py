@@ -3,6 +3,7 @@ template in the tokenizer thread) -> SamplingParams -> Generation -> JSON or SSE
 Registered by server/app.py."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -39,6 +40,8 @@ async def completion_prompts(st: ServerState, prompt) -> tuple[list[list[int]], 
     if isinstance(prompt[0], int):
         prompt = [prompt]
     if isinstance(prompt[0], str):
+        for i, p in enumerate(prompt):
+            st.check_fits(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
         enc = st.engine.tokenizer.encode
         ids = await st.in_tokenizer_thread(lambda: [enc(p) for p in prompt])
         texts = list(prompt)
@@ -145,21 +148,39 @@ class CompletionLogprobs:
 
 # ---- SSE ----------------------------------------------------------------------------------------
 
-async def sse_start(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    return resp
+class SSE:
+    """A server-sent-events response. A client that reads nothing for --http-write-timeout
+    seconds (its socket buffer full) is cut with ConnectionResetError, as when it goes away,
+    so the handler's generation aborts its requests."""
 
+    def __init__(self, request: web.Request):
+        self.request, self.timeout = request, request.app[STATE].cfg.http_write_timeout
+        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                "Cache-Control": "no-cache",
+                                                "X-Accel-Buffering": "no"})
 
-async def sse_send(resp: web.StreamResponse, obj: dict) -> None:
-    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+    async def start(self) -> "SSE":
+        await self.resp.prepare(self.request)
+        return self
 
+    async def write(self, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(self.resp.write(data), self.timeout)
+        except asyncio.TimeoutError:
+            raise ConnectionResetError(f"the client read nothing for {self.timeout:g} s") \
+                from None
 
-async def sse_error(resp: web.StreamResponse, e: APIError) -> None:
-    """After the 200 headers have gone out, an error can only be an event in the stream."""
-    await sse_send(resp, error_body(e.status, e.message, e.param, e.code))
-    await resp.write(_DONE)
+    async def send(self, obj: dict) -> None:
+        await self.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+    async def error(self, e: APIError) -> web.StreamResponse:
+        """After the 200 headers have gone out, an error can only be an event in the stream."""
+        await self.send(error_body(e.status, e.message, e.param, e.code))
+        return await self.done()
+
+    async def done(self) -> web.StreamResponse:
+        await self.write(_DONE)
+        return self.resp
 
 
 # ---- handlers -----------------------------------------------------------------------------------
@@ -233,12 +254,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                            if req.logprobs else None))
             return web.json_response(chat_response(rid, st.model_id, created, choices,
                                                    usage(*gen.usage_counts())))
-        resp = await sse_start(request)
+        sse = await SSE(request).start()
 
         def chunk(choices, use=None):
             return chat_chunk(rid, st.model_id, created, choices, use, include_usage)
         for c in gen.choices:
-            await sse_send(resp, chunk([chat_chunk_choice(
+            await sse.send(chunk([chat_chunk_choice(
                 c.index, {"role": "assistant", "content": ""})]))
         try:
             async for c, out in gen.events():
@@ -252,16 +273,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 deltas = deltas or [{}]
                 for j, delta in enumerate(deltas):
                     last = j == len(deltas) - 1
-                    await sse_send(resp, chunk([chat_chunk_choice(
+                    await sse.send(chunk([chat_chunk_choice(
                         c.index, delta, chat_finish(c, o) if out.finished and last else None,
                         lp if j == 0 else None)]))
         except APIError as e:
-            await sse_error(resp, e)
-            return resp
+            return await sse.error(e)
         if include_usage:
-            await sse_send(resp, chunk([], usage(*gen.usage_counts())))
-        await resp.write(_DONE)
-        return resp
+            await sse.send(chunk([], usage(*gen.usage_counts())))
+        return await sse.done()
 
 
 def _strip_eos(st: ServerState, tools, text: str) -> str:
@@ -285,11 +304,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     created = now()
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    echo_texts = [t if t is not None else st.engine.tokenizer.decode(p)
-                  for t, p in zip(texts, prompts)] if req.echo else None
     async with Generation(st.engine, st.admission, st.metrics, rid, prompts, n,
                           per_choice(params, len(prompts) * n, n), req.cache_salt, t0,
                           COMPLETION_ERROR_NAMES, lora) as gen:
+        # Decoded once the engine has admitted the prompts (their token ids are valid).
+        echo_texts = [t if t is not None else st.engine.tokenizer.decode(p)
+                      for t, p in zip(texts, prompts)] if req.echo else None
         st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         lp_builders = {c.index: CompletionLogprobs(st, top_n) for c in gen.choices}
 
@@ -316,7 +336,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 choices.append(completion_choice(c.index, text, c.finish_reason, lp))
             return web.json_response(completion_response(rid, st.model_id, created, choices,
                                                          usage(*gen.usage_counts())))
-        resp = await sse_start(request)
+        sse = await SSE(request).start()
 
         def chunk(choice):
             return completion_response(rid, st.model_id, created, [choice], None, False)
@@ -334,16 +354,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     lp = _concat_lp(head, lp) if head else lp
                 if not (text or out.finished or lp and lp["tokens"]):
                     continue
-                await sse_send(resp, chunk(completion_choice(
+                await sse.send(chunk(completion_choice(
                     c.index, text, c.finish_reason if out.finished else None, lp)))
         except APIError as e:
-            await sse_error(resp, e)
-            return resp
+            return await sse.error(e)
         if include_usage:
-            await sse_send(resp, completion_response(rid, st.model_id, created, [],
+            await sse.send(completion_response(rid, st.model_id, created, [],
                                                      usage(*gen.usage_counts())))
-        await resp.write(_DONE)
-        return resp
+        return await sse.done()
 
 
 def _concat_lp(a: dict, b: dict) -> dict:

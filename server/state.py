@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from .config import ServeConfig
@@ -60,6 +61,21 @@ class ServerState:
         name = self.cfg.reasoning_parser
         return None if name in (None, "none") else name
 
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """No token is longer than the vocabulary's longest, so a text with more non-space
+        characters than max_length times that cannot fit: it is refused before tokenizing
+        (an 8 MB prompt would hold the one tokenizer thread for half a minute)."""
+        longest = max(map(len, self.engine.tokenizer.get_vocab()), default=1)
+        return self.engine.max_length * max(longest, 1)
+
+    def check_fits(self, text: str, param: str) -> None:
+        """400 naming `param` when `text` cannot fit in the maximum length (runs anywhere)."""
+        limit = self.max_prompt_chars
+        if len(text) > limit and len(text) - sum(map(text.count, " \t\r\n")) > limit:
+            raise APIError(400, f"{param}: {len(text)} characters cannot fit in the maximum "
+                                f"length of {self.engine.max_length} tokens", param=param)
+
     def token_str(self, token_id: int) -> str:
         return self._token_str(token_id)
 
@@ -76,6 +92,8 @@ class ServerState:
                             f"{self.model_id!r}", param="model", code="model_not_found")
 
     def check_ready(self) -> None:
+        if getattr(self.engine, "dead", None) is not None:
+            raise APIError(503, "the engine thread died; the server is shutting down")
         if not self.engine.is_ready:
             raise APIError(503, "the model is still loading; retry when /health answers 200")
 
@@ -84,15 +102,50 @@ STATE = web.AppKey("maxjax_state", ServerState)
 
 
 async def read_json(request: web.Request) -> dict:
-    """The request body as a JSON object; aiohttp raises 413 itself above client_max_size."""
-    raw = await request.read()
+    """The request body as a JSON object; aiohttp raises 413 itself above client_max_size, a
+    client that has not sent it all within --http-body-timeout gets a 408, and a body that
+    cannot be read (bad Content-Encoding, broken chunks), decoded or that nests deeper than
+    MAX_JSON_DEPTH gets a 400."""
+    cfg = request.app[STATE].cfg
+    if (request.content_length or 0) > cfg.max_request_body_bytes:   # refused before reading
+        raise web.HTTPRequestEntityTooLarge(cfg.max_request_body_bytes, request.content_length)
+    timeout = cfg.http_body_timeout
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s "
+                            "(--http-body-timeout)") from None
+    except RequestPayloadError as e:
+        raise APIError(400, f"the request body could not be read: {_first_line(e)}") from None
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError
+        raise APIError(400, f"the request body is not valid JSON: {_first_line(e)}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     return body
+
+
+MAX_JSON_DEPTH = 64
+
+
+def _deeper_than(obj, limit: int) -> bool:
+    todo = [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if d > limit:
+            return True
+        if isinstance(o, dict):
+            todo.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            todo.extend((v, d + 1) for v in o)
+    return False
+
+
+def _first_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 def parse_request(model_cls: type[BaseModel], body: dict, allow_extra: bool):

@@ -12,7 +12,7 @@ import threading
 import jsonschema
 from aiohttp import web
 
-from maxjax.server.app import build_app
+from maxjax.server.app import build_app, runner_options
 from maxjax.server.config import ServeConfig
 
 _SCHEMAS = json.load(open(os.path.join(os.path.dirname(__file__), "openai_schemas.json")))
@@ -47,7 +47,7 @@ class ServerThread:
 
     async def _start(self):
         self.app = build_app(self.engine, self.cfg)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(self.app, **runner_options(self.cfg))
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.port = self.runner.addresses[0][1]

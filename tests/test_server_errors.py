@@ -214,7 +214,9 @@ def test_api_key():
                   headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
         assert http("GET", s.url + "/health").status_code == 200
-        assert http("GET", s.url + "/metrics").status_code == 200
+        assert http("GET", s.url + "/metrics").status_code == 401
+        assert http("GET", s.url + "/metrics",
+                    headers={"Authorization": "Bearer sekret"}).status_code == 200
     finally:
         s.close()
 

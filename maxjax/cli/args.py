@@ -91,7 +91,8 @@ class ModelOptions:
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template file, or JSON with a chat_template key, overriding the model's"})
     custom_architectures: list[str] = field(default_factory=list, metadata={
-        "help": "Architecture packages to register: a directory or IMPORT_PATH:ATTR exposing ARCHITECTURES"})
+        "help": "Architecture packages to register: a directory or IMPORT_PATH:ATTR exposing "
+                "ARCHITECTURES. This imports and runs that code: pass only code you trust"})
     devices: str | None = field(default=None, metadata={
         "help": "cpu or gpu (default: the first platform JAX finds)"})
     precompiled_artifacts: list[str] = field(default_factory=list, metadata={

@@ -3,11 +3,14 @@ graph compiles on a background thread, then the engine starts and health turns 2
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
+
+log = logging.getLogger("maxjax.serve")
 
 
 class LoadingEngine:
@@ -34,7 +37,8 @@ class LoadingEngine:
         return self.inner.stats() if self.inner else {}
 
 
-def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True) -> AsyncEngine:
+def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
+                 on_death=None) -> AsyncEngine:
     from maxjax.engine.build import build_core
     core = build_core(model_opts.model_path, engine_cfg, chat_template=model_opts.chat_template,
                       precompiled_artifacts=model_opts.precompiled_artifacts,
@@ -47,6 +51,7 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
     model = core.model
     engine = AsyncEngine(core, model.tokenizer, serve_cfg.served_model_name or model.name,
                          model.chat_template, serve_cfg.max_pending_requests)
+    engine.on_death = on_death
     engine.start()
     return engine
 
@@ -56,9 +61,12 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg) -> int:
     lazy = LoadingEngine(serve_cfg.served_model_name)
     stop_holder: dict = {}
 
+    def stop_serving():
+        stop_holder["loop"].call_soon_threadsafe(stop_holder["stop"].set)
+
     def load():
         try:
-            lazy.inner = build_engine(model_opts, engine_cfg, serve_cfg)
+            lazy.inner = build_engine(model_opts, engine_cfg, serve_cfg, on_death=stop_serving)
         except BaseException as e:  # reported on the main thread
             lazy.failure = e
             loop, stop = stop_holder["loop"], stop_holder["stop"]
@@ -73,6 +81,9 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg) -> int:
     asyncio.run(main())
     if lazy.inner is not None:
         lazy.inner.shutdown()
+        if lazy.inner.dead is not None:
+            log.critical("exiting: the engine thread died (%s)", lazy.inner.dead)
+            return 1
     if lazy.failure is not None:
         if isinstance(lazy.failure, (UserError, ValueError)):
             raise UserError(str(lazy.failure))

@@ -10,6 +10,9 @@ A request with a grammar waits for its compilation here, on the caller's side (t
 workers of maxjax/structured/backend.py), before it is sent to the engine thread.
 A fault in a step fails only the requests it is traced to (EngineCore); should a step raise
 anyway (a fault outside those guards), every unfinished request fails and the engine goes on.
+Should the loop thread itself die (a BaseException, a bug in the loop), `dead` holds the cause,
+every request ends with an error, new ones are refused (EngineDeadError), `is_ready` turns False
+and `on_death` is called: `maxjax serve` then stops and exits non-zero.
 """
 from __future__ import annotations
 
@@ -21,12 +24,30 @@ import queue
 import threading
 from typing import AsyncIterator
 
+from maxjax.engine import faults
 from maxjax.engine.core import EngineCore
 from maxjax.engine.output import merge_outputs
 from maxjax.engine.types import RequestOutput, SamplingParams
-from maxjax.errors import QueueFullError
+from maxjax.errors import EngineDeadError, QueueFullError
 
 log = logging.getLogger("maxjax.engine")
+
+
+def _settle(fut: concurrent.futures.Future, fn, *args) -> None:
+    """Run fn(*args) and put its outcome in `fut`, which the caller may have cancelled meanwhile
+    (a client gone while its request was queued): then the outcome is dropped (the caller's
+    cleanup aborts the request), and the engine loop goes on."""
+    try:
+        result, error = fn(*args), None
+    except Exception as e:
+        result, error = None, e
+    try:
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class AsyncEngine:
@@ -46,10 +67,13 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.num_step_errors = 0          # steps that raised out of EngineCore.step
+        self.dead: BaseException | None = None
+        self.on_death = None              # called (on the engine thread) if the loop dies
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="maxjax-engine", daemon=True)
+        faults.install(self.core)
+        self._thread = threading.Thread(target=self._run, name="maxjax-engine", daemon=True)
         self._thread.start()
         self.is_ready = True
 
@@ -60,6 +84,19 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # ---- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            self.dead, self.is_ready = e, False
+            log.critical("the engine thread died: %s: %s", type(e).__name__, e, exc_info=e)
+            try:
+                for out in self._end_all("error", f"the engine thread died: {e}"):
+                    self._deliver(out)
+            finally:
+                if self.on_death is not None:
+                    self.on_death()
+
     def _loop(self) -> None:
         priming = True
         while not self._stop.is_set():
@@ -99,18 +136,10 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, params, salt, grammar, lora, fut = cmd
-            try:
-                self.core.add_request(rid, prompt, params, salt, grammar, lora)
-                fut.set_result(None)
-            except Exception as e:
-                fut.set_exception(e)
+            _settle(fut, self.core.add_request, rid, prompt, params, salt, grammar, lora)
         elif kind == "lora":
             _, fn, args, fut = cmd
-            try:
-                fn(*args)
-                fut.set_result(None)
-            except Exception as e:
-                fut.set_exception(e)
+            _settle(fut, fn, *args)
         elif kind == "abort":
             out = self.core.abort(cmd[1])
             if out is not None:
@@ -174,6 +203,9 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None,
                        lora: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine thread died ({type(self.dead).__name__}); the "
+                                  "server is shutting down")
         if self.max_pending_requests is not None and \
                 self._stats.get("waiting", 0) >= self.max_pending_requests:
             raise QueueFullError(f"{self._stats.get('waiting')} requests are pending "

@@ -1,0 +1,519 @@
+"""Fuzz a running `maxjax serve` (or one this tool starts) as an attacker would, while valid
+requests run beside it:
+
+  python tools/fuzz.py [--url URL | -- SERVE FLAGS...] [--cases 1200] [--seed 0] [--json OUT]
+
+1. Schema-driven cases from the server's own GET /openapi.json, with hypothesis: for every POST
+   route, bodies whose fields are drawn from their schema or replaced by hostile values (wrong
+   types, huge or negative numbers, lone surrogates, NUL bytes, deep nesting, long strings).
+2. Raw HTTP cases: truncated, oversized and chunked bodies, wrong content types, invalid UTF-8,
+   half-sent headers and bodies (slow clients), abandoned clients, disconnects mid-stream, and
+   thousands of concurrent connections.
+3. Valid traffic beside it all (streamed and not, chat and completions), each answer checked.
+
+Pass: no 5xx, no hang, every error in the OpenAI envelope, every 200 valid against the route's
+response schema, every valid request served, and nothing leaked afterwards (engine requests, KV
+pages beyond what the prefix cache holds, asyncio tasks, file descriptors). Prints a report
+(cases, answers by status, failures by class) and exits 1 when the pass fails."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import http.client
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import warnings
+from urllib.parse import urlsplit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jsonschema  # noqa: E402
+from hypothesis.errors import HypothesisWarning  # noqa: E402
+from hypothesis import HealthCheck, given, seed as seed_of, settings, strategies as st  # noqa: E402
+
+from reliability import (SMOLLM2_FLAGS, ServeProcess, ValidTraffic, get,  # noqa: E402
+                         leak_report, metrics, wait_idle)
+
+from maxjax.server.config import ServeConfig  # noqa: E402
+
+HANG_S = 60.0
+HOSTILE = [None, True, -1, 0, 2**31, 2**64, -2**63 - 1, 1e308, -1e308, 0.5, "", "\x00",
+           "\ud800", "\udfff\ud800", "A" * 100_000, "😀" * 2000, [], [[[[[[[[[[[]]]]]]]]]]],
+           {}, {"": None}, [0] * 5000, list(range(-3, 3)), {"type": "json_schema"},
+           "{{ ''.__class__.__mro__ }}", "../../etc/passwd", "<|im_end|>"]
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                        | st.text(max_size=20),
+                        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8),
+                                                                           c, max_size=4),
+                        max_leaves=12)
+
+
+# ---- values from a JSON schema ----------------------------------------------------------------
+
+def values(schema: dict, comps: dict, depth: int = 0) -> st.SearchStrategy:
+    """Instances of `schema` (an OpenAPI 3.1 / JSON Schema subset: what pydantic writes)."""
+    if depth > 6:
+        return st.none()
+    if "$ref" in schema:
+        return values(comps[schema["$ref"].rsplit("/", 1)[1]], comps, depth)
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return st.one_of([values(s, comps, depth) for s in schema[key]])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return st.one_of([values({**schema, "type": k}, comps, depth) for k in kind])
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=schema.get("maxLength", 24))
+    if kind == "integer":
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        lo = schema["exclusiveMinimum"] + 1 if "exclusiveMinimum" in schema else lo
+        hi = schema["exclusiveMaximum"] - 1 if "exclusiveMaximum" in schema else hi
+        near = st.integers(lo if lo is not None else -8, hi if hi is not None else 64)
+        return st.one_of(near, st.integers(lo, hi)) if hi is None or lo is None else near
+    if kind == "number":
+        return st.floats(schema.get("minimum", schema.get("exclusiveMinimum")),
+                         schema.get("maximum", schema.get("exclusiveMaximum")),
+                         exclude_min="exclusiveMinimum" in schema,
+                         exclude_max="exclusiveMaximum" in schema,
+                         allow_nan=False, allow_infinity=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    if kind == "array":
+        return st.lists(values(schema.get("items", {}), comps, depth + 1),
+                        min_size=schema.get("minItems", 0),
+                        max_size=min(schema.get("maxItems", 4), 4))
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties", {})
+        if not props:
+            extra = schema.get("additionalProperties", {})
+            return st.dictionaries(st.text(max_size=10), values(
+                extra if isinstance(extra, dict) else {}, comps, depth + 1), max_size=4)
+        required = [k for k in props if k in set(schema.get("required", ()))]
+        optional = [k for k in props if k not in required]
+        # A few optional fields at a time: with all of them, nearly every body would break
+        # some rule at the first check and nothing would reach the engine.
+        return st.lists(st.sampled_from(optional), max_size=min(4, len(optional)),
+                        unique=True).flatmap(lambda names: st.fixed_dictionaries(
+                            {k: values(props[k], comps, depth + 1) for k in required + names}))
+    return ANY_JSON
+
+
+def bodies(schema: dict, comps: dict) -> st.SearchStrategy:
+    """A body from the schema, then 0-3 of its fields replaced by hostile or any JSON values
+    (and sometimes one unknown field), so most cases pass the first checks and reach deeper."""
+    props = list(comps[schema["$ref"].rsplit("/", 1)[1]].get("properties", {}))
+
+    def mutate(draw_args):
+        body, swaps, extra = draw_args
+        body = dict(body)
+        for name, value in swaps:
+            body[name] = value
+        if extra:
+            body["no_such_field"] = 1
+        return body
+    hostile = st.integers(0, len(HOSTILE) - 1).map(lambda i: HOSTILE[i])   # (a short repr)
+    swap = st.tuples(st.sampled_from(props), st.one_of(hostile, ANY_JSON))
+    return st.tuples(values(schema, comps), st.lists(swap, max_size=3),
+                     st.integers(0, 9).map(lambda i: i == 0)).map(mutate)
+
+
+# ---- checking answers --------------------------------------------------------------------------
+
+class Findings:
+    """Answers by (route, status), and failures by class: (what, route, status, message shape)."""
+
+    def __init__(self, doc: dict):
+        self.doc, self.cases = doc, 0
+        self.statuses: collections.Counter = collections.Counter()
+        self.failures: dict[tuple, dict] = {}
+        self.lock = threading.Lock()
+        comps = doc["components"]["schemas"]
+        self._validators = {name: jsonschema.Draft202012Validator(
+            {**s, "components": {"schemas": comps}}) for name, s in comps.items()}
+
+    def schema_of(self, route: str, stream: bool) -> str | None:
+        op = self.doc["paths"].get(route, {}).get("post") or {}
+        content = op.get("responses", {}).get("200", {}).get("content", {})
+        entry = content.get("text/event-stream" if stream else "application/json") or {}
+        ref = entry.get("x-event-schema" if stream else "schema", {}).get("$ref", "")
+        return ref.rsplit("/", 1)[1] if ref else None
+
+    def check(self, name: str, obj) -> str | None:
+        try:
+            self._validators[name].validate(obj)
+        except jsonschema.ValidationError as e:
+            return f"not a valid {name}: {e.message[:120]}"
+        return None
+
+    def fail(self, what: str, route: str, status, message: str, case=None) -> None:
+        shape = re.sub(r"\d+", "N", message)[:90]
+        with self.lock:
+            f = self.failures.setdefault((what, route, str(status), shape),
+                                         {"count": 0, "example": repr(case)[:600]})
+            f["count"] += 1
+
+    def answer(self, route: str, status: int, body: bytes, case, stream: bool = False) -> None:
+        with self.lock:
+            self.cases += 1
+            self.statuses[f"{route} {status}"] += 1
+        text = body.decode("utf-8", "replace")
+        if status >= 500:
+            self.fail("5xx", route, status, _message(text), case)
+        if "Traceback" in text:
+            self.fail("traceback", route, status, "a traceback in the answer", case)
+        if status >= 400:
+            try:
+                problem = self.check("ErrorResponse", json.loads(body))
+            except ValueError:
+                problem = "not JSON"
+            if problem:
+                self.fail("envelope", route, status, problem, case)
+        elif status == 200 and stream:
+            for problem in self._stream_problems(route, text):
+                self.fail("bad stream", route, status, problem, case)
+        elif status == 200 and self.schema_of(route, False):
+            try:
+                problem = self.check(self.schema_of(route, False), json.loads(body))
+            except ValueError:
+                problem = "not JSON"
+            if problem:
+                self.fail("bad answer", route, status, problem, case)
+
+    def _stream_problems(self, route: str, text: str):
+        events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
+        if not events or events[-1] != "[DONE]":
+            yield "the stream does not end with [DONE]"
+        for e in events[:-1]:
+            try:
+                obj = json.loads(e)
+            except ValueError:
+                yield "an event is not JSON"
+                continue
+            problem = self.check("ErrorResponse" if "error" in obj
+                                 else self.schema_of(route, True), obj)
+            if problem:
+                yield problem
+            if "error" in obj and str(obj["error"].get("type")) == "server_error":
+                yield f"5xx in the stream: {_message(e)}"
+
+    def report(self) -> dict:
+        return {"cases": self.cases, "statuses": dict(sorted(self.statuses.items())),
+                "failures": [{"class": list(k), **v} for k, v in sorted(self.failures.items())]}
+
+
+def _message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:120]
+
+
+# ---- 1. schema-driven cases ---------------------------------------------------------------------
+
+def post(url: str, route: str, raw: bytes, headers=None, timeout=HANG_S):
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", route, raw, {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def schema_cases(url: str, doc: dict, findings: Findings, cases: int, seed: int,
+                 headers=None) -> None:
+    warnings.simplefilter("ignore", HypothesisWarning)    # large strategy reprs
+    comps = doc["components"]["schemas"]
+    routes = [(path, op["requestBody"]["content"]["application/json"]["schema"])
+              for path, ops in doc["paths"].items() for m, op in ops.items()
+              if m == "post" and "requestBody" in op and "lora" not in path]
+    weights = {"/v1/chat/completions": 4, "/v1/completions": 4}
+    total = sum(weights.get(p, 1) for p, _ in routes)
+    for path, schema in routes:
+        n = max(1, cases * weights.get(path, 1) // total)
+
+        @seed_of(seed)
+        @settings(max_examples=n, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck), phases=["generate"])
+        @given(bodies(schema, comps))
+        def case(body):
+            for name, cap in (("max_tokens", 16), ("max_completion_tokens", 16), ("n", 8)):
+                if type(body.get(name)) is int and body[name] > cap:   # short: not a soak
+                    body[name] = 1 + body[name] % cap
+            raw = json.dumps(body).encode()
+            t0 = time.monotonic()
+            try:
+                status, answer = post(url, path, raw, headers)
+            except (TimeoutError, socket.timeout):
+                findings.fail("hang", path, "-", f"no answer in {HANG_S:.0f} s", body)
+                return
+            except (ConnectionError, http.client.HTTPException) as e:
+                findings.fail("connection", path, "-", f"{type(e).__name__}", body)
+                return
+            if time.monotonic() - t0 > HANG_S / 2:
+                findings.fail("slow", path, status, "answered after > 30 s", body)
+            findings.answer(path, status, answer, body, bool(body.get("stream") is True))
+        case()
+
+
+# ---- 2. raw HTTP cases ---------------------------------------------------------------------------
+
+async def _exchange(host, port, data: bytes, *, close_after: bool = True, wait: float = HANG_S,
+                    hold: float = 0.0) -> bytes:
+    """Send `data` (then hold the connection `hold` seconds without sending more), read what
+    comes back until the server closes or `wait` passes."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        if hold:
+            await asyncio.sleep(hold)
+        if not close_after:
+            return b""
+        out = b""
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), end - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+    finally:
+        writer.close()
+
+
+def _status(raw: bytes) -> tuple[int | None, bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    m = re.match(rb"HTTP/1\.[01] (\d{3})", head)
+    return (int(m.group(1)) if m else None), body
+
+
+def _request(path: str, body: bytes, ctype="application/json", length: int | None = None,
+             extra: bytes = b"") -> bytes:
+    n = len(body) if length is None else length
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {n}\r\nConnection: close\r\n").encode() + extra + b"\r\n" + body
+
+
+PROTOCOL_ERRORS = ("huge header", "many headers", "bad request line")
+CHAT = json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}).encode()
+
+
+async def raw_cases(url: str, findings: Findings, limits: dict, headers=None) -> None:
+    """Each case's failures are findings; a case that cannot even connect (the server died) is
+    one too, and the rest still run."""
+    for case in (_raw_bodies, _slow_clients, _abandoned, _mid_stream_disconnects,
+                 _many_connections):
+        try:
+            await case(url, findings, limits, headers)
+        except OSError as e:
+            findings.fail("connection", "-", "-", f"{case.__name__}: {type(e).__name__}: {e}")
+
+
+async def _raw_bodies(url: str, findings: Findings, limits: dict, headers=None) -> None:
+    u = urlsplit(url)
+    host, port = u.hostname, u.port
+    auth = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
+    body_limit, idle = limits["max_request_body_bytes"], limits["http_idle_timeout"]
+    route = "/v1/chat/completions"
+
+    async def expect(name, data, ok=(400, 413, 415), **kw):
+        t0 = time.monotonic()
+        raw = await _exchange(host, port, data, **kw)
+        status, body = _status(raw)
+        if status is None:
+            findings.fail("raw", route, "-", f"{name}: no HTTP answer "
+                                             f"({time.monotonic() - t0:.0f} s)", data[:200])
+            return
+        if name in PROTOCOL_ERRORS:     # not HTTP the app could parse: aiohttp's plain answer
+            with findings.lock:
+                findings.cases += 1
+                findings.statuses[f"(protocol) {status}"] += 1
+        else:
+            findings.answer(route, status, body, name)
+        if status not in ok:
+            findings.fail("raw", route, status, f"{name}: expected one of {ok}", data[:200])
+
+    cases = [
+        ("invalid JSON", _request(route, b'{"messages": [', extra=auth), (400,)),
+        ("invalid UTF-8", _request(route, b'{"messages": [{"role": "user", "content": "\xff\xfe'
+                                          b'"}]}', extra=auth), (400,)),
+        ("a JSON array", _request(route, b"[1, 2]", extra=auth), (400,)),
+        ("wrong content type", _request(route, CHAT, "text/plain", extra=auth), (200, 415)),
+        ("form content type", _request(route, b"a=1&b=2", "application/x-www-form-urlencoded",
+                                       extra=auth), (400, 415)),
+        ("oversized body", _request(route, b" " * (body_limit + 1), extra=auth), (413,)),
+        ("oversized Content-Length", _request(route, b"{}", length=body_limit * 4, extra=auth),
+         (413,)),
+        ("deep nesting", _request(route, b"[" * 100_000 + b"]" * 100_000, extra=auth),
+         (400, 413)),
+        ("gzip body claims", _request(route, b"not gzip", extra=auth + b"Content-Encoding: gzip"
+                                      b"\r\n"), (400, 415)),
+        ("huge header", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000
+         + b"\r\n\r\n", (400, 431)),
+        ("many headers", b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            b"X-%d: 1\r\n" % i for i in range(1000)) + b"\r\n", (400, 431)),
+        ("bad request line", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", (400,)),
+    ]
+    for name, data, ok in cases:
+        await expect(name, data, ok)
+    chunked = (f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               "Transfer-Encoding: chunked\r\nConnection: close\r\n").encode() + auth + b"\r\n"
+    big = b"".join(b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
+                   for _ in range(body_limit // (1 << 16) + 2)) + b"0\r\n\r\n"
+    await expect("oversized chunked body", chunked + big, (413,))
+
+
+async def _slow_clients(url: str, findings: Findings, limits: dict, headers=None) -> None:
+    """Half-sent headers and half-sent bodies must be cut, not held forever."""
+    u = urlsplit(url)
+    host, port, idle = u.hostname, u.port, limits["http_idle_timeout"]
+    auth = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
+    route = "/v1/chat/completions"
+    for name, data in [("half-sent headers", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"),
+                       ("half-sent body", _request(route, CHAT[:10], length=len(CHAT),
+                                                   extra=auth))]:
+        t0 = time.monotonic()
+        raw = await _exchange(host, port, data, wait=idle * 3 + 10)
+        took = time.monotonic() - t0
+        if took > idle * 3 + 5:
+            findings.fail("slow client", route, "-", f"{name}: connection held over "
+                                                     f"{idle * 3:.0f} s", name)
+        status, body = _status(raw)
+        if status is not None:
+            findings.answer(route, status, body, name)
+        findings.cases += status is None
+
+
+async def _abandoned(url: str, findings: Findings, limits: dict, headers=None) -> None:
+    """Requests sent and the connection closed before the answer."""
+    u = urlsplit(url)
+    auth = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
+    route = "/v1/chat/completions"
+    for stream in (False, True):
+        body = json.dumps({"messages": [{"role": "user", "content": "Tell me a story"}],
+                           "max_tokens": 64, "stream": stream}).encode()
+        await asyncio.gather(*[_exchange(u.hostname, u.port, _request(route, body, extra=auth),
+                                         close_after=False, hold=0.05 * i) for i in range(8)])
+        findings.cases += 8
+
+
+async def _mid_stream_disconnects(url: str, findings: Findings, limits: dict,
+                                  headers=None) -> None:
+    import aiohttp
+    body = {"prompt": "Once upon a time", "max_tokens": 64, "stream": True, "n": 2}
+
+    async def one(i):
+        async with aiohttp.ClientSession(headers=headers) as s:
+            async with s.post(url + "/v1/completions", json=body) as r:
+                for _ in range(1 + i % 4):
+                    await r.content.readline()
+            # leaving the block closes the connection mid-stream
+    await asyncio.gather(*[one(i) for i in range(16)], return_exceptions=True)
+    findings.cases += 16
+
+
+async def _many_connections(url: str, findings: Findings, limits: dict, headers=None) -> None:
+    """`max_connections` idle connections at once, then a health check: the server answers
+    and keeps serving."""
+    u = urlsplit(url)
+    host, port, count = u.hostname, u.port, limits["max_connections"]
+    opened = []
+    try:
+        for _ in range(count):
+            try:
+                opened.append(await asyncio.wait_for(asyncio.open_connection(host, port), 5))
+            except (OSError, asyncio.TimeoutError):
+                break
+        raw = await _exchange(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                                          b"Connection: close\r\n\r\n", wait=30)
+        status, _ = _status(raw)
+        if status not in (200, 503):
+            findings.fail("connections", "/health", status, f"/health with {len(opened)} "
+                                                            "other connections open", count)
+        findings.cases += 1
+    finally:
+        for _, w in opened:
+            w.close()
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+def run_fuzz(url: str, cases: int = 1200, seed: int = 0, headers: dict | None = None,
+             streams: int = 4, limits: dict | None = None) -> dict:
+    """Fuzz the server at `url`; the report, with "passed". `limits`: the server's
+    max_request_body_bytes, http_idle_timeout (default: ServeConfig's) and how many
+    connections to open at once (max_connections)."""
+    doc = json.loads(get(url + "/openapi.json", headers))
+    defaults = ServeConfig()
+    limits = {"max_request_body_bytes": defaults.max_request_body_bytes,
+              "http_idle_timeout": defaults.http_idle_timeout,
+              "max_connections": 2000, **(limits or {})}
+    before = metrics(url, headers)
+    findings = Findings(doc)
+    t0 = time.monotonic()
+    with ValidTraffic(url, streams, seed, headers) as traffic:
+        schema_cases(url, doc, findings, cases, seed, headers)
+        asyncio.run(raw_cases(url, findings, limits, headers))
+    wait_idle(url, headers)
+    report = findings.report()
+    report.update(seconds=round(time.monotonic() - t0, 1), valid=traffic.report(),
+                  leaks=leak_report(url, before, headers))
+    report["passed"] = (not report["failures"] and not traffic.errors
+                        and not report["leaks"]["problems"])
+    return report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running server (default: start `maxjax serve SERVE FLAGS`)")
+    p.add_argument("--cases", type=int, default=1200, help="schema-driven cases over all routes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streams", type=int, default=4, help="valid streams running beside")
+    p.add_argument("--api-key", default=os.environ.get("MAXJAX_API_KEY"))
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--connections", type=int, default=2000,
+                   help="connections held open at once in the connection-flood case")
+    p.add_argument("--body-limit", type=int, help="the server's --max-request-body-bytes")
+    p.add_argument("--idle-timeout", type=float, help="the server's --http-idle-timeout")
+    p.add_argument("serve", nargs=argparse.REMAINDER, help="-- then flags for maxjax serve")
+    a = p.parse_args(argv)
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else None
+    flags = [f for f in a.serve if f != "--"]
+    limits = {"max_connections": a.connections}
+    if a.body_limit:
+        limits["max_request_body_bytes"] = a.body_limit
+    if a.idle_timeout:
+        limits["http_idle_timeout"] = a.idle_timeout
+    if a.url:
+        report = run_fuzz(a.url, a.cases, a.seed, headers, a.streams, limits)
+    else:
+        with ServeProcess(flags or SMOLLM2_FLAGS) as server:
+            report = run_fuzz(server.url, a.cases, a.seed, headers, a.streams, limits)
+    text = json.dumps(report, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+    print(text)
+    print("PASS" if report["passed"] else "FAIL")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
