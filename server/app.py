@@ -219,11 +219,13 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
 
 def runner_options(cfg: ServeConfig) -> dict:
     """aiohttp's connection handling: the idle timeout also cuts a client that never finishes
-    its request head (aiohttp's own default is an hour); header sizes are aiohttp's defaults,
-    stated here so the limits live in one place."""
+    its request head (aiohttp's own default is an hour); after an early answer (413, 408) the
+    rest of a body is read for at most 2 s; header sizes are aiohttp's defaults, stated here so
+    the limits live in one place."""
     return {"handle_signals": False, "handler_cancellation": True, "access_log": None,
             "shutdown_timeout": cfg.shutdown_grace_period,
-            "keepalive_timeout": cfg.http_idle_timeout, "max_line_size": 8190,
+            "keepalive_timeout": cfg.http_idle_timeout, "lingering_time": 2.0,
+            "max_line_size": 8190,
             "max_field_size": 8190, "max_headers": 128}
 
 
