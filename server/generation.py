@@ -145,7 +145,7 @@ class Generation:
             if out.finished:
                 self.unfinished -= 1
                 if out.finish_reason in ("error", "abort", "grammar_error"):
-                    raise _engine_failure(out)
+                    raise _engine_failure(out, self.params[c.index])
             yield c, out
 
     def _account(self, c: Choice, out: RequestOutput) -> None:
@@ -222,7 +222,12 @@ def _api_error(exc: BaseException, error_names: dict[str, str]) -> APIError:
     return APIError(500, f"the engine failed on this request ({type(exc).__name__})")
 
 
-def _engine_failure(out: RequestOutput) -> APIError:
+def _engine_failure(out: RequestOutput, params: SamplingParams) -> APIError:
+    if out.finish_reason == "grammar_error":     # the request's grammar, not the server, failed
+        spec = params.structured_output
+        param = spec.param if spec is not None else None
+        return APIError(400, f"{param}: the grammar failed while matching the output: "
+                             f"{out.error or 'matcher error'}", param=param)
     if out.finish_reason == "abort":
         return APIError(503, "the request was aborted by the engine (shutting down?)")
     log.error("engine error on %s: %s", out.request_id, out.error)

@@ -104,8 +104,8 @@ STATE = web.AppKey("maxjax_state", ServerState)
 async def read_json(request: web.Request) -> dict:
     """The request body as a JSON object; aiohttp raises 413 itself above client_max_size, a
     client that has not sent it all within --http-body-timeout gets a 408, and a body that
-    cannot be read (bad Content-Encoding, broken chunks), decoded or that nests deeper than
-    MAX_JSON_DEPTH gets a 400."""
+    cannot be read (bad Content-Encoding, broken chunks), decoded, nests too deep or holds
+    invalid Unicode gets a 400."""
     cfg = request.app[STATE].cfg
     if (request.content_length or 0) > cfg.max_request_body_bytes:   # refused before reading
         raise web.HTTPRequestEntityTooLarge(cfg.max_request_body_bytes, request.content_length)
@@ -123,25 +123,33 @@ async def read_json(request: web.Request) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {_first_line(e)}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    if _deeper_than(body, MAX_JSON_DEPTH):
-        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    _check_values(body)
     return body
 
 
 MAX_JSON_DEPTH = 64
 
 
-def _deeper_than(obj, limit: int) -> bool:
-    todo = [(obj, 1)]
+def _check_values(body: dict) -> None:
+    """400 for a body nesting deeper than MAX_JSON_DEPTH or holding a string that is not valid
+    Unicode (JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer, regex or
+    grammar engine takes); `param` is the top-level field."""
+    todo = [(v, 2, k) for k, v in body.items()] + [(k, 1, k) for k in body]
     while todo:
-        o, d = todo.pop()
-        if d > limit:
-            return True
-        if isinstance(o, dict):
-            todo.extend((v, d + 1) for v in o.values())
+        o, depth, top = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"{top}: nests deeper than {MAX_JSON_DEPTH} levels", param=top)
+        if isinstance(o, str) and not o.isascii():
+            try:
+                o.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{top}: holds a lone surrogate (\\u{ord(o[e.start]):04x}), "
+                                    "not valid Unicode", param=top) from None
+        elif isinstance(o, dict):
+            todo.extend((v, depth + 1, top) for v in o.values())
+            todo.extend((k, depth + 1, top) for k in o)
         elif isinstance(o, list):
-            todo.extend((v, d + 1) for v in o)
-    return False
+            todo.extend((v, depth + 1, top) for v in o)
 
 
 def _first_line(e: BaseException) -> str:

@@ -7,7 +7,8 @@ an OpenAI 400 with that field's request name.
 Limits, each checked here and nowhere else (the server's pydantic models repeat the OpenAI spec's
 bounds for early 400s; tests/test_sampling_params.py keeps them equal to the declaration):
   - every number within the bounds declared on its SamplingParams field (maxjax/engine/types.py),
-    floats finite; min_tokens <= max_new_tokens;
+    floats finite, ints that reach the device without a declared bound within int32;
+    min_tokens <= max_new_tokens;
   - logit_bias: at most MAX_LOGIT_BIAS entries (the width of the device arrays), token ids in
     the vocabulary, biases in [-100, 100];
   - stop: at most MAX_STOP_STRINGS strings of at most MAX_STOP_STRING_CHARS characters;
@@ -36,6 +37,7 @@ from maxjax.graphs.sampling import MAX_LOGIT_BIAS, MAX_SUPPRESS
 from maxjax.structured.spec import KINDS, GrammarSpec
 
 MAX_ABS_LOGIT_BIAS = 100.0
+DEVICE_INT = 2**31     # an int reaching the device without a declared bound must fit its int32
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ def check_params(params: SamplingParams) -> None:
                 raise RequestError(name, f"must be {what} (got {value!r})")
             if not spec.in_bounds(value):
                 raise RequestError(name, f"must be {spec.bounds_text()} (got {value!r})")
+            if integral and spec.device and spec.le is None and spec.lt is None and \
+                    not -DEVICE_INT < value < DEVICE_INT:
+                raise RequestError(name, f"must be < {DEVICE_INT} (got {value})")
     if params.min_tokens > params.max_new_tokens:
         raise RequestError("min_tokens", f"must be at most the number of tokens to generate "
                                          f"({params.max_new_tokens}; got {params.min_tokens})")

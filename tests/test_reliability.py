@@ -1,0 +1,44 @@
+"""The CI subset of tools/fuzz.py and tools/soak.py against one real `maxjax serve` (the
+embedded SmolLM2, the engine of tests/test_engine_smollm2.py): ~300 fuzz cases (schema-driven
+and raw HTTP) with valid traffic beside them, then a 60-second soak at 16 streams. Both must
+pass: no 5xx, no hang, every error in the OpenAI envelope, every valid answer checked, nothing
+leaked, no compilation while serving. The full runs and their figures: RELIABILITY.md."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+
+from fuzz import run_fuzz  # noqa: E402
+from reliability import SMOLLM2_FLAGS, ServeProcess  # noqa: E402
+from soak import run_soak  # noqa: E402
+
+TIMEOUTS = {"http_idle_timeout": 2.0, "http_body_timeout": 2.0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    flags = [*SMOLLM2_FLAGS, "--http-idle-timeout", "2", "--http-body-timeout", "2"]
+    with ServeProcess(flags) as s:
+        yield s
+    assert s.returncode == 0, "".join(s.stderr)[-3000:]
+
+
+def test_fuzz_300_cases(server):
+    report = run_fuzz(server.url, cases=300, seed=1, streams=4,
+                      limits={**TIMEOUTS, "max_connections": 1000})
+    assert report["cases"] >= 300
+    assert not report["failures"], report["failures"]
+    assert report["valid"]["errors"] == 0, report["valid"]["error_examples"]
+    assert report["valid"]["requests"] > 0
+    assert not report["leaks"]["problems"], report["leaks"]
+
+
+def test_soak_60_seconds_16_streams(server):
+    report = run_soak(server.url, streams=16, duration=60, seed=1, interval=2.0)
+    assert report["errors"] == 0, report["error_examples"]
+    assert report["requests"] > 16
+    assert not report["leaks"]["problems"], report["leaks"]
+    assert report["leaks"]["compiles_since_ready"] == 0
+    assert report["leaks"]["kv_pages_held"] <= 0
