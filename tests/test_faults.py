@@ -125,7 +125,8 @@ def test_a_dead_engine_thread_turns_health_to_503_and_refuses_requests(tmp_path)
 
 
 class Serve:
-    """`maxjax serve` on the tiny model in a subprocess."""
+    """`maxjax serve` on the tiny model in a subprocess (killed at the test's end, by `serve`)."""
+    started: list = []
 
     def __init__(self, model_dir, *flags, env=None):
         self.proc = subprocess.Popen(
@@ -134,6 +135,7 @@ class Serve:
             text=True, env={**os.environ, **(env or {})})
         self.err: list[str] = []
         threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+        Serve.started.append(self.proc)
         line = self.proc.stdout.readline()
         assert line.startswith("Server ready on http://"), "".join(self.err)[-3000:]
         self.url = line.split()[-1]
@@ -144,6 +146,16 @@ class Serve:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+
+
+@pytest.fixture(autouse=True)
+def no_server_left():
+    yield
+    while Serve.started:
+        proc = Serve.started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_serve_exits_non_zero_when_the_engine_thread_dies(tiny_dir):

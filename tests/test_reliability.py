@@ -10,9 +10,14 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
-from fuzz import run_fuzz  # noqa: E402
+from fuzz import Findings, run_fuzz  # noqa: E402
 from reliability import SMOLLM2_FLAGS, ServeProcess  # noqa: E402
 from soak import run_soak  # noqa: E402
+
+from mock_engine import MockEngine  # noqa: E402
+
+from maxjax.server.app import build_app  # noqa: E402
+from maxjax.server.openapi import openapi_document  # noqa: E402
 
 TIMEOUTS = {"http_idle_timeout": 2.0, "http_body_timeout": 2.0}
 
@@ -41,4 +46,19 @@ def test_soak_60_seconds_16_streams(server):
     assert report["requests"] > 16
     assert not report["leaks"]["problems"], report["leaks"]
     assert report["leaks"]["compiles_since_ready"] == 0
-    assert report["leaks"]["kv_pages_held"] <= 0
+    assert report["leaks"]["kv_pages_used"] == 0
+
+
+def test_the_fuzz_checks_flag_what_they_must():
+    """The checks that make a run fail: a 5xx, a traceback, an error outside the envelope, a 200
+    or a streamed event that breaks the route's schema, a stream without [DONE]."""
+    f = Findings(openapi_document(build_app(MockEngine()), "t", "0"))
+    ok = b'{"error": {"message": "x", "type": "invalid_request_error", "param": null, "code": null}}'
+    f.answer("/v1/completions", 400, ok, "fine")
+    assert not f.failures
+    f.answer("/v1/completions", 500, ok.replace(b"invalid_request", b"server"), "a")
+    f.answer("/v1/completions", 400, b"Traceback (most recent call last)", "b")
+    f.answer("/v1/completions", 200, b'{"id": 1}', "c")
+    f.answer("/v1/completions", 200, b'data: {"id": 1}\n\n', "d", stream=True)
+    kinds = sorted(k[0] for k in f.failures)
+    assert kinds == ["5xx", "bad answer", "bad stream", "bad stream", "envelope", "traceback"]

@@ -33,11 +33,10 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jsonschema  # noqa: E402
 from hypothesis.errors import HypothesisWarning  # noqa: E402
 from hypothesis import HealthCheck, given, seed as seed_of, settings, strategies as st  # noqa: E402
 
-from reliability import (SMOLLM2_FLAGS, ServeProcess, ValidTraffic, get,  # noqa: E402
+from reliability import (SMOLLM2_FLAGS, Schemas, ServeProcess, ValidTraffic, get,  # noqa: E402
                          leak_report, metrics, wait_idle)
 
 from maxjax.server.config import ServeConfig  # noqa: E402
@@ -140,9 +139,7 @@ class Findings:
         self.statuses: collections.Counter = collections.Counter()
         self.failures: dict[tuple, dict] = {}
         self.lock = threading.Lock()
-        comps = doc["components"]["schemas"]
-        self._validators = {name: jsonschema.Draft202012Validator(
-            {**s, "components": {"schemas": comps}}) for name, s in comps.items()}
+        self.schemas = Schemas(doc)
 
     def schema_of(self, route: str, stream: bool) -> str | None:
         op = self.doc["paths"].get(route, {}).get("post") or {}
@@ -152,11 +149,7 @@ class Findings:
         return ref.rsplit("/", 1)[1] if ref else None
 
     def check(self, name: str, obj) -> str | None:
-        try:
-            self._validators[name].validate(obj)
-        except jsonschema.ValidationError as e:
-            return f"not a valid {name}: {e.message[:120]}"
-        return None
+        return self.schemas.problem(name, obj)
 
     def fail(self, what: str, route: str, status, message: str, case=None) -> None:
         shape = re.sub(r"\d+", "N", message)[:90]
@@ -194,9 +187,11 @@ class Findings:
 
     def _stream_problems(self, route: str, text: str):
         events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
-        if not events or events[-1] != "[DONE]":
+        if events and events[-1] == "[DONE]":
+            events.pop()
+        else:
             yield "the stream does not end with [DONE]"
-        for e in events[:-1]:
+        for e in events:
             try:
                 obj = json.loads(e)
             except ValueError:

@@ -88,21 +88,20 @@ def leak_report(url: str, before: dict, headers=None) -> dict:
     prefix cache's, asyncio tasks and file descriptors (a few may be in flight)."""
     time.sleep(1.0)          # connections the clients just closed finish closing
     m = wait_idle(url, headers)
-    held = m.get("maxjax_kv_cache_pages_used", 0) - m.get("maxjax_kv_cache_pages_cached", 0)
-    rep = {"kv_pages_used": m.get("maxjax_kv_cache_pages_used", 0),
-           "kv_pages_cached": m.get("maxjax_kv_cache_pages_cached", 0),
-           "kv_pages_held": held,
+    pages = m.get("maxjax_kv_cache_pages_used", 0)
+    tasks, fds = "maxjax_server_asyncio_tasks", "process_open_fds"
+    rep = {"kv_pages_used": pages, "kv_pages_cached": m.get("maxjax_kv_cache_pages_cached", 0),
            "running": m.get("maxjax_num_requests_running", 0),
            "waiting": m.get("maxjax_num_requests_waiting", 0),
-           "tasks": [before.get("maxjax_server_asyncio_tasks"), m.get("maxjax_server_asyncio_tasks")],
-           "open_fds": [before.get("process_open_fds"), m.get("process_open_fds")],
+           "tasks": [before.get(tasks), m.get(tasks)], "open_fds": [before.get(fds), m.get(fds)],
            "compiles_since_ready": m.get("maxjax_xla_compiles_since_ready", 0)}
+    # kv_pages_used counts pages requests hold; the prefix cache's free pages are not in it.
     problems = []
-    if held > 0 or rep["running"] or rep["waiting"]:
-        problems.append(f"engine holds {held:.0f} KV pages / {rep['running']:.0f} requests")
-    if (m.get("maxjax_server_asyncio_tasks", 0) > before.get("maxjax_server_asyncio_tasks", 0) + 4):
+    if pages or rep["running"] or rep["waiting"]:
+        problems.append(f"engine holds {pages:.0f} KV pages / {rep['running']:.0f} requests")
+    if m.get(tasks, 0) > before.get(tasks, 0) + 4:
         problems.append(f"asyncio tasks {rep['tasks'][0]:.0f} -> {rep['tasks'][1]:.0f}")
-    if m.get("process_open_fds", 0) > before.get("process_open_fds", 0) + 8:
+    if m.get(fds, 0) > before.get(fds, 0) + 8:
         problems.append(f"open fds {rep['open_fds'][0]:.0f} -> {rep['open_fds'][1]:.0f}")
     if rep["compiles_since_ready"]:
         problems.append(f"{rep['compiles_since_ready']:.0f} compilations while serving")
