@@ -26,6 +26,13 @@ from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
 
 
+# The Pallas kernel of the CUDA attention backend (graphs/pallas_attention.py) is a Triton custom
+# call, which jax.export does not guarantee stable across jax versions: allowed here, and an
+# artifact holding one is tied to the jax that wrote it (manifest.check_versions).
+TRITON_CALL = "__gpu$xla.gpu.triton"
+EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+
+
 def graph_specs(model, layout) -> list[GraphSpec]:
     """The step graphs of `layout`'s buckets, then the KV initializer; nothing is allocated (the
     pool may be sized for another machine)."""
@@ -56,7 +63,8 @@ def export(spec: GraphSpec, platforms: list[str]) -> tuple[jax.export.Exported, 
         structure["spec"] = tree_spec(out)      # recorded while tracing
         return tuple(jax.tree.leaves(out)), tuple(jax.tree.leaves(kv))
     exp = jax.export.export(jax.jit(flat, donate_argnums=spec.donate_argnums),
-                            platforms=platforms)(*flat_args(spec.args))
+                            platforms=platforms, disabled_checks=EXPORT_CHECKS)(
+        *flat_args(spec.args))
     return exp, structure["spec"]
 
 
