@@ -75,6 +75,8 @@ def _kernel(lo_ref, hi_ref, pages_ref, q_ref, qpos_ref, k_ref, v_ref, o_ref, *, 
             page_size: int, window: int, softcap):
     blk, head = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]                                      # [M, hd], already scaled
+    # float32 dots in Triton default to TF32; float32 means float32 here
+    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     qpos = qpos_ref[...]                                # [M]; -1: padding
     offsets = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
 
@@ -84,7 +86,7 @@ def _kernel(lo_ref, hi_ref, pages_ref, q_ref, qpos_ref, k_ref, v_ref, o_ref, *, 
         k = k_ref[layer, page, head, :, :]              # [page, hd]
         v = v_ref[layer, page, head, :, :]
         s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)     # [M, page]
+                                precision=prec, preferred_element_type=jnp.float32)  # [M, page]
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         kpos = j * page_size + offsets
@@ -97,7 +99,7 @@ def _kernel(lo_ref, hi_ref, pages_ref, q_ref, qpos_ref, k_ref, v_ref, o_ref, *, 
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(axis=1)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)    # [M, hd]
+                                 precision=prec, preferred_element_type=jnp.float32)  # [M, hd]
         return m_new, l, acc * corr[:, None] + pv
 
     M, hd = q.shape
@@ -159,31 +161,25 @@ def paged_attention(q, k_pool, v_pool, layer: int, page_table, meta: QueryBlocks
 _paged_p = jax.extend.core.Primitive("maxjax_paged_attention")
 
 
-def _unflatten(args, n_meta):
-    q, k_pool, v_pool, page_table, *meta = args
-    return q, k_pool, v_pool, page_table, KernelBlocks(*meta)
-
-
-def _on_gpu(*args, layer, window, scale, softcap):
-    q, k_pool, v_pool, page_table, meta = _unflatten(args, 4)
-    return paged_attention(q, k_pool, v_pool, layer, page_table, meta, window, scale, softcap)
-
-
-def _elsewhere(*args, layer, window, scale, softcap):
-    q, k_pool, v_pool, page_table, meta = _unflatten(args, 4)
-    step = _Step(page_table, meta)
-    return query_block_attention(q, k_pool, v_pool, layer, step, window, scale, softcap)
-
-
 @dataclass
 class _Step:            # what query_block_attention reads of a step
     page_table: jax.Array
     attn: QueryBlocks
 
 
-_paged_p.def_abstract_eval(lambda q, *_, **__: jax.core.ShapedArray(q.shape, q.dtype))
-_paged_p.def_impl(lambda *args, **params: jax.jit(
-    functools.partial(_elsewhere, **params))(*args))
+def _on_gpu(q, k_pool, v_pool, page_table, *meta, layer, window, scale, softcap):
+    return paged_attention(q, k_pool, v_pool, layer, page_table, KernelBlocks(*meta), window,
+                           scale, softcap)
+
+
+def _elsewhere(q, k_pool, v_pool, page_table, *meta, layer, window, scale, softcap):
+    return query_block_attention(q, k_pool, v_pool, layer, _Step(page_table, KernelBlocks(*meta)),
+                                 window, scale, softcap)
+
+
+_paged_p.def_abstract_eval(lambda q, *_, **__: q)      # the output is shaped like q
+_paged_p.def_impl(lambda *args, **params: jax.jit(      # eager calls: compiled, so lowered
+    lambda *a: _paged_p.bind(*a, **params))(*args))     # for this platform like any other
 mlir.register_lowering(_paged_p, mlir.lower_fun(_on_gpu, multiple_results=False),
                        platform="cuda")
 mlir.register_lowering(_paged_p, mlir.lower_fun(_elsewhere, multiple_results=False))

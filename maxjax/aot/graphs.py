@@ -22,6 +22,7 @@ from typing import Callable
 import jax
 
 from maxjax.errors import UserError
+from maxjax.graphs.attention import backend_named
 from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
 
@@ -40,7 +41,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
     cfg, dtype = model.config, model.params["embed"].dtype
     steps = step_graph_specs(model.arch, cfg, model.params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
-                             MAX_TOP_LOGPROBS)
+                             MAX_TOP_LOGPROBS, backend_named(layout.attention))
     return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype)]
 
 
