@@ -11,7 +11,8 @@ The step's tokens are grouped into query blocks (graphs/attention.py's QueryBloc
 size of this backend's choosing): one program per (block, KV head) holds the block's B queries
 times the G query heads sharing that KV head, M = B x G' rows (G padded to a power of two, and M
 to at least 16, as Triton's dots and blocks want), and reads each page of its row once.
-Page sizes must be powers of two of at least 16 (`check_page_size`).
+Page sizes and head sizes must be powers of two of at least 16 (`check_page_size`; a model
+with another head size runs the query-block algorithm on the GPU too).
 
 The exported graph is platform-dependent: the kernel on CUDA, the query-block algorithm on the
 same metadata elsewhere, so one export for (cuda, cpu) runs on both. In tests the kernel itself
@@ -60,11 +61,20 @@ def build_kernel_blocks(rows, num_tokens: int, num_rows: int) -> KernelBlocks:
     return build_blocks(rows, num_tokens, *kernel_blocks(num_tokens, num_rows), KernelBlocks)
 
 
+def _pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and not n & (n - 1)
+
+
 def check_page_size(page_size: int) -> str | None:
     """Why the kernel cannot use this page size (None: it can)."""
-    if page_size < 16 or page_size & (page_size - 1):
+    if not _pow2_at_least_16(page_size):
         return f"the GPU attention kernel needs a power of two >= 16, got {page_size}"
     return None
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """Triton blocks are powers of two: other head sizes take the XLA attention."""
+    return _pow2_at_least_16(head_dim)
 
 
 def _pow2(n: int) -> int:

@@ -2,6 +2,7 @@
 the GPU bucket set and attention backend, and the KV pool planned from a fake device's memory."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -63,6 +64,8 @@ def test_gpu_bucket_set_and_attention():
     assert max(b.num_rows for b in lay.buckets) == 256
     assert all(b.num_rows == min(b.num_tokens, 256) for b in lay.buckets)
     assert lay.max_length == 4096 and lay.max_pages_per_row == 128
+    odd_heads = dataclasses.replace(LLAMA_8B, head_dim=80, num_heads=40)
+    assert plan_layout(cfg, FakeModel(odd_heads), "cuda").attention == "query_blocks"
     cpu = plan_layout(EngineConfig(num_kv_pages=1000), FakeModel(LLAMA_8B))
     assert (cpu.platform, cpu.attention, cpu.buckets[-1]) == ("cpu", "query_blocks",
                                                               Bucket(256, 32))

@@ -78,10 +78,12 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
     attention = backend_for_platform(platform)
     if attention.name == "pallas_paged":
-        from maxjax.graphs.pallas_attention import check_page_size
-        why = check_page_size(cfg.kv_cache_page_size)
+        from maxjax.graphs import pallas_attention as kernel
+        why = kernel.check_page_size(cfg.kv_cache_page_size)
         if why:
             raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {why}")
+        if not kernel.supports_head_dim(mc.head_dim):
+            attention = backend_for_platform("cpu")
     max_length = resolve_max_length(cfg, mc)
     page = cfg.kv_cache_page_size
     per_row = math.ceil(max_length / page)
