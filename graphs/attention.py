@@ -2,9 +2,9 @@
 for tracing, numpy arrays built on the host for each step) plus its `attend` function.
 
 `backend_for(platform)` picks the backend; the step carries its metadata as `StepInputs.attn`,
-and `attend` dispatches on that metadata's type, so the decoder never names a kernel. Today every
-platform runs the query-block algorithm below (written for XLA:CPU); a GPU kernel plugs in as
-another backend.
+and `attend` dispatches on the backend that metadata names, so the decoder never names a kernel.
+The CPU runs the query-block algorithm below (written for XLA:CPU); CUDA runs the Pallas kernel
+of graphs/pallas_attention.py over the same kind of blocks.
 
 Query blocks: each block holds up to B consecutive tokens of one row, so a row's K/V pages are
 read once per block instead of once per token. (blocks, B) is a function of the bucket
@@ -40,6 +40,7 @@ class QueryBlocks:
     block_pos: jax.Array      # int32[NB, B] position of each block query; -1: padding
     block_row: jax.Array      # int32[NB] request row each block belongs to
     token_block: jax.Array    # int32[T]  flat (block * B + query) index of each token slot
+    backend = "query_blocks"  # the backend whose `attend` reads these (not a field)
 
 
 @functools.cache
@@ -65,8 +66,12 @@ def query_block_specs(num_tokens: int, num_rows: int) -> QueryBlocks:
 
 
 def build_query_blocks(rows: Sequence, num_tokens: int, num_rows: int) -> QueryBlocks:
-    """Rows (RowSlice-like: token_ids, start_pos) in token-slot order; padding blocks after."""
-    nb, b = attention_blocks(num_tokens, num_rows)
+    return build_blocks(rows, num_tokens, *attention_blocks(num_tokens, num_rows), QueryBlocks)
+
+
+def build_blocks(rows: Sequence, num_tokens: int, nb: int, b: int, cls=QueryBlocks):
+    """Rows (RowSlice-like: token_ids, start_pos) in token-slot order, cut into `nb` blocks of
+    up to `b` tokens, padding blocks after."""
     block_tokens = np.zeros((nb, b), np.int32)
     block_pos = np.full((nb, b), -1, np.int32)
     block_row = np.zeros(nb, np.int32)
@@ -82,7 +87,7 @@ def build_query_blocks(rows: Sequence, num_tokens: int, num_rows: int) -> QueryB
             token_block[t + i:t + i + n] = blk * b + np.arange(n)
             blk += 1
         t += k
-    return QueryBlocks(block_tokens, block_pos, block_row, token_block)
+    return cls(block_tokens, block_pos, block_row, token_block)
 
 
 def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: float,
@@ -161,15 +166,30 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
 
 QUERY_BLOCKS = AttentionBackend("query_blocks", query_block_specs, build_query_blocks,
                                 query_block_attention)
-_BY_METADATA = {QueryBlocks: QUERY_BLOCKS}
+# Platforms whose graphs run the Pallas kernel (graphs/pallas_attention.py).
+KERNEL_PLATFORMS = ("cuda", "gpu")
+
+
+BACKENDS = {QUERY_BLOCKS.name: QUERY_BLOCKS}
+
+
+def backend_named(name: str) -> AttentionBackend:
+    """A backend by its name (as an engine layout and artifact manifests record it)."""
+    if name not in BACKENDS and name == "pallas_paged":
+        from maxjax.graphs.pallas_attention import PAGED_KERNEL
+        BACKENDS[name] = PAGED_KERNEL
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}")
+    return BACKENDS[name]
 
 
 def backend_for(platform: str | None = None) -> AttentionBackend:
     """The attention backend for a platform ("cpu", "cuda", ...; None: JAX's default)."""
-    return QUERY_BLOCKS
+    platform = platform or jax.default_backend()
+    return backend_named("pallas_paged" if platform in KERNEL_PLATFORMS else "query_blocks")
 
 
 def attend(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):
     """q [T, H, hd] attends over its rows' pages with the backend whose metadata the step holds."""
-    backend = _BY_METADATA[type(step.attn)]
+    backend = backend_named(step.attn.backend)
     return backend.attend(q, k_pool, v_pool, layer, step, window, scale, softcap)

@@ -194,6 +194,44 @@ def test_cuda_only_target_writes_exports_and_is_refused_here(tmp_path, model):
         aot_load.load_for_engine([d], model, EngineConfig(**ENGINE))
 
 
+GPU_FLAGS = ["--max-batch-size", "4", "--max-batch-input-tokens", "16", "--max-length", "64",
+             "--kv-cache-page-size", "16", "--quantization-encoding", "float32"]
+
+
+def test_warm_cache_for_cuda_on_this_cpu_loads_for_the_cpu(root, model_dir):
+    """`warm-cache --target cuda cpu` here: graphs planned for CUDA (the Pallas kernel, its
+    blocks) exported for both platforms; the CUDA half holds the Triton call. Loaded on this CPU
+    (through the query-block algorithm on the kernel's blocks), generate equals a cold CPU run."""
+    env, cwd = machine_env(root, "machine-g", cache=False)
+    d = os.path.join(root, "machine-g", "cuda-artifacts")
+    r = maxjax(["warm-cache", "--model-path", model_dir, *GPU_FLAGS, "--target", "cuda", "cpu",
+                "--artifacts-dir", d], env, cwd)
+    assert r.returncode == 2 and "--num-kv-pages is needed for graphs that run on cuda" in r.stderr
+    r = maxjax(["warm-cache", "--model-path", model_dir, *GPU_FLAGS, "--num-kv-pages", "32",
+                "--target", "cuda", "cpu", "--artifacts-dir", d], env, cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(d, MANIFEST)) as f:
+        data = json.load(f)
+    assert data["targets"] == ["cuda", "cpu"] and data["compiled_for"]["platform"] == "cpu"
+    assert (data["engine"]["platform"], data["engine"]["attention"]) == ("cuda", "pallas_paged")
+    *steps, kv_init = data["graphs"]
+    for g in steps:
+        with open(os.path.join(d, g["files"]["export"]["path"]), "rb") as f:
+            exp = jax.export.deserialize(bytearray(f.read()))
+        assert exp.platforms == ("cuda", "cpu")
+        assert aot_graphs.TRITON_CALL in exp.mlir_module()
+    loaded = maxjax([*GEN, "--model-path", model_dir, "--quantization-encoding", "float32",
+                     "--precompiled-artifacts", d], env, cwd)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert f"({len(steps) + 1} executables, 0 compiled from exports)" in loaded.stderr
+    assert compiles(loaded.stderr) == (0, 0)
+    cold = maxjax([*GEN, "--model-path", model_dir, *GPU_FLAGS, "--num-kv-pages", "32"],
+                  *machine_env(root, "machine-h", cache=False))
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    assert [json.loads(x)["token_ids"] for x in loaded.stdout.splitlines()] == \
+        [json.loads(x)["token_ids"] for x in cold.stdout.splitlines()]
+
+
 # ---- mutations: each refused, naming what differs, before any deserialization -------------------
 @pytest.fixture
 def calls(monkeypatch):

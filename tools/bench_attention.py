@@ -99,7 +99,7 @@ def main():
                             vocab_size=cfg.vocab_size))
     for name, fn in impls.items():
         # read when the step is traced
-        attention._BY_METADATA[attention.QueryBlocks] = dataclasses.replace(
+        attention.BACKENDS[attention.QUERY_BLOCKS.name] = dataclasses.replace(
             attention.QUERY_BLOCKS, attend=fn)
         step = jax.jit(lambda p, kv, st, sa: step_program(ARCH, cfg, 20, p, kv, st, sa),
                        donate_argnums=(1,))

@@ -223,6 +223,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     from maxjax.aot import cache
     from maxjax.engine.build import load
     from maxjax.engine.core import plan_layout
+    from maxjax.models.loader import default_dtype
     platforms = normalize_targets(targets)
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
@@ -231,10 +232,13 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     if artifacts_dir is None and local not in platforms:
         raise UserError(f"--target {' '.join(platforms)}: the compile cache holds graphs for this "
                         f"machine ({local}); pass --artifacts-dir for another machine's")
-    model = load(model_opts.model_path, engine_cfg.quantization_encoding,
-                 model_opts.chat_template, progress=True)
+    # The first target is the machine the graphs are planned for: its defaults (buckets, dtype)
+    # and its attention backend; the other targets get exports of the same graphs.
+    engine_cfg.target(platforms[0])
+    dtype = engine_cfg.quantization_encoding or default_dtype(platforms[0])
+    model = load(model_opts.model_path, dtype, model_opts.chat_template, progress=True)
     engine_cfg.quantization_encoding = model.dtype
-    layout = plan_layout(engine_cfg, model)
+    layout = plan_layout(engine_cfg, model, platforms[0])
     engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
     t0 = time.perf_counter()
     if artifacts_dir is None:

@@ -22,8 +22,16 @@ from typing import Callable
 import jax
 
 from maxjax.errors import UserError
+from maxjax.graphs.attention import backend_named
 from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
+
+
+# The Pallas kernel of the CUDA attention backend (graphs/pallas_attention.py) is a Triton custom
+# call, which jax.export does not guarantee stable across jax versions: allowed here, and an
+# artifact holding one is tied to the jax that wrote it (manifest.check_versions).
+TRITON_CALL = "__gpu$xla.gpu.triton"
+EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:
@@ -33,7 +41,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
     cfg, dtype = model.config, model.params["embed"].dtype
     steps = step_graph_specs(model.arch, cfg, model.params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
-                             MAX_TOP_LOGPROBS)
+                             MAX_TOP_LOGPROBS, backend_named(layout.attention))
     return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype)]
 
 
@@ -56,7 +64,8 @@ def export(spec: GraphSpec, platforms: list[str]) -> tuple[jax.export.Exported, 
         structure["spec"] = tree_spec(out)      # recorded while tracing
         return tuple(jax.tree.leaves(out)), tuple(jax.tree.leaves(kv))
     exp = jax.export.export(jax.jit(flat, donate_argnums=spec.donate_argnums),
-                            platforms=platforms)(*flat_args(spec.args))
+                            platforms=platforms, disabled_checks=EXPORT_CHECKS)(
+        *flat_args(spec.args))
     return exp, structure["spec"]
 
 

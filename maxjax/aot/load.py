@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import concurrent.futures
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -24,11 +25,18 @@ import jax
 from maxjax.aot import graphs
 from maxjax.aot import manifest as mf
 from maxjax.aot.export import SPEC_FLAGS, warm_cache_command
-from maxjax.engine.config import EngineConfig
+from maxjax.engine.config import EngineConfig, platform_defaults
 from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.aot")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def _unset(cfg: EngineConfig, k: str) -> bool:
+    """The value is no choice of the user's: unset, or a (this platform's) default."""
+    v = getattr(cfg, k)
+    return v is None or v == _DEFAULTS[k] or cfg.is_default(k) or \
+        v == platform_defaults(jax.default_backend()).get(k)
 
 
 def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
@@ -39,7 +47,7 @@ def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
         have, want = getattr(engine_cfg, k), pinned.get(k)
         if want is None:
             raise UserError(f"{m.path}: engine field {k} is missing; recreate with: {fix(None)}")
-        if have is None or have == _DEFAULTS[k]:
+        if _unset(engine_cfg, k):
             setattr(engine_cfg, k, want)
         elif have != want:
             raise UserError(f"{mf.FLAGS[k]} {have} differs from the {want} the artifacts in "
@@ -58,12 +66,12 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
     manifests, layout = [], None
     for d in dirs:
         d = os.path.abspath(d)
-        user = dataclasses.replace(engine_cfg)
+        user = copy.deepcopy(engine_cfg)
 
         def fix(field, d=d, user=user):
             eng = {k: getattr(user, k) for k in mf.FLAGS if k != "dtype"}
             for k, v in eng.items():
-                if v is None or (v == _DEFAULTS[k] and k != field):
+                if v is None or (_unset(user, k) and k != field):
                     eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
             eng.update({k: getattr(user, k) for k in SPEC_FLAGS})
             return warm_cache_command(model, eng, d, [local["platform"]])
@@ -76,7 +84,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
             raise UserError(f"{m.path}: built for {', '.join(m.data.get('targets', []))}, this machine "
                             f"is {local['platform']}; recreate with: {fix(None)}")
         mf.check_files(m, fix(None))        # every sha256, before anything is deserialized
-        this = plan_layout(engine_cfg, model)
+        this = plan_layout(engine_cfg, model, pinned.get("platform"))
         run_fp = mf.engine_fingerprint(this, engine_cfg, model.dtype)
         for k in mf.ENGINE_FIELDS:
             if run_fp[k] != pinned.get(k):
@@ -138,10 +146,13 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
             counts["executable"] += 1
             continue
         m, g = cands[0]
+        built = m.data.get("compiled_for")
+        built = (f"its executables are for {built.get('platform')} {built.get('device_kind')} "
+                 f"({built.get('platform_version')})" if built else "it holds no executables")
         if require_compiled:
             raise UserError(f"{m.path}: no executable compiled for this device "
                             f"({local['platform']} {local['device_kind']}, "
-                            f"{local['platform_version']}) for graph {name}, and "
+                            f"{local['platform_version']}) for graph {name}: {built}, and "
                             "--require-compiled-artifacts is set; run warm-cache on this machine")
         exp = jax.export.deserialize(bytearray(_read_verified(m, name, g["files"]["export"])))
         if local["platform"] not in exp.platforms:
@@ -152,8 +163,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
                 mf.avals(exp.out_avals) != sig["out"]["sample"] + sig["out"]["kv"]:
             raise UserError(f"{m.path}: graph {name}: the export's signature differs from its "
                             "manifest")
-        log.info("compiling exported graph %s for %s (no executable for this device)", name,
-                 local["device_kind"])
+        log.info("compiling exported graph %s for %s (%s)", name, local["device_kind"], built)
         out[name] = (graphs.compile_export(exp, spec.args, spec.donate_argnums), "export",
                      g["output_structure"])
         counts["export"] += 1

@@ -179,7 +179,7 @@ def model_fingerprint(model) -> dict:
 
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
-                 "max_lora_rank")
+                 "max_lora_rank", "platform", "attention")
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
@@ -195,7 +195,9 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "buckets": [[b.num_tokens, b.num_rows, b.num_samples] for b in layout.buckets],
           # the LoRA slot stacks are graph inputs (graphs/lora.py); the adapters themselves are not
           "lora_slots": engine_cfg.max_num_loras + 1 if engine_cfg.enable_lora else 0,
-          "max_lora_rank": engine_cfg.max_lora_rank if engine_cfg.enable_lora else 0}
+          "max_lora_rank": engine_cfg.max_lora_rank if engine_cfg.enable_lora else 0,
+          # the platform the layout was planned for, and its attention backend
+          "platform": layout.platform, "attention": layout.attention}
     fp["fingerprint"] = digest(fp)
     return fp
 

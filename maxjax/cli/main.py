@@ -5,6 +5,7 @@ User errors (bad flag, model, checkpoint, artifact) print one line and exit 2, n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -119,7 +120,7 @@ def cmd_generate(args) -> int:
               require_compiled_artifacts=model_opts.require_compiled_artifacts,
               compile_cache=model_opts.compile_cache,
               compile_cache_max_size=model_opts.compile_cache_max_size,
-              progress=not gen.json, **vars(engine_cfg))
+              progress=not gen.json, **dataclasses.asdict(engine_cfg))
     if gen.chat:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         try:

@@ -83,9 +83,11 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
         core.warmup(beat.graph_done if progress else None)
     if progress:
         lay = core.layout
-        log.info("Engine ready in %.1f s: %d step graphs, KV pool of %d pages of %d tokens, "
-                 "max length %d", time.perf_counter() - t0, n, lay.num_pages, lay.page_size,
-                 core.max_length)
+        log.info("Engine ready in %.1f s: %d step graphs (%s attention), KV pool of %d pages "
+                 "of %d tokens, max length %d", time.perf_counter() - t0, n, lay.attention,
+                 lay.num_pages, lay.page_size, core.max_length)
+        if lay.memory_report:
+            log.info("%s", lay.memory_report)
     return core
 
 

@@ -3,16 +3,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Defaults that depend on where the graphs run: a GPU step takes far more rows and tokens for the
+# same step time (the weights are read once per step either way).
+PLATFORM_DEFAULTS = {"cpu": {"max_batch_size": 32, "max_batch_input_tokens": 256},
+                     "cuda": {"max_batch_size": 256, "max_batch_input_tokens": 4096}}
+
+
+def platform_defaults(platform: str) -> dict:
+    return PLATFORM_DEFAULTS["cuda" if platform in ("cuda", "gpu") else "cpu"]
+
 
 @dataclass
 class EngineConfig:
     max_length: int | None = field(default=None, metadata={
         "help": "Maximum prompt + output tokens per request (default: the model's "
                 "max_position_embeddings, capped at 4096)"})
-    max_batch_size: int = field(default=32, metadata={
-        "help": "Maximum requests in one step (rows of the compiled graphs)"})
-    max_batch_input_tokens: int = field(default=256, metadata={
-        "help": "Token budget of one step: prefill chunks plus one token per decoding request"})
+    max_batch_size: int | None = field(default=None, metadata={
+        "help": "Maximum requests in one step (rows of the compiled graphs; default: 32 on CPU, "
+                "256 on GPU)"})
+    max_batch_input_tokens: int | None = field(default=None, metadata={
+        "help": "Token budget of one step: prefill chunks plus one token per decoding request "
+                "(default: 256 on CPU, 4096 on GPU)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "Split long prompts into chunks that fit the token budget"})
     chunked_prefill_min_chunk_size: int = field(default=0, metadata={
@@ -20,7 +31,8 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Reuse KV pages of identical prompt prefixes across requests"})
     kv_cache_page_size: int = field(default=32, metadata={
-        "help": "Tokens per KV cache page (32: fastest paged attention on CPU, see BENCHMARKS.md)"})
+        "help": "Tokens per KV cache page (32: fastest paged attention on CPU, see BENCHMARKS.md; "
+                "on GPU a power of two >= 16)"})
     kv_cache_hash_algo: str = field(default="fast", metadata={
         "help": "Hash of prefix-cache pages: fast (64-bit, non-cryptographic) or sha256"})
     kv_cache_hash_seed: str | None = field(default=None, metadata={
@@ -76,3 +88,23 @@ class EngineConfig:
     draft_devices: str | None = field(default=None, metadata={
         "help": "draft: devices of the draft model (default: --devices; only the same is "
                 "supported)"})
+
+    def __post_init__(self):
+        self._platform_defaults: dict = {}
+        self.target(None)
+
+    def target(self, platform: str | None) -> None:
+        """Fill the settings left unset with the defaults of the platform the graphs will run on
+        (None: this machine's); settings filled so before take the new platform's."""
+        if platform is None:
+            import jax
+            platform = jax.default_backend()
+        for name, value in platform_defaults(platform).items():
+            if getattr(self, name) is None or self.is_default(name):
+                setattr(self, name, value)
+                self._platform_defaults[name] = value
+
+    def is_default(self, name: str) -> bool:
+        """True when `name` still holds the platform default it was given."""
+        return name in self._platform_defaults and \
+            getattr(self, name) == self._platform_defaults[name]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from maxjax.engine import compile_counter, speculative
+from maxjax.engine import compile_counter, memory, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
@@ -31,6 +31,7 @@ from maxjax.engine.scheduler import ScheduledRow, Scheduler
 from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_request
 from maxjax.errors import RequestError, UserError
+from maxjax.graphs.attention import backend_for as backend_for_platform
 from maxjax.graphs.step import RowSlice
 from maxjax.structured.backend import backend_for
 
@@ -46,6 +47,9 @@ class EngineLayout:
     num_pages: int
     max_pages_per_row: int
     buckets: list = field(default_factory=list)
+    platform: str = "cpu"            # where the graphs run (export platform name)
+    attention: str = "query_blocks"  # the attention backend (graphs/attention.py)
+    memory_report: str = field(default="", compare=False)   # how the pool was sized
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -57,49 +61,50 @@ def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
     return cfg.max_length
 
 
-def _available_bytes() -> int:
-    dev = jax.devices()[0]
-    if dev.platform != "cpu":
-        stats = dev.memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+def local_platform() -> str:
+    """This process's JAX platform as export names it: cpu, cuda, rocm, tpu."""
+    return jax.export.default_export_platform()
 
 
-def _round_down(n: int, bits: int = 3) -> int:
-    drop = max(0, n.bit_length() - bits)
-    return (n >> drop) << drop
-
-
-def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
+def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> EngineLayout:
+    """The layout for graphs that run on `platform` (None: this machine's): its attention
+    backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
+    platform's memory cannot be measured here)."""
     mc = model.config
+    platform = platform or local_platform()
     if cfg.kv_cache_page_size < 1:
         raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
     if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
         raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
+    attention = backend_for_platform(platform)
+    if attention.name == "pallas_paged":
+        from maxjax.graphs import pallas_attention as kernel
+        why = kernel.check_page_size(cfg.kv_cache_page_size)
+        if why:
+            raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {why}")
+        if not kernel.supports_head_dim(mc.head_dim):
+            attention = backend_for_platform("cpu")
     max_length = resolve_max_length(cfg, mc)
     page = cfg.kv_cache_page_size
     per_row = math.ceil(max_length / page)
+    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
+                         speculative.draft_tokens(cfg) + 1)
     if cfg.num_kv_pages is not None:
         num_pages = cfg.num_kv_pages
+        report = f"KV pool of --num-kv-pages {num_pages}"
+    elif platform != local_platform():
+        raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
+                        f"{local_platform()} machine cannot measure that device's memory")
     else:
-        itemsize = np.dtype(model.params["embed"].dtype).itemsize
-        page_bytes = 2 * mc.num_layers * page * mc.num_kv_heads * mc.head_dim * itemsize
-        budget = int(_available_bytes() * cfg.device_memory_utilization)
-        # No more than every row at max_length could use, plus the scratch page. The pool
-        # shapes every graph: rounded down to 3 significant bits, the free memory's drift
-        # between starts does not change it (and miss the compile cache).
-        num_pages = min(_round_down(budget // page_bytes), cfg.max_batch_size * per_row + 1)
+        # No more than every row at max_length could use, plus the scratch page.
+        plan = memory.plan_pool(mc, model.params, page, cfg.device_memory_utilization, buckets,
+                                cfg.max_batch_size * per_row + 1)
+        num_pages, report = plan.num_pages, plan.report()
     if num_pages < 2:
         raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
                         "(raise --device-memory-utilization or set --num-kv-pages)")
-    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
-                         speculative.draft_tokens(cfg) + 1)
-    return EngineLayout(max_length, page, int(num_pages), per_row, buckets)
+    return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
+                        attention.name, report)
 
 
 def make_lora_manager(cfg: EngineConfig, model):
@@ -146,7 +151,7 @@ class EngineCore:
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
-                                  self.lora)
+                                  self.lora, lay.attention)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.

@@ -20,7 +20,7 @@ import numpy as np
 from maxjax.engine.buckets import Bucket, pick_bucket
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
-from maxjax.graphs.attention import backend_for
+from maxjax.graphs.attention import backend_for, backend_named
 from maxjax.graphs.program import GraphSpec, kv_init_spec, step_graph_specs
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
@@ -73,8 +73,10 @@ class ModelRunner:
     def __init__(self, model, buckets: list[Bucket], num_pages: int, page_size: int,
                  max_pages_per_row: int, history_len: int,
                  executables: dict[Bucket, Callable] | None = None,
-                 kv_init: Callable[[], tuple] | None = None, lora=None):
-        """`lora`: the LoraManager whose device slots join the params (None: no LoRA)."""
+                 kv_init: Callable[[], tuple] | None = None, lora=None,
+                 attention: str | None = None):
+        """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
+        `attention`: the attention backend's name (None: this platform's)."""
         self.model = model
         self.lora = lora
         self.cfg = model.config
@@ -91,7 +93,7 @@ class ModelRunner:
         self.kv = kv_init()
         self.executables: dict[Bucket, Callable] = dict(executables or {})
         self.eos = tuple(self.cfg.eos_token_ids)
-        self.attention = backend_for(jax.default_backend())
+        self.attention = backend_named(attention) if attention else backend_for()
         self.last_timing: dict[str, float] = {}
         self.last_bucket: Bucket | None = None
 

@@ -49,9 +49,11 @@ def embedded_model_path() -> str:
     raise UserError(f"{EMBEDDED_PACKAGE} is installed but holds no {EMBEDDED_FILE}")
 
 
-def default_dtype() -> str:
+def default_dtype(platform: str | None = None) -> str:
+    """float32 on the CPU (XLA:CPU's bf16 matrix-vector products are ~15x slower, DESIGN.md),
+    bfloat16 on an accelerator; `platform` None: this machine's."""
     import jax
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
 def resolve_model_path(model: str | None) -> str:
