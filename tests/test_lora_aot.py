@@ -64,8 +64,10 @@ def test_manifest_holds_the_lora_stacks(setup):
         data = json.load(f)
     assert (data["engine"]["lora_slots"], data["engine"]["max_lora_rank"]) == (3, 8)
     step = data["graphs"][0]["signature"]["in"]["params"]
-    # per layer: wqkv a [64, 3, 3*8], b [3, 24, 64+32+32]; the slots are inputs, not constants
-    assert [[64, 3, 24], "float32"] in step and [[3, 24, 128], "float32"] in step
+    # per layer: wqkv a [64, 2, 3*8], b [2, 8, 64], [2, 8, 32] x 2 (slot 0 is not stored); the
+    # slots are inputs, not constants
+    assert [[64, 2, 24], "float32"] in step and [[2, 8, 64], "float32"] in step
+    assert [[2, 8, 32], "float32"] in step
 
 
 def test_serve_from_lora_artifacts_compiles_nothing(setup):

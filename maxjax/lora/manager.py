@@ -24,7 +24,7 @@ import numpy as np
 
 from maxjax.errors import RequestError
 from maxjax.graphs.lora import lora_specs
-from maxjax.graphs.sharding import shapes
+from maxjax.graphs.sharding import abstract
 from maxjax.lora.adapter import Adapter, read_adapter
 
 
@@ -44,9 +44,8 @@ class LoraManager:
         self.cfg, self.dtype = model_cfg, np.dtype(dtype)
         self.max_rank, self.max_cpu_loras = max_lora_rank, max_cpu_loras
         self.num_slots = max_num_loras + 1           # slot 0: no adapter
-        self.host = jax.tree.map(lambda s: np.zeros(s, self.dtype),
-                                 shapes(lora_specs(model_cfg, self.num_slots, max_lora_rank)),
-                                 is_leaf=lambda x: isinstance(x, tuple))
+        self.host = jax.tree.map(lambda s: np.zeros(s.shape, self.dtype), abstract(
+            lora_specs(model_cfg, self.num_slots, max_lora_rank), self.dtype))
         self.device = jax.device_put(self.host)
         self.served: dict[str, Entry] = {}           # name -> its entry, in load order
         self.entries: dict[str, Entry] = {}          # uid -> entry (unloading ones in use too)
@@ -181,10 +180,11 @@ class LoraManager:
             req.lora_slot = 0
 
     def _write(self, slot: int, adapter: Adapter) -> None:
-        for host_layer, weights in zip(self.host, adapter.weights):
-            for key, (a, b) in weights.items():
-                host_layer[key]["a"][:, slot] = a
-                host_layer[key]["b"][slot] = b
+        for host_layer, weights in zip(self.host, adapter.weights):     # slot s at index s - 1
+            for key, (a, bs) in weights.items():
+                host_layer[key]["a"][:, slot - 1] = a
+                for stack, b in zip(host_layer[key]["b"], bs):
+                    stack[slot - 1] = b
         # A copy: on CPU device_put may alias a numpy buffer that the next write changes.
         self.device = jax.device_put(jax.tree.map(np.copy, self.host))
         self.swaps += 1
