@@ -134,7 +134,7 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     rope = (L.rope_cos_sin(step.positions, inv_g), L.rope_cos_sin(step.positions, inv_l))
     adapters = params.get("lora")     # present when the engine serves LoRA (graphs/lora.py)
     if adapters:
-        onehot = lora.slot_onehot(step.lora_slot, adapters[0]["wo"]["b"].shape[0], h.dtype)
+        onehot = lora.slot_onehot(step.lora_slot, adapters[0]["wo"]["a"].shape[1], h.dtype)
     for i, p in enumerate(params["layers"]):
         if adapters:
             p = lora.with_adapters(p, adapters[i], onehot)

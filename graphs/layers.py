@@ -13,10 +13,11 @@ import jax.numpy as jnp
 @dataclass
 class LowRankDelta:
     """A projection with per-token LoRA deltas: row t gets x @ weight + x @ a[s] @ b[s], s the
-    one-hot slot of token t (slot 0 holds zeros: no adapter). The adapters' scale is in b."""
+    one-hot slot of token t (a zero row: no adapter). The adapters' scale is in b. A fused
+    projection's parts share `a` (their ranks side by side) and keep a B each."""
     weight: jax.Array     # as `linear` takes it: [in, out], or [out, in] when transposed
-    a: jax.Array          # [in, S, r]  every slot's A, stacked (flattens to [in, S*r] for free)
-    b: jax.Array          # [S, r, out]                         ([S*r, out])
+    a: jax.Array          # [in, S, P*r]  every slot's A, stacked (flattens to [in, S*P*r] for free)
+    b: tuple              # P x [S, r, out_p]  (each flattens to [S*r, out_p]); outputs concatenated
     slot_onehot: jax.Array  # [T, S]  each token's slot
 
 
@@ -26,13 +27,18 @@ def linear(x, w, transposed: bool = False, out_dtype=None):
     head) or a LowRankDelta around one."""
     if isinstance(w, LowRankDelta):
         # The dense one-hot form (every slot's x @ A, masked, then @ B) beat a per-token gather
-        # of A and B on CPU (DESIGN.md: 879 vs 1370 us at T=32); as two plain matmuls over the
-        # flattened stacks, not batched einsums over slots: 0.71 vs 0.45 of the base throughput
-        # (BENCHMARKS.md, Multi-LoRA).
-        d_in, S, r = w.a.shape
-        xa = jnp.matmul(x, w.a.reshape(d_in, S * r))
-        xa = xa * jnp.repeat(w.slot_onehot.astype(x.dtype), r, axis=-1)
-        delta = jnp.matmul(xa, w.b.reshape(S * r, -1), preferred_element_type=out_dtype)
+        # of A and B on CPU (DESIGN.md: 879 vs 1370 us at T=32); as plain matmuls over the
+        # flattened stacks, not batched einsums over slots (0.71 vs 0.45 of the base
+        # throughput); decode is memory-bound, so a B per fused part and no stored slot 0 halve
+        # the stacks it reads (BENCHMARKS.md, Multi-LoRA).
+        d_in, S, pr = w.a.shape
+        r = pr // len(w.b)
+        xa = jnp.matmul(x, w.a.reshape(d_in, S * pr)).reshape(*x.shape[:-1], S, pr)
+        xa = xa * w.slot_onehot.astype(x.dtype)[..., None]
+        delta = jnp.concatenate(
+            [jnp.matmul(xa[..., j * r:(j + 1) * r].reshape(*x.shape[:-1], S * r),
+                        b.reshape(S * r, -1), preferred_element_type=out_dtype)
+             for j, b in enumerate(w.b)], axis=-1)
         return linear(x, w.weight, transposed, out_dtype) + delta.astype(out_dtype or x.dtype)
     if transposed:
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=out_dtype)

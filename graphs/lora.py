@@ -1,9 +1,11 @@
-"""LoRA in the graph: per target projection, every adapter slot's A [in, S, r] and B [S, r, out]
-stacked (slot 0 all zeros: the base model), selected per token by the step's `lora_slot`; A is
-laid out [in, S, r] so both stacks flatten into plain matmul operands.
+"""LoRA in the graph: per target projection, every adapter slot's A [in, N, r] and B [N, r, out]
+stacked, selected per token by the step's `lora_slot` (1..N; slot 0, the base model, is stored
+nowhere: its one-hot row is all zeros); A is laid out [in, N, r] so both stacks flatten into
+plain matmul operands.
 
-Fused projections hold their parts' adapters side by side: q|k|v's A is [A_q | A_k | A_v] along
-the rank and its B block-diagonal, so one matmul pair serves all three (rank 3r, exact).
+Fused projections share one A: q|k|v's is [A_q | A_k | A_v] along the rank (one matmul for the
+three), and keep one B per part ([N, r, out_q], [N, r, out_k], [N, r, out_v]): a fused B would be
+block-diagonal, two thirds zeros that every decode step reads (BENCHMARKS.md, Multi-LoRA).
 Loading an adapter writes its slot of these arrays (maxjax/lora/); the graph never changes.
 """
 from __future__ import annotations
@@ -32,21 +34,23 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def lora_specs(cfg: ModelConfig, num_slots: int, max_rank: int) -> list[dict]:
-    """Per layer, per target: {"a": [in, S, parts * r], "b": [S, parts * r, out]}."""
+    """Per layer, per target: {"a": [in, N, parts * r], "b": ([N, r, out] per part)}, N =
+    num_slots - 1 (slot 0 is not stored)."""
     shapes = module_shapes(cfg)
+    n = num_slots - 1
     layer = {}
     for key, (modules, (ax_in, ax_out)) in TARGETS.items():
         d_in = shapes[modules[0]][0]
-        d_out = sum(shapes[m][1] for m in modules)
         r = len(modules) * max_rank
-        layer[key] = {"a": ArraySpec((d_in, num_slots, r), (ax_in, "lora_slots", "lora_rank")),
-                      "b": ArraySpec((num_slots, r, d_out), ("lora_slots", "lora_rank", ax_out))}
+        layer[key] = {"a": ArraySpec((d_in, n, r), (ax_in, "lora_slots", "lora_rank")),
+                      "b": tuple(ArraySpec((n, max_rank, shapes[m][1]),
+                                           ("lora_slots", "lora_rank", ax_out)) for m in modules)}
     return [dict(layer) for _ in range(cfg.num_layers)]
 
 
-def slot_onehot(lora_slot, num_slots: int, dtype):
-    """[T, S] one-hot of each token's adapter slot."""
-    return jax.nn.one_hot(lora_slot, num_slots, dtype=dtype)
+def slot_onehot(lora_slot, num_stored: int, dtype):
+    """[T, N] one-hot of each token's adapter slot over the stored slots 1..N (slot 0: zeros)."""
+    return jax.nn.one_hot(lora_slot - 1, num_stored, dtype=dtype)
 
 
 def with_adapters(p: dict, lora_layer: dict, onehot) -> dict:

@@ -120,7 +120,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 @describe(request=UnloadLoraRequest, content_type="text/plain")
 async def unload_lora_adapter(request: web.Request) -> web.Response:
-    """{lora_name}: refused (400) while unfinished requests use it; 404 when not loaded."""
+    """{lora_name}: waits for the requests using it (new ones get a 404 at once); a 400 when
+    they have not ended within --lora-unload-timeout; 404 when not loaded."""
     st = request.app[STATE]
     name = parse_request(UnloadLoraRequest, await read_json(request), False).lora_name
     st.check_ready()

@@ -39,7 +39,9 @@ class EngineClient(Protocol):
         ...
 
     async def unload_lora(self, name: str) -> None:
-        """RequestError (lora_name) when unknown, or while unfinished requests use it."""
+        """New requests naming it are refused at once; returns when the unfinished ones using
+        it have ended. RequestError (lora_name) when unknown, or when they have not ended
+        within the engine's --lora-unload-timeout."""
         ...
 
     def abort(self, request_id: str) -> None:

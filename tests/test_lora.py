@@ -141,18 +141,33 @@ def test_load_use_unload_without_compiling(setup):
     assert got["b1"][0] == setup.refs["b"][1]
     assert core.lora.swaps > swaps
     core.add_request("busy", PROMPT, GREEDY, lora="c")
-    with pytest.raises(RequestError, match="in use by 1") as e:
-        core.unload_lora("c")
-    assert e.value.param == "lora_name"
-    core.abort("busy")
-    core.unload_lora("c")
+    busy = [t for out in core.step() for t in out.new_token_ids]
+    uid = core.unload_lora("c")                      # busy goes on; new requests are refused
     with pytest.raises(RequestError, match="not loaded") as e:
         core.add_request("gone", PROMPT, GREEDY, lora="c")
     assert e.value.param == "model"
-    assert core.lora_names() == ["a", "b"]
+    assert core.lora_names() == ["a", "b"] and core.lora_users(uid) == 1
+    while core.has_unfinished():
+        busy += [t for out in core.step() for t in out.new_token_ids]
+    assert busy == setup.refs["c"][1] and core.lora_users(uid) == 0
+    assert uid not in core.lora.entries
     core.load_lora("c", setup.paths["c"])            # the same name again: a fresh load id
     assert run(core, {"c2": (PROMPT, "c")})["c2"][0] == setup.refs["c"][1]
     core.unload_lora("c")
+
+
+def test_host_cap_evicts_and_reads_an_adapter_again(setup):
+    """--max-cpu-loras 1: each adapter named pushes the other out of host memory; read again
+    from its path, it gives peft's tokens (a second engine of the same shapes: the compile
+    cache's graphs)."""
+    llm = LLM(setup.model, max_batch_size=4, max_batch_input_tokens=32, max_length=64,
+              num_kv_pages=40, kv_cache_page_size=8, enable_lora=True, max_num_loras=2,
+              max_lora_rank=8, max_cpu_loras=1,
+              lora_paths=[f"a={setup.paths['a']}", f"b={setup.paths['b']}"])
+    assert llm.core.lora_names() == ["a", "b"] and llm.core.lora.evictions == 1
+    for name in ("a", "b", "a"):
+        assert llm.generate(PROMPT, GREEDY, lora=name)[0].token_ids == setup.refs[name][1]
+    assert llm.core.lora.evictions == 4 and llm.core.step_compiles == 0
 
 
 def _broken_copy(src, dst, edit):

@@ -1,9 +1,11 @@
 """LoRA over HTTP on a real engine (tiny random Llama, PEFT adapters as the reference): the request's
 `model` picks the adapter, /v1/models lists adapters with their `parent`, and vLLM's load/unload
 routes (behind --api-key) change the served set without compiling; bad adapters are a 400 naming
-the field, an unloaded name a 404."""
+the field, an unloaded name a 404. Unloading waits for the requests using the adapter (new ones
+get a 404 at once), or answers a 400 after --lora-unload-timeout while they run on."""
 from __future__ import annotations
 
+import threading
 import time
 
 import openai
@@ -102,3 +104,80 @@ def test_bad_adapters_are_a_400_naming_the_field(served, body, param, message):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"]
+
+
+def _slow_steps(core, monkeypatch, seconds=0.05):
+    """Each engine step takes `seconds` longer, so a request is still running while we look."""
+    step = core.step
+    monkeypatch.setattr(core, "step", lambda: time.sleep(seconds) or step())
+
+
+def _long_request(server, model, result: dict):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 40, "temperature": 0,
+            "logprobs": 0, "ignore_eos": True}
+    r = http("POST", server.url + "/v1/completions", body, headers=AUTH)
+    result.update(status=r.status_code, json=r.json())
+
+
+def _start_long_request(server, core, model) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    t = threading.Thread(target=_long_request, args=(server, model, result))
+    t.start()
+    end = time.monotonic() + 30
+    while not core.scheduler.num_running:
+        assert time.monotonic() < end and t.is_alive(), result
+        time.sleep(0.005)
+    return t, result
+
+
+def test_unload_waits_for_the_requests_using_it(served, monkeypatch):
+    server, core, refs, paths = served
+    url = server.url + "/v1/"
+    r = http("POST", url + "load_lora_adapter", {"lora_name": "c", "lora_path": paths["a"]},
+             headers=AUTH)
+    assert r.status_code == 200, r.text
+    _slow_steps(core, monkeypatch)
+    long, got = _start_long_request(server, core, "c")
+    unloaded: dict = {}
+
+    def unload():
+        r = http("POST", url + "unload_lora_adapter", {"lora_name": "c"}, headers=AUTH)
+        unloaded.update(status=r.status_code, text=r.text,
+                        left=[e.name for e in list(core.lora.entries.values())])
+    waiter = threading.Thread(target=unload)
+    waiter.start()
+    while "c" in [m["id"] for m in http("GET", url + "models", headers=AUTH).json()["data"]]:
+        time.sleep(0.005)
+    with pytest.raises(openai.NotFoundError):        # at once, while the long one still runs
+        complete(server, "c")
+    assert long.is_alive() and waiter.is_alive()
+    long.join(60)
+    waiter.join(60)
+    assert got["status"] == 200 and unloaded["status"] == 200, (got, unloaded)
+    assert got["json"]["usage"]["completion_tokens"] == 40
+    toks = [int(t[1:]) for t in got["json"]["choices"][0]["logprobs"]["tokens"]]
+    assert toks[:NEW] == refs["a"]                   # the adapter served it to the end
+    assert "c" not in unloaded["left"]               # gone when the unload answered
+    assert core.step_compiles == 0
+
+
+def test_unload_that_outlasts_its_timeout_is_a_clear_error(served, monkeypatch):
+    server, core, refs, paths = served
+    url = server.url + "/v1/"
+    r = http("POST", url + "load_lora_adapter", {"lora_name": "d", "lora_path": paths["a"]},
+             headers=AUTH)
+    assert r.status_code == 200, r.text
+    _slow_steps(core, monkeypatch)
+    monkeypatch.setattr(core.cfg, "lora_unload_timeout", 0.2)
+    long, got = _start_long_request(server, core, "d")
+    r = http("POST", url + "unload_lora_adapter", {"lora_name": "d"}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_name"
+    assert "'d': 1 unfinished requests still use it after 0.2 s (--lora-unload-timeout); it is " \
+           "no longer served and goes when they end" in err["message"]
+    assert long.is_alive()
+    long.join(60)
+    assert got["status"] == 200 and got["json"]["usage"]["completion_tokens"] == 40
+    assert all(e.name != "d" for e in core.lora.entries.values())
+    assert "d" not in [m["id"] for m in http("GET", url + "models", headers=AUTH).json()["data"]]

@@ -115,7 +115,7 @@ def test_linear_with_a_zero_delta_leaves_logits_unchanged(model, run):
     rank, T = 2, 16
     one_slot = jnp.ones((T, 1), jnp.float32)      # every token in the one adapter slot
     zero = _with_deltas(model.params, lambda w: layers.LowRankDelta(
-        w, jnp.zeros((w.shape[0], 1, rank), w.dtype), jnp.zeros((1, rank, w.shape[1]), w.dtype),
+        w, jnp.zeros((w.shape[0], 1, rank), w.dtype), (jnp.zeros((1, rank, w.shape[1]), w.dtype),),
         one_slot))
     step = build_step_inputs([RowSlice(PROMPT, 0, [1, 2, 3])], T, 1, MAX_PAGES, PAGE)
     fwd = jax.jit(partial(model.arch.forward, model.config))
@@ -129,10 +129,10 @@ def test_linear_with_a_zero_delta_leaves_logits_unchanged(model, run):
     def delta(w):
         a = jnp.asarray(rng.normal(0, 0.05, (w.shape[0], 1, rank)), w.dtype)
         b = jnp.asarray(rng.normal(0, 0.05, (1, rank, w.shape[1])), w.dtype)
-        return layers.LowRankDelta(w, a, b, one_slot)
+        return layers.LowRankDelta(w, a, (b,), one_slot)
     deltas = _with_deltas(model.params, delta)
     merged = dict(deltas)
-    merged["layers"] = [{k: (w.weight + w.a[:, 0] @ w.b[0] if isinstance(w, layers.LowRankDelta) else w)
+    merged["layers"] = [{k: (w.weight + w.a[:, 0] @ w.b[0][0] if isinstance(w, layers.LowRankDelta) else w)
                          for k, w in p.items()} for p in deltas["layers"]]
     got, _ = fwd(deltas, kv, step)
     want, _ = fwd(merged, kv, step)

@@ -4,7 +4,11 @@ adapters on a LoRA engine (B), and the same base-model load on the LoRA engine (
 matmuls run for every token). Runs interleaved A B C ... A, same prompts and lengths.
 Adapters: random PEFT-format files (rank --rank on all 7 projections), written here.
 
+Then the decode step executable alone, A B C interleaved (--step-rounds rounds of 5), for the
+same 32 rows: the device cost without the scheduling, less exposed to a busy machine.
+
     .venv/bin/python tools/bench_lora.py [--streams 32] [--tokens 64] [--reps 3] [--rank 16]
+        [--step-rounds 10]
 """
 from __future__ import annotations
 
@@ -13,11 +17,16 @@ import json
 import os
 import tempfile
 import time
+from types import SimpleNamespace
 
+import jax
 import numpy as np
 from safetensors.numpy import save_file
 
+from maxjax.engine.buckets import pick_bucket
 from maxjax.engine.types import SamplingParams
+from maxjax.graphs import sampling
+from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 from maxjax.graphs.lora import module_shapes
 from maxjax.llm import LLM
 from maxjax.models.loader import load_model
@@ -40,10 +49,40 @@ def write_adapter(path: str, cfg, rank: int, seed: int) -> str:
     return path
 
 
-def run(llm, prompts, params, lora) -> float:
+PHASES = ("schedule", "build_inputs", "device_step", "update", "detokenize")
+
+
+def run(llm, prompts, params, lora, profile: dict | None = None) -> float:
+    """Output tok/s; `profile` sums the engine's seconds per phase and its steps."""
+    before = dict(llm.core.profile)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora=lora)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+    took = time.perf_counter() - t0
+    if profile is not None:
+        for k in (*PHASES, "steps"):
+            profile[k] = profile.get(k, 0) + llm.core.profile[k] - before[k]
+    return sum(len(o.token_ids) for o in outs) / took
+
+
+def decode_step_ms(llm, slots: list[int], context: int, iters: int) -> list[float]:
+    """Milliseconds of the decode step executable alone (one token for each of len(slots) rows,
+    each `context` tokens deep, row i in adapter slot slots[i]), `iters` times."""
+    r = llm.core.runner
+    bucket = pick_bucket(r.buckets, len(slots), len(slots), len(slots))
+    pages = [SCRATCH_PAGE] * -(-(context + 1) // r.page_size)
+    rows = [RowSlice([0], context, pages, lora_slot=s) for s in slots]
+    step = build_step_inputs(rows, bucket.num_tokens, bucket.num_rows, r.max_pages, r.page_size,
+                             bucket.num_samples, r.attention, r.lora is not None)
+    samp = sampling.build_sampling_arrays([(SamplingParams(temperature=0.8), [0], [], 0)]
+                                          * len(slots), bucket.num_samples, r.history_len, r.eos,
+                                          r.cfg.vocab_size)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out, r.kv = r.executables[bucket](r.params, r.kv, step, samp)
+        jax.block_until_ready(out)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
 
 
 def main() -> None:
@@ -52,6 +91,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--step-rounds", type=int, default=10)
     args = ap.parse_args()
     n, k = args.streams, args.tokens
     model = load_model(None, "float32", progress=False)
@@ -71,10 +111,11 @@ def main() -> None:
     for llm, lr in cases.values():                   # warm: first runs, prefix cache
         run(llm, prompts, params, lr)
     got = {c: [] for c in cases}
+    prof: dict = {c: {} for c in cases}
     for _ in range(args.reps):
         for c, (llm, lr) in cases.items():
-            got[c].append(run(llm, prompts, params, lr))
-    got["A"].append(run(base, prompts, params, None))
+            got[c].append(run(llm, prompts, params, lr, prof[c]))
+    got["A"].append(run(base, prompts, params, None, prof["A"]))
     mean = {c: float(np.mean(v)) for c, v in got.items()}
     runs = {c: ", ".join(f"{x:.1f}" for x in v) for c, v in got.items()}
     print(f"{n} streams x {k} tokens, rank {args.rank}, 4 device slots:")
@@ -83,6 +124,27 @@ def main() -> None:
           f"{mean['B'] / mean['A']:.3f} x A")
     print(f"  C LoRA engine, base model:         {mean['C']:.1f} ({runs['C']}) = "
           f"{mean['C'] / mean['A']:.3f} x A")
+    print("  ms per step (engine phases, summed over the timed runs):")
+    for c, p in prof.items():
+        print(f"    {c}: " + ", ".join(f"{k} {1e3 * p[k] / p['steps']:.2f}" for k in PHASES)
+              + f" ({p['steps']} steps)")
+    # The decode step alone, interleaved A B C in rounds: less exposed to a busy machine.
+    pinned = [lora.core.lora.resolve(nm) for nm in names]
+    pins = [SimpleNamespace(adapter_id=u, lora_slot=0) for u in pinned]
+    for p in pins:
+        lora.core.lora.acquire(p)
+    slot_rows = {"A": [0] * n, "B": [pins[i % 4].lora_slot for i in range(n)], "C": [0] * n}
+    steps = {c: [] for c in cases}
+    for _ in range(args.step_rounds):
+        for c, (llm, _) in cases.items():
+            steps[c] += decode_step_ms(llm, slot_rows[c], 160, 5)
+    for p in pins:
+        lora.core.lora.release(p)
+    med = {c: float(np.median(v)) for c, v in steps.items()}
+    print(f"  decode step alone ({n} rows at 160 tokens, median / min of {len(steps['A'])}):")
+    for c in cases:
+        print(f"    {c}: {med[c]:.1f} / {min(steps[c]):.1f} ms = {med['A'] / med[c]:.3f} x A "
+              f"(by min {min(steps['A']) / min(steps[c]):.3f})")
     print(f"  step compiles since ready: {base.stats()['xla_compiles_since_ready']}, "
           f"{lora.stats()['xla_compiles_since_ready']}; adapter swaps {lora.core.lora.swaps}")
 

@@ -187,6 +187,8 @@ def _model_flag(model) -> list[str]:
 
 # Speculation adds verification buckets to the bucket set: the command repeats these flags.
 SPEC_FLAGS = ("speculative_method", "num_speculative_tokens")
+# LoRA adds the adapter slot stacks to the graphs' inputs.
+LORA_FLAGS = ("enable_lora", "max_num_loras", "max_lora_rank")
 
 
 def warm_cache_command(model, engine: dict, directory: str | None, platforms: list[str]) -> str:
@@ -198,6 +200,9 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
     for k in SPEC_FLAGS:
         if engine.get(k) is not None:
             parts += [f"--{k.replace('_', '-')}", str(engine[k])]
+    if engine.get("enable_lora"):
+        parts += ["--enable-lora", "--max-num-loras", str(engine["max_num_loras"]),
+                  "--max-lora-rank", str(engine["max_lora_rank"])]
     parts += ["--target", *platforms]
     if directory:
         parts += ["--artifacts-dir", directory]
@@ -254,7 +259,8 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     print(f"artifacts: {directory}")
     if artifacts_dir is None:
         print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
-    serve = ["maxjax", "serve", *_model_flag(model), "--precompiled-artifacts", directory]
+    serve = ["maxjax", "serve", *_model_flag(model), "--precompiled-artifacts", directory,
+             *(["--enable-lora"] if engine_cfg.enable_lora else [])]
     print(f"serve with: {shlex.join(serve)}")
     return 0
 

@@ -24,7 +24,9 @@ import jax
 from maxjax.errors import UserError
 from maxjax.graphs.attention import backend_named
 from maxjax.graphs.decoder import kv_specs
+from maxjax.graphs.lora import lora_specs
 from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
+from maxjax.graphs.sharding import abstract
 
 
 # The Pallas kernel of the CUDA attention backend (graphs/pallas_attention.py) is a Triton custom
@@ -36,10 +38,15 @@ EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 
 def graph_specs(model, layout) -> list[GraphSpec]:
     """The step graphs of `layout`'s buckets, then the KV initializer; nothing is allocated (the
-    pool may be sized for another machine)."""
+    pool may be sized for another machine). With LoRA the step graphs take the adapter slot
+    stacks as params["lora"] (graphs/lora.py), whose shapes the layout pins."""
     from maxjax.engine.types import MAX_TOP_LOGPROBS
     cfg, dtype = model.config, model.params["embed"].dtype
-    steps = step_graph_specs(model.arch, cfg, model.params, pool_specs(model, layout),
+    params = model.params
+    if layout.lora_slots:
+        params = {**params, "lora": abstract(lora_specs(cfg, layout.lora_slots,
+                                                        layout.max_lora_rank), dtype)}
+    steps = step_graph_specs(model.arch, cfg, params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
                              MAX_TOP_LOGPROBS, backend_named(layout.attention))
     return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype)]

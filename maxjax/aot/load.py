@@ -24,7 +24,7 @@ import jax
 
 from maxjax.aot import graphs
 from maxjax.aot import manifest as mf
-from maxjax.aot.export import SPEC_FLAGS, warm_cache_command
+from maxjax.aot.export import LORA_FLAGS, SPEC_FLAGS, warm_cache_command
 from maxjax.engine.config import EngineConfig, platform_defaults
 from maxjax.errors import UserError
 
@@ -53,7 +53,31 @@ def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
             raise UserError(f"{mf.FLAGS[k]} {have} differs from the {want} the artifacts in "
                             f"{m.directory} were built with: drop the flag, or recreate them with: "
                             f"{fix(k)}")
+    _adopt_lora(m, pinned, engine_cfg, fix)
     return pinned
+
+
+def _adopt_lora(m: mf.Manifest, pinned: dict, engine_cfg: EngineConfig, fix) -> None:
+    """LoRA graphs take the slot stacks as inputs: --enable-lora must match the artifacts, and
+    --max-num-loras / --max-lora-rank follow the adopt-or-refuse rule of _adopt_pinned."""
+    slots, rank = pinned.get("lora_slots", 0), pinned.get("max_lora_rank", 0)
+    if bool(slots) != engine_cfg.enable_lora:
+        built = (f"with --enable-lora --max-num-loras {slots - 1} --max-lora-rank {rank}"
+                 if slots else "without --enable-lora")
+        raise UserError(f"--enable-lora is {'on' if engine_cfg.enable_lora else 'off'} but the "
+                        f"artifacts in {m.directory} were built {built}: "
+                        f"{'drop' if not slots else 'pass'} it, or recreate them with: {fix(None)}")
+    if not slots:
+        return
+    for k, want in (("max_num_loras", slots - 1), ("max_lora_rank", rank)):
+        have = getattr(engine_cfg, k)
+        if have == _DEFAULTS[k]:
+            setattr(engine_cfg, k, want)
+        elif have != want:
+            flag = "--" + k.replace("_", "-")
+            raise UserError(f"{flag} {have} differs from the {want} the artifacts in "
+                            f"{m.directory} were built with: drop the flag, or recreate them with: "
+                            f"{fix(k)}")
 
 
 def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False):
@@ -73,7 +97,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
             for k, v in eng.items():
                 if v is None or (_unset(user, k) and k != field):
                     eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
-            eng.update({k: getattr(user, k) for k in SPEC_FLAGS})
+            eng.update({k: getattr(user, k) for k in (*SPEC_FLAGS, *LORA_FLAGS)})
             return warm_cache_command(model, eng, d, [local["platform"]])
         m = None    # fix() reads the pinned values once the manifest is read
         m = mf.read_manifest(d, fix(None))

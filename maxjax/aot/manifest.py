@@ -194,8 +194,7 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "max_pages_per_row": layout.max_pages_per_row, "dtype": dtype,
           "buckets": [[b.num_tokens, b.num_rows, b.num_samples] for b in layout.buckets],
           # the LoRA slot stacks are graph inputs (graphs/lora.py); the adapters themselves are not
-          "lora_slots": engine_cfg.max_num_loras + 1 if engine_cfg.enable_lora else 0,
-          "max_lora_rank": engine_cfg.max_lora_rank if engine_cfg.enable_lora else 0,
+          "lora_slots": layout.lora_slots, "max_lora_rank": layout.max_lora_rank,
           # the platform the layout was planned for, and its attention backend
           "platform": layout.platform, "attention": layout.attention}
     fp["fingerprint"] = digest(fp)

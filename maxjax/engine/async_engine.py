@@ -22,15 +22,17 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from maxjax.engine import faults
 from maxjax.engine.core import EngineCore
 from maxjax.engine.output import merge_outputs
 from maxjax.engine.types import RequestOutput, SamplingParams
-from maxjax.errors import EngineDeadError, QueueFullError
+from maxjax.errors import EngineDeadError, QueueFullError, RequestError
 
 log = logging.getLogger("maxjax.engine")
+UNLOAD_POLL_SECONDS = 0.02
 
 
 def _settle(fut: concurrent.futures.Future, fn, *args) -> None:
@@ -186,19 +188,30 @@ class AsyncEngine:
                 "structured_output": core.grammars is not None, "engine_config": cfg}
 
     def lora_adapters(self) -> dict[str, str]:
-        lora = self.core.lora
-        return {} if lora is None else {n: a.path for n, (_, a) in list(lora.adapters.items())}
+        return {} if self.core.lora is None else self.core.lora.paths()
 
     async def load_lora(self, name: str, path: str) -> None:
         await self._on_engine_thread(self.core.load_lora, name, path)
 
     async def unload_lora(self, name: str) -> None:
-        await self._on_engine_thread(self.core.unload_lora, name)
+        """New requests naming `name` are refused at once; this returns when the unfinished ones
+        using it have ended, or raises a RequestError after --lora-unload-timeout seconds (the
+        adapter still goes when they end)."""
+        uid = await self._on_engine_thread(self.core.unload_lora, name)
+        timeout = self.core.cfg.lora_unload_timeout
+        deadline = time.monotonic() + timeout
+        while (users := await self._on_engine_thread(self.core.lora_users, uid)) > 0:
+            if time.monotonic() >= deadline:
+                raise RequestError("lora_name", f"adapter {name!r}: {users} unfinished requests "
+                                                f"still use it after {timeout:g} s "
+                                                "(--lora-unload-timeout); it is no longer served "
+                                                "and goes when they end")
+            await asyncio.sleep(UNLOAD_POLL_SECONDS)
 
-    async def _on_engine_thread(self, fn, *args) -> None:
+    async def _on_engine_thread(self, fn, *args):
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("lora", fn, args, fut))
-        await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(fut)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None,

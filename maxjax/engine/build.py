@@ -19,7 +19,6 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore, plan_layout
-from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("maxjax.engine")
@@ -64,11 +63,7 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     engine_cfg.quantization_encoding = model.dtype
     t0 = time.perf_counter()
     loaded = ()
-    # Cache entries hold no LoRA graphs (maxjax/aot/graphs.py): with LoRA the engine compiles.
-    use_cache = cache.enabled(compile_cache) and not engine_cfg.enable_lora
-    if precompiled_artifacts and engine_cfg.enable_lora:
-        raise UserError("--enable-lora with --precompiled-artifacts: artifacts hold no LoRA "
-                        "graphs yet; drop one of the two")
+    use_cache = cache.enabled(compile_cache)
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
         loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,

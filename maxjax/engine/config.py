@@ -61,7 +61,11 @@ class EngineConfig:
     max_lora_rank: int = field(default=16, metadata={
         "help": "Largest adapter rank served (smaller ones are zero-padded)"})
     max_cpu_loras: int = field(default=16, metadata={
-        "help": "Adapters held in host memory (loaded); loading one more is refused"})
+        "help": "Adapters held in host memory: one more evicts the least recently used idle one "
+                "(read again from its path when a request names it)"})
+    lora_unload_timeout: float = field(default=30.0, metadata={
+        "help": "Seconds POST /v1/unload_lora_adapter waits for the requests using the adapter "
+                "to end (new ones are refused at once) before it answers with an error"})
     structured_output_compile_timeout: float = field(default=10.0, metadata={
         "help": "Seconds a grammar may take to compile; a request whose grammar takes longer "
                 "gets a 400"})

@@ -50,6 +50,8 @@ class EngineLayout:
     platform: str = "cpu"            # where the graphs run (export platform name)
     attention: str = "query_blocks"  # the attention backend (graphs/attention.py)
     memory_report: str = field(default="", compare=False)   # how the pool was sized
+    lora_slots: int = 0          # device adapter slots + slot 0 (graphs/lora.py); 0: LoRA off
+    max_lora_rank: int = 0
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -104,7 +106,20 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
                         "(raise --device-memory-utilization or set --num-kv-pages)")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
-                        attention.name, report)
+                        attention.name, report, *lora_shape(cfg))
+
+
+def lora_shape(cfg: EngineConfig) -> tuple[int, int]:
+    """(slots, max rank) of the graphs' LoRA stacks, (0, 0) without --enable-lora."""
+    if not cfg.enable_lora:
+        return 0, 0
+    for flag, v in (("--max-num-loras", cfg.max_num_loras), ("--max-lora-rank", cfg.max_lora_rank),
+                    ("--max-cpu-loras", cfg.max_cpu_loras)):
+        if v < 1:
+            raise UserError(f"{flag} must be >= 1 (got {v})")
+    if not cfg.lora_unload_timeout >= 0:
+        raise UserError(f"--lora-unload-timeout must be >= 0 (got {cfg.lora_unload_timeout})")
+    return cfg.max_num_loras + 1, cfg.max_lora_rank
 
 
 def make_lora_manager(cfg: EngineConfig, model):
@@ -114,13 +129,10 @@ def make_lora_manager(cfg: EngineConfig, model):
         if cfg.lora_paths:
             raise UserError("--lora-paths needs --enable-lora")
         return None
-    for flag, v in (("--max-num-loras", cfg.max_num_loras), ("--max-lora-rank", cfg.max_lora_rank),
-                    ("--max-cpu-loras", cfg.max_cpu_loras)):
-        if v < 1:
-            raise UserError(f"{flag} must be >= 1 (got {v})")
+    lora_shape(cfg)
     from maxjax.lora.manager import LoraManager
     manager = LoraManager(model.config, model.params["embed"].dtype, cfg.max_num_loras,
-                          cfg.max_lora_rank, max(cfg.max_cpu_loras, len(cfg.lora_paths)))
+                          cfg.max_lora_rank, cfg.max_cpu_loras)
     for item in cfg.lora_paths:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
@@ -215,11 +227,13 @@ class EngineCore:
         """RequestError naming the field for a bad name or adapter."""
         self._lora_manager("lora_name").load(name, path)
 
-    def unload_lora(self, name: str) -> None:
-        """Refused (RequestError) while an unfinished request uses the adapter."""
-        uid = self._lora_manager("lora_name").resolve(name, "lora_name")
-        in_use = sum(r.adapter_id == uid for r in self.scheduler.requests.values())
-        self.lora.unload(name, in_use)
+    def unload_lora(self, name: str) -> str:
+        """Serve `name` no more: new requests naming it are refused from now; the unfinished
+        ones using it run to their end, and then it is gone (`lora_users(uid)` is 0). Its uid."""
+        return self._lora_manager("lora_name").unload(name)
+
+    def lora_users(self, uid: str) -> int:
+        return 0 if self.lora is None else self.lora.users(uid)
 
     def _lora_manager(self, param: str):
         if self.lora is None:

@@ -11,7 +11,9 @@ max_batch_input_tokens tokens in at most max_batch_size rows, filled in this ord
   2. running partial prefills, the next chunk each;
   3. waiting requests, first come first served, while fewer than max_batch_size run: the cached
      prefix is reused, the rest is prefilled in chunks; admission stops at the first request whose
-     chunk or pages do not fit, so a big request is never overtaken (no starvation).
+     chunk or pages do not fit, so a big request is never overtaken (no starvation). A request
+     whose LoRA adapter finds every device slot held by running requests is passed over (it
+     keeps its place and is admitted first once a slot frees): it holds up no one behind it.
 When a running request needs a page and none is left, the newest running request not yet in this
 step is preempted by recompute: its pages are freed and it goes back to the front of the queue, its
 generated tokens kept and re-prefilled with its prompt. add() rejects requests that could never fit.
@@ -122,6 +124,8 @@ class Scheduler:
                                f"the request needs up to {need} KV pages ({final - 1} tokens) "
                                f"but the pool has {self.bm.num_usable_pages}")
         req.status = RequestStatus.WAITING
+        if self.lora is not None and req.adapter_id is not None:
+            self.lora.use(req.adapter_id)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -144,7 +148,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         self.bm.free(req)
         if self.lora is not None:
-            self.lora.release(req)
+            self.lora.done(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -268,13 +272,16 @@ class Scheduler:
                 i += 1
 
         # 3. admissions, FCFS: stop at the first that does not fit. Running requests are capped
-        # at max_batch_size too, so every decode finds a row in every step.
+        # at max_batch_size too, so every decode finds a row in every step. A request whose
+        # adapter finds every slot held by running requests is passed over, keeping its place.
+        passed: list[Request] = []
         while self.waiting and len(self.running) < max_rows and len(rows) < max_rows and budget > 0:
             req = self.waiting[0]
+            if self.lora is not None and not self.lora.can_acquire(req):
+                passed.append(self.waiting.popleft())
+                continue
             prefix = self.bm.match_prefix(req)
             chunk = self._chunk(req, budget, req.num_tokens - len(prefix.pages) * ps)
-            if self.lora is not None and not self.lora.can_acquire(req):
-                break                       # every adapter slot is held by running requests
             if chunk == 0 or not self.bm.allocate(req, chunk, prefix):
                 break
             if self.lora is not None:
@@ -288,6 +295,7 @@ class Scheduler:
             rows.append(self._row(req, chunk))
             scheduled.add(req.request_id)
             budget -= chunk
+        self.waiting.extendleft(reversed(passed))
 
         if not rows:
             return None

@@ -32,7 +32,7 @@ class Adapter:
     name: str
     path: str
     rank: int
-    weights: list[dict]      # per layer, per fused target: (A [in, parts*R], B [parts*R, out])
+    weights: list[dict]      # per layer, per fused target: (A [in, parts*R], (B [R, out] per part))
 
 
 def read_adapter(name: str, path: str, cfg, max_rank: int, dtype=np.float32,
@@ -81,20 +81,17 @@ def read_adapter(name: str, path: str, cfg, max_rank: int, dtype=np.float32,
         rank = max(rank, r)
         scale = alpha / (math.sqrt(r) if rslora else r)
         target = next(k for k, (mods, _) in TARGETS.items() if module in mods)
-        mods = TARGETS[target][0]
-        j = mods.index(module)
-        off = sum(shapes[x][1] for x in mods[:j])
+        j = TARGETS[target][0].index(module)
         A, B = weights[layer][target]
         A[:, j * max_rank:j * max_rank + r] = a.T
-        B[j * max_rank:j * max_rank + r, off:off + d_out] = b.T * scale
+        B[j][:r] = b.T * scale
     return Adapter(name, path, rank, weights)
 
 
 def _zeros(target: str, cfg, shapes, max_rank: int, dtype):
     mods = TARGETS[target][0]
-    r = len(mods) * max_rank
-    return (np.zeros((shapes[mods[0]][0], r), dtype),
-            np.zeros((r, sum(shapes[m][1] for m in mods)), dtype))
+    return (np.zeros((shapes[mods[0]][0], len(mods) * max_rank), dtype),
+            tuple(np.zeros((max_rank, shapes[m][1]), dtype) for m in mods))
 
 
 def _read_config(path: str, field: str) -> dict:
