@@ -30,7 +30,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
     """The step graphs of `layout`'s buckets, then the KV initializer; nothing is allocated (the
     pool may be sized for another machine)."""
     from maxjax.engine.types import MAX_TOP_LOGPROBS
-    cfg, dtype = model.config, model.params["embed"].dtype
+    cfg, dtype = model.config, layout.kv_dtype
     steps = step_graph_specs(model.arch, cfg, model.params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
                              MAX_TOP_LOGPROBS)
@@ -39,7 +39,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
 
 def pool_specs(model, layout):
     """The KV pool's ShapeDtypeStructs: every graph returns the pool's leaves."""
-    return kv_specs(model.config, layout.num_pages, layout.page_size, model.params["embed"].dtype)
+    return kv_specs(model.config, layout.num_pages, layout.page_size, layout.kv_dtype)
 
 
 def flat_args(args) -> tuple:

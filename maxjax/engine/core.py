@@ -36,6 +36,7 @@ from maxjax.structured.backend import backend_for
 
 log = logging.getLogger("maxjax.engine")
 DEFAULT_MAX_LENGTH_CAP = 4096
+KV_CACHE_FORMATS = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -46,6 +47,7 @@ class EngineLayout:
     num_pages: int
     max_pages_per_row: int
     buckets: list = field(default_factory=list)
+    kv_dtype: str = "float32"       # --kv-cache-format
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -82,12 +84,16 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
     if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
         raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
     max_length = resolve_max_length(cfg, mc)
+    kv_dtype = cfg.kv_cache_format or np.dtype(model.compute_dtype).name
+    if kv_dtype not in KV_CACHE_FORMATS:
+        raise UserError(f"unsupported --kv-cache-format {kv_dtype!r} "
+                        f"(supported: {', '.join(KV_CACHE_FORMATS)})")
     page = cfg.kv_cache_page_size
     per_row = math.ceil(max_length / page)
     if cfg.num_kv_pages is not None:
         num_pages = cfg.num_kv_pages
     else:
-        itemsize = np.dtype(model.params["embed"].dtype).itemsize
+        itemsize = 2 if kv_dtype in ("bfloat16", "float16") else 4
         page_bytes = 2 * mc.num_layers * page * mc.num_kv_heads * mc.head_dim * itemsize
         budget = int(_available_bytes() * cfg.device_memory_utilization)
         # No more than every row at max_length could use, plus the scratch page. The pool
@@ -99,7 +105,7 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
                         "(raise --device-memory-utilization or set --num-kv-pages)")
     buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
                          speculative.draft_tokens(cfg) + 1)
-    return EngineLayout(max_length, page, int(num_pages), per_row, buckets)
+    return EngineLayout(max_length, page, int(num_pages), per_row, buckets, kv_dtype)
 
 
 def make_lora_manager(cfg: EngineConfig, model):
@@ -114,7 +120,7 @@ def make_lora_manager(cfg: EngineConfig, model):
         if v < 1:
             raise UserError(f"{flag} must be >= 1 (got {v})")
     from maxjax.lora.manager import LoraManager
-    manager = LoraManager(model.config, model.params["embed"].dtype, cfg.max_num_loras,
+    manager = LoraManager(model.config, model.compute_dtype, cfg.max_num_loras,
                           cfg.max_lora_rank, max(cfg.max_cpu_loras, len(cfg.lora_paths)))
     for item in cfg.lora_paths:
         name, sep, path = item.partition("=")
@@ -146,7 +152,7 @@ class EngineCore:
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
-                                  self.lora)
+                                  self.lora, lay.kv_dtype)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
