@@ -41,6 +41,7 @@ class QuantizedWeight:
 
 
 BLOCK = 32
+PAD_ONE_ROW = True      # read at trace time; tools/bench_quant.py measures it off
 
 
 def quantize_rows(x):
@@ -77,7 +78,7 @@ def linear(x, w: QuantizedWeight, transposed: bool = False, out_dtype=None):
     lead, d_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d_in)
     rows = x2.shape[0]
-    if rows == 1:
+    if rows == 1 and PAD_ONE_ROW:
         x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
     xq, sx = quantize_rows(x2)
     q, scale = int8_weight(w)
