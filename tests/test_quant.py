@@ -165,3 +165,16 @@ def test_native_encoding_of_a_gguf():
     assert Q.gguf_encoding(["Q8_0", "Q4_1", "Q4_1", "F32"]) == "q4_1"
     assert Q.gguf_encoding(["Q8_0", "Q6_K"]) == "int8"
     assert Q.gguf_encoding(["F32", "F16"]) == "float32"
+
+
+def test_engine_serves_int8_with_bfloat16_kv_and_compiles_nothing(sources):
+    from maxjax.engine.types import SamplingParams
+    from maxjax.llm import LLM
+    model = load_model(sources["int8"], "int8", progress=False)
+    llm = LLM(model, max_batch_size=2, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+              kv_cache_page_size=8, kv_cache_format="bfloat16")
+    assert llm.core.runner.kv[0].dtype == jnp.bfloat16
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
+                                                 ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [NEW_TOKENS] * len(PROMPTS)
+    assert llm.core.step_compiles == 0

@@ -3,9 +3,10 @@ cache format, side by side in one run (cases interleaved round-robin), with the 
 a step reads and the roofline those bytes give at the copy bandwidth measured in the same run.
 
     .venv/bin/python tools/bench_quant.py [--encodings float32,int8,q4_1] [--kv float32,bfloat16]
-        [--rows 1,8,32,64] [--context 256] [--iters 15] [--no-pad-variant]
+        [--rows 1,8,32,64] [--context 256] [--iters 15] [--one-digit]
 
-`--no-pad-variant` skips the one-row case without padding to two rows (graphs/quant.py).
+`--one-digit` adds each quantized case with activations in one int8 digit, not two
+(graphs/quant.py; a one-row step then is padded to two rows).
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def main():
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--no-pad-variant", action="store_true")
+    ap.add_argument("--one-digit", action="store_true",
+                    help="also time activations in one int8 digit (graphs/quant.py)")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     page = args.page_size
@@ -64,9 +66,8 @@ def main():
     for enc, model in models.items():
         for kv_fmt in args.kv.split(","):
             for r in rows_list:
-                for pad in ([True, False] if r == 1 and enc != "float32" and
-                            not args.no_pad_variant else [True]):
-                    quant.PAD_ONE_ROW = pad
+                for digits in ([2, 1] if enc != "float32" and args.one_digit else [2]):
+                    quant.DIGITS = digits
                     rows = [RowSlice([5], args.context,
                                      list(range(1 + per_row * i, 1 + per_row * (i + 1))))
                             for i in range(r)]
@@ -78,10 +79,10 @@ def main():
                     fn = jax.jit(lambda p, kv, s, a: step_program(model.arch, cfg, 20, p, kv, s, a),
                                  donate_argnums=(1,))
                     c = fn.lower(model.params, kv, st, sa).compile()
-                    label = f"{enc} kv={kv_fmt} R={r}" + ("" if pad else " (no 2-row pad)")
+                    label = f"{enc} kv={kv_fmt} R={r}" + (" (1 digit)" if digits == 1 else "")
                     cases.append([label, c, model.params, kv, st, sa,
                                   weight_bytes(model.params), r, []])
-    quant.PAD_ONE_ROW = True
+    quant.DIGITS = 2
     for _ in range(args.iters + 1):
         for case in cases:
             c, params, kv, st, sa = case[1:6]
