@@ -132,8 +132,7 @@ def sources(tmp_path_factory):
 
 @pytest.mark.parametrize("encoding", ["int8", "q4_0", "q4_1", "q4_k"])
 def test_greedy_equals_numpy_reference(sources, encoding):
-    model = load_model(sources[encoding], None if encoding != "int8" else "int8", progress=False)
-    assert model.dtype == encoding          # a GGUF serves in its own encoding by default
+    model = load_model(sources[encoding], encoding, progress=False)
     layer = model.params["layers"][0]
     assert all(isinstance(layer[k], quant.QuantizedWeight) for k in ("wqkv", "wo", "w_down"))
     assert layer["wqkv"].bits == (8 if encoding == "int8" else 4)
@@ -161,10 +160,11 @@ def test_unavailable_encoding_is_refused(sources, source, encoding, needle):
         load_model(sources[source], encoding, progress=False)
 
 
-def test_native_encoding_of_a_gguf():
-    assert Q.gguf_encoding(["Q8_0", "Q4_1", "Q4_1", "F32"]) == "q4_1"
-    assert Q.gguf_encoding(["Q8_0", "Q6_K"]) == "int8"
+def test_default_encoding_of_a_gguf(sources):
+    assert Q.gguf_encoding(["Q8_0", "Q4_1", "Q4_1", "F32"]) == "int8"
+    assert Q.native_4bit(["Q8_0", "Q4_1", "Q4_1", "Q4_K"]) == "q4_1"
     assert Q.gguf_encoding(["F32", "F16"]) == "float32"
+    assert load_model(sources["q4_k"], progress=False).dtype == "int8"
 
 
 def test_engine_serves_int8_with_bfloat16_kv_and_compiles_nothing(sources):

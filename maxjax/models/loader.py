@@ -93,8 +93,8 @@ def read_chat_template_file(path: str) -> str:
 
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
                progress: bool = True, params_source=None) -> LoadedModel:
-    """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: a GGUF's own, else
-    float32 on CPU, bfloat16 on GPU). params_source(arch, cfg, dtype, path) -> params or None:
+    """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: int8 for a
+    quantized GGUF, else float32 on CPU, bfloat16 on GPU). params_source(arch, cfg, dtype, path) -> params or None:
     converted weights stored with precompiled artifacts (maxjax/aot/weights.py), used instead
     of converting the checkpoint."""
     if dtype is not None:

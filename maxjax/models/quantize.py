@@ -7,8 +7,9 @@ QuantizedWeight formats (graphs/quant.py).
   q4_0 | q4_1 | q4_k             a GGUF's 4-bit blocks as they are (nibbles and block scales); a
                                  fused projection with a part of another type, and the
                                  embedding table, are int8 per channel
-A GGUF serves in its own encoding unless told otherwise: the 4-bit type most of its matrices
-have, else int8 when they are 8-bit or other quantized types, else float32.
+A quantized GGUF serves as int8 unless told otherwise (float32 when its matrices are all float):
+measured on XLA:CPU (BENCHMARKS.md, Quantized weights), the 4-bit blocks unpacked in the graph
+made a SmolLM2 decode step 4.8x slower than float32 at 1 row, int8 1.4x faster.
 Called by graphs/decoder.py `params_from_hf` through `Quantizer`; maxjax/models/loader.py picks
 the encoding.
 """
@@ -31,14 +32,15 @@ def is_quantized(encoding: str) -> bool:
     return encoding in QUANTIZED_ENCODINGS
 
 
+def native_4bit(types: list[str]) -> str | None:
+    """The 4-bit encoding most of a GGUF's matrices (their GGUF `types`) have, if any."""
+    q4 = Counter(t for t in types if t in Q4_TYPES.values())
+    return q4.most_common(1)[0][0].lower() if q4 else None
+
+
 def gguf_encoding(types: list[str]) -> str:
     """The encoding a GGUF serves in by default, from the types of its 2-D tensors."""
-    q4 = Counter(t for t in types if t in Q4_TYPES.values())
-    if q4:
-        return q4.most_common(1)[0][0].lower()
-    if any(t not in ("F32", "F16", "BF16") for t in types):
-        return "int8"
-    return "float32"
+    return "int8" if any(t not in ("F32", "F16", "BF16") for t in types) else "float32"
 
 
 def check_name(encoding: str) -> None:
@@ -52,8 +54,8 @@ def check_encoding(encoding: str, source_types: list[str] | None) -> None:
     `source_types` (None: a float checkpoint)."""
     check_name(encoding)
     if encoding in Q4_TYPES and Q4_TYPES[encoding] not in (source_types or ()):
-        have = gguf_encoding(source_types) if source_types else None
-        options = ", ".join(([have] if have in Q4_TYPES else []) + list(FLOAT_ENCODINGS) + ["int8"])
+        have = native_4bit(source_types) if source_types else None
+        options = ", ".join(([have] if have else []) + list(FLOAT_ENCODINGS) + ["int8"])
         raise UserError(f"--quantization-encoding {encoding}: the checkpoint holds no "
                         f"{Q4_TYPES[encoding]} weights (it serves as: {options})")
 
