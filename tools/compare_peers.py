@@ -1,8 +1,9 @@
 """Compare maxjax with its peers on one machine, in one run, on the same model and workload:
 
   * maxjax:       `maxjax serve --max-batch-size 32` once per weight encoding (--encodings:
-                  `auto`, the GGUF's own, and float32 by default; int8 on request), measured
-                  by `maxjax benchmark`;
+                  `auto`, serve's default (int8 for a quantized GGUF), and float32 by default;
+                  q4_1 etc. on request: the GGUF's own 4-bit blocks), measured by
+                  `maxjax benchmark`;
   * llama-server: native llama.cpp with parallel slots (`-np` = the highest concurrency,
                   continuous batching), what a llama.cpp user runs; same benchmark. Built by
                   tools/build_llama_server.sh from the llama.cpp source in the PyPI sdist of
@@ -65,7 +66,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch-size", type=int, default=32, help="maxjax serve's")
     ap.add_argument("--maxjax-args", default="", help="Extra `maxjax serve` flags, one string")
     ap.add_argument("--encodings", default="auto,float32", help="maxjax runs, one per "
-                    "--quantization-encoding (auto: the GGUF's own)")
+                    "--quantization-encoding (auto: serve's default)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER),
                     help="The llama-server binary (tools/build_llama_server.sh builds it)")
     ap.add_argument("--startup-timeout", type=float, default=1200,
@@ -282,7 +283,7 @@ def write_report(results: dict, notes: list[str], gguf: str, args) -> str:
         table, "",
         "- maxjax and llama-server: streaming HTTP through `maxjax benchmark` (TTFT/TPOT per "
         f"request); llama-server with {max(args.levels)} parallel slots (`-np`), continuous "
-        "batching. maxjax (ENCODING): `--quantization-encoding`, auto = the GGUF's own.",
+        "batching. maxjax (ENCODING): `--quantization-encoding`, auto = serve's default.",
         "- transformers: offline static batches (no server, no HTTP); \"load\" is the batch "
         "size, TTFT the batch's prefill + first token.",
     ]
