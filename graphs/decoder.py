@@ -19,6 +19,7 @@ from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import attention
 from maxjax.graphs import layers as L
 from maxjax.graphs import lora
+from maxjax.graphs import quant
 from maxjax.graphs import sharding
 from maxjax.graphs.sharding import ArraySpec
 from maxjax.graphs.step import StepInputs
@@ -124,8 +125,7 @@ def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
 
 def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     """Final-normed hidden states of every token slot [T, hidden], and the updated kv."""
-    embed = params["embed"]
-    h = embed[step.token_ids]
+    h = quant.embed(params["embed"], step.token_ids)
     if cfg.embed_scale is not None:
         h = h * jnp.asarray(cfg.embed_scale, jnp.float32).astype(h.dtype)
     inv_g = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -176,19 +176,26 @@ def hf_layer_names(post_norms: bool) -> dict:
 
 
 def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
-                   progress: Callable[[int], None] | None = None) -> dict:
+                   progress: Callable[[int], None] | None = None, quantizer=None) -> dict:
     """Build the parameter pytree from HF-named tensors. `get(name)` returns a numpy array
-    (any float dtype); linear weights are transposed to [in, out] and fused."""
+    (any float dtype); linear weights are transposed to [in, out] and fused. `quantizer`
+    (maxjax/models/quantize.py): the matrices and embedding tables as QuantizedWeights."""
     shapes = param_shapes(cfg)
     names = hf_layer_names(cfg.post_norms)
 
     def put(x):   # on the host and device_put: jnp.asarray compiles a copy per bf16 shape
         return jax.device_put(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
 
+    def table(name):
+        return quantizer.table(name) if quantizer else put(get(name))
+
     layers = []
     for i, layer_shapes in enumerate(shapes["layers"]):
         layer = {}
-        for key in layer_shapes:
+        for key, shape in layer_shapes.items():
+            if quantizer and len(shape) == 2:
+                layer[key] = quantizer.matrix([n.format(i=i) for n in names[key]])
+                continue
             parts = [np.asarray(get(n.format(i=i)), np.float32) for n in names[key]]
             if parts[0].ndim == 2:
                 parts = [p.T for p in parts]
@@ -196,11 +203,12 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
         layers.append(layer)
         if progress:
             progress(1)
-    params = {"embed": put(get("model.embed_tokens.weight")),
+    params = {"embed": table("model.embed_tokens.weight"),
               "final_norm": put(get("model.norm.weight")), "layers": layers}
     if "lm_head" in shapes:
-        params["lm_head"] = put(get("lm_head.weight"))
-    got = jax.tree.map(lambda a: tuple(a.shape), params)
+        params["lm_head"] = table("lm_head.weight")
+    got = jax.tree.map(lambda a: tuple(a.shape), params,
+                       is_leaf=lambda a: isinstance(a, quant.QuantizedWeight))
     if got != shapes:
         raise ValueError(f"checkpoint shapes do not match the config: {got} vs {shapes}")
     return params

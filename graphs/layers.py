@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from maxjax.graphs import quant
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -24,7 +26,7 @@ class LowRankDelta:
 def linear(x, w, transposed: bool = False, out_dtype=None):
     """x [..., in] through a projection: every matmul with a weight goes through here.
     w: an array [in, out] ([out, in] when `transposed`, e.g. a tied embedding used as the LM
-    head) or a LowRankDelta around one."""
+    head), a QuantizedWeight (graphs/quant.py) or a LowRankDelta around either."""
     if isinstance(w, LowRankDelta):
         # The dense one-hot form (every slot's x @ A, masked, then @ B) beat a per-token gather
         # of A and B on CPU (DESIGN.md: 879 vs 1370 us at T=32); as plain matmuls over the
@@ -40,6 +42,8 @@ def linear(x, w, transposed: bool = False, out_dtype=None):
                         b.reshape(S * r, -1), preferred_element_type=out_dtype)
              for j, b in enumerate(w.b)], axis=-1)
         return linear(x, w.weight, transposed, out_dtype) + delta.astype(out_dtype or x.dtype)
+    if isinstance(w, quant.QuantizedWeight):
+        return quant.linear(x, w, transposed, out_dtype)
     if transposed:
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=out_dtype)
     return jnp.matmul(x, w, preferred_element_type=out_dtype)

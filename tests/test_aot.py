@@ -290,6 +290,21 @@ def test_dtype_differs(warmed, model_dir, calls):
     assert calls == []
 
 
+def test_quantization_encoding_differs(warmed, model_dir, calls):
+    from maxjax.models.loader import load_model
+    int8 = load_model(model_dir, "int8", progress=False)
+    with pytest.raises(UserError, match=r"model dtype: artifacts float32, this run int8 \(pass "
+                                        r"--quantization-encoding float32"):
+        aot_load.load_for_engine([warmed], int8, EngineConfig())
+    assert calls == []
+
+
+def test_kv_cache_format_differs(warmed, model, calls):
+    with pytest.raises(UserError, match=r"--kv-cache-format bfloat16 differs from the float32 "):
+        aot_load.load_for_engine([warmed], model, EngineConfig(kv_cache_format="bfloat16"))
+    assert calls == []
+
+
 def test_model_config_field_differs(warmed, tmp_path, calls):
     from maxjax.models.loader import load_model
     other = load_model(write_tiny_llama(tmp_path / "other", rms_norm_eps=1e-6), "float32",

@@ -57,8 +57,11 @@ def test_config_without_architectures(tmp_path):
 
 
 def test_unsupported_quantization_encoding():
-    msg = raises_one_line("unsupported --quantization-encoding 'q4_k'", load_model, None, "q4_k")
+    msg = raises_one_line("unsupported --quantization-encoding 'q4_2'", load_model, None, "q4_2")
     assert "float32" in msg and "bfloat16" in msg
+    msg = raises_one_line("--quantization-encoding q4_k: the checkpoint holds no Q4_K weights",
+                          load_model, None, "q4_k")
+    assert "q4_1" in msg and "int8" in msg
 
 
 def test_custom_architectures_without_list(tmp_path):

@@ -63,7 +63,7 @@ def test_first_start_log_is_maxjax_lines_one_per_phase(starts):
         assert LINE.match(line), f"not a maxjax log line: {line!r}\n" + "\n".join(log)
     text = "\n".join(log)
     for phase in ("Loading weights: the embedded SmolLM2-135M-Instruct",
-                  "Loaded SmolLM2-135M-Instruct (float32) in",
+                  "Loaded SmolLM2-135M-Instruct (int8) in",
                   f"Compiling 5 graphs (not in the compile cache yet: storing them in {cache_dir}/",
                   "Compiled 5/5 graphs", "Engine ready in"):
         assert phase in text, text

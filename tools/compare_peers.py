@@ -1,11 +1,14 @@
 """Compare maxjax with its peers on one machine, in one run, on the same model and workload:
 
-  * maxjax:       `maxjax serve --max-batch-size 32`, measured by `maxjax benchmark`;
-  * llama.cpp:    llama-cpp-python's OpenAI server (`python -m llama_cpp.server`), same
-                  benchmark. It has no parallel slots: one request runs at a time, the rest wait
-                  on its lock (started with --interrupt_requests false, else a waiting request
-                  cuts the running stream short). llama-cpp-python 0.3.36 segfaults in its AMX
-                  path on Sapphire Rapids, so the server runs with extra buffer types off;
+  * maxjax:       `maxjax serve --max-batch-size 32` once per weight encoding (--encodings:
+                  `auto`, serve's default (int8 for a quantized GGUF), and float32 by default;
+                  q4_1 etc. on request: the GGUF's own 4-bit blocks), measured by
+                  `maxjax benchmark`;
+  * llama-server: native llama.cpp with parallel slots (`-np` = the highest concurrency,
+                  continuous batching), what a llama.cpp user runs; same benchmark. Built by
+                  tools/build_llama_server.sh from the llama.cpp source in the PyPI sdist of
+                  llama-cpp-python (AMX off: it segfaults on this CPU), found at --llama-server
+                  (default $LLAMA_SERVER, else /work/cache/llama-server/bin/llama-server);
   * transformers: no server: an offline `generate` loop over static batches of 1/8/32 prompts
                   on the same GGUF (dequantized to f32 by transformers), greedy, exactly
                   --output-len new tokens; TTFT is a separate one-token `generate` of the batch.
@@ -15,13 +18,12 @@ peer, cut to exactly 128 tokens by the model's tokenizer, distinct per request s
 cache helps), 128 output tokens with ignore_eos / min_tokens, concurrency 1, 8, 32.
 
 Writes OUT_DIR/results.md (markdown table for BENCHMARKS.md), results.json, plot.png (with
-matplotlib), prompts.jsonl and one log per server; prints the table. Needs the `bench` extra:
-`pip install matplotlib` and `CMAKE_ARGS=-DGGML_AMX=OFF pip install --no-deps
-llama-cpp-python` plus its server deps (fastapi, uvicorn, sse-starlette, starlette-context,
-pydantic-settings); a peer whose package is missing is skipped with a note.
+matplotlib), prompts.jsonl and one log per server; prints the table. A peer that is missing (no
+llama-server binary, no torch) is skipped with a note.
 
-    .venv/bin/python tools/compare_peers.py [--peers maxjax,llama.cpp,transformers]
-        [--concurrency 1,8,32] [--input-len 128] [--output-len 128] [--out-dir bench_results]
+    .venv/bin/python tools/compare_peers.py [--peers maxjax,llama-server,transformers]
+        [--encodings auto,float32] [--concurrency 1,8,32] [--input-len 128] [--output-len 128]
+        [--out-dir bench_results]
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -40,34 +43,13 @@ import sys
 import time
 import urllib.request
 
-PEERS = ("maxjax", "llama.cpp", "transformers")
-# llama-cpp-python and what its OpenAI server imports.
-LLAMA_CPP_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "starlette_context",
-                     "pydantic_settings")
-
-# Runs llama-cpp-python's server with extra buffer types (AMX repacking) off: its AMX path
-# segfaults on this CPU. Llama() reads llama_model_default_params() from this module at call time.
-LLAMA_CPP_SERVER = """
-import sys
-import llama_cpp.llama_cpp as lib
-_defaults = lib.llama_model_default_params
-def _no_extra_bufts():
-    params = _defaults()
-    if hasattr(params, "use_extra_bufts"):
-        params.use_extra_bufts = False
-    else:
-        print("compare_peers: this llama-cpp-python has no use_extra_bufts; if it crashes in "
-              "AMX code, rebuild it with CMAKE_ARGS=-DGGML_AMX=OFF", file=sys.stderr)
-    return params
-lib.llama_model_default_params = _no_extra_bufts
-from llama_cpp.server.__main__ import main
-sys.argv = ["llama_cpp.server"] + sys.argv[1:]
-main()
-"""
+PEERS = ("maxjax", "llama-server", "transformers")
+DEFAULT_LLAMA_SERVER = "/work/cache/llama-server/bin/llama-server"
+LLAMA_CPP_PYTHON = "0.3.36"     # tools/build_llama_server.sh's default
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="maxjax vs llama.cpp vs transformers: one "
+    ap = argparse.ArgumentParser(description="maxjax vs llama-server vs transformers: one "
                                  "machine, one model, one workload.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
@@ -80,9 +62,13 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, help="Requests per level (default: the "
                     "benchmark's, 4 x concurrency, at least 8)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
-                    help="CPU threads for llama.cpp and torch (default: all, like XLA)")
+                    help="CPU threads for llama-server and torch (default: all, like XLA)")
     ap.add_argument("--max-batch-size", type=int, default=32, help="maxjax serve's")
     ap.add_argument("--maxjax-args", default="", help="Extra `maxjax serve` flags, one string")
+    ap.add_argument("--encodings", default="auto,float32", help="maxjax runs, one per "
+                    "--quantization-encoding (auto: serve's default)")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER),
+                    help="The llama-server binary (tools/build_llama_server.sh builds it)")
     ap.add_argument("--startup-timeout", type=float, default=1200,
                     help="Seconds to wait for a server to answer /v1/models")
     ap.add_argument("--seed", type=int, default=0)
@@ -93,6 +79,7 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--peers: unknown {bad}; choose from {', '.join(PEERS)}")
     args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]
     if any(c < 1 for c in args.levels) or args.input_len < 1 or args.output_len < 1:
         ap.error("concurrency levels, --input-len and --output-len must be positive")
     return args
@@ -160,22 +147,28 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def server_command(peer: str, gguf: str, port: int, args) -> list[str]:
-    if peer == "maxjax":
+    """`peer`: "maxjax (ENCODING)" or "llama-server"."""
+    if peer.startswith("maxjax"):
+        encoding = peer[len("maxjax ("):-1]
+        flags = [] if encoding == "auto" else ["--quantization-encoding", encoding]
         return [sys.executable, "-m", "maxjax.cli", "serve", "--model-path", gguf,
                 "--host", "127.0.0.1", "--port", str(port),
-                "--max-batch-size", str(args.max_batch_size), *args.maxjax_args.split()]
-    return [sys.executable, "-c", LLAMA_CPP_SERVER, "--model", gguf, "--model_alias", "smollm2",
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
-            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-            "--interrupt_requests", "false", "--verbose", "false"]
+                "--max-batch-size", str(args.max_batch_size), *flags, *args.maxjax_args.split()]
+    slots = max(args.levels)
+    # a context of (prompt + output + margin) per slot; --no-repack as in DESIGN.md's recipe
+    ctx = slots * (args.input_len + args.output_len + 64)
+    return [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads),
+            "--no-repack", "--no-webui"]
 
 
 def bench_server(peer: str, gguf: str, dataset: str, args) -> dict:
     """Start the peer's server, run `maxjax benchmark` against it, stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = os.path.join(args.out_dir, f"{peer}.log")
-    result_path = os.path.join(args.out_dir, f"{peer}.json")
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", peer).strip("-")
+    log_path = os.path.join(args.out_dir, f"{slug}.log")
+    result_path = os.path.join(args.out_dir, f"{slug}.json")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(server_command(peer, gguf, port, args), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -275,21 +268,22 @@ def write_report(results: dict, notes: list[str], gguf: str, args) -> str:
     from maxjax.bench import report as bench_report
     series = {peer: r["levels"] for peer, r in results.items()}
     table = bench_report.markdown_table(*bench_report.compact_rows(series))
-    versions = ", ".join(f"{p} {_version(p)}" for p in ("maxjax", "jax", "llama-cpp-python",
-                                                          "transformers", "torch"))
+    versions = ", ".join(f"{p} {_version(p)}" for p in ("maxjax", "jax", "transformers",
+                                                          "torch"))
+    versions += f", llama-server from the llama-cpp-python {LLAMA_CPP_PYTHON} sdist"
     lines = [
         f"## maxjax vs peers ({datetime.date.today().isoformat()})", "",
         f"- Machine: {_cpu_name()}, {os.cpu_count()} CPUs; {args.threads} threads for "
-        "llama.cpp and torch.",
+        f"llama-server and torch; load average at the start {os.getloadavg()[0]:.1f}.",
         f"- Model: `{os.path.basename(gguf)}`. Workload: {args.input_len}-token prompts (same "
         f"text for every peer), {args.output_len} output tokens (ignore_eos / min_tokens), "
         f"greedy, concurrency {', '.join(map(str, args.levels))}; one unmeasured warm-up round "
         "per level.",
         f"- Versions: {versions}.", "",
         table, "",
-        "- maxjax and llama.cpp: streaming HTTP through `maxjax benchmark` (TTFT/TPOT per "
-        "request). llama-cpp-python serves one request at a time (no parallel slots), so "
-        "concurrency only adds queueing.",
+        "- maxjax and llama-server: streaming HTTP through `maxjax benchmark` (TTFT/TPOT per "
+        f"request); llama-server with {max(args.levels)} parallel slots (`-np`), continuous "
+        "batching. maxjax (ENCODING): `--quantization-encoding`, auto = serve's default.",
         "- transformers: offline static batches (no server, no HTTP); \"load\" is the batch "
         "size, TTFT the batch's prefill + first token.",
     ]
@@ -325,13 +319,16 @@ def main(argv=None) -> int:
                      for p in prompts)
 
     results, notes, failed = {}, [], []
-    for peer in args.peers:
-        if peer == "llama.cpp":
-            missing = [m for m in LLAMA_CPP_MODULES if importlib.util.find_spec(m) is None]
-            if missing:
-                notes.append(f"llama.cpp skipped: {', '.join(missing)} not installed "
-                             "(pip install 'llama-cpp-python[server]').")
-                continue
+    runs = [f"maxjax ({e})" if p == "maxjax" else p for p in args.peers
+            for e in (args.encodings if p == "maxjax" else [None])]
+    for peer in runs:
+        if peer == "llama-server" and not os.access(args.llama_server, os.X_OK):
+            notes.append(f"llama-server skipped: no binary at {args.llama_server} (build it with "
+                         "tools/build_llama_server.sh)")
+            continue
+        if peer == "transformers" and importlib.util.find_spec("torch") is None:
+            notes.append("transformers skipped: torch is not installed")
+            continue
         print(f"[{peer}] running", file=sys.stderr)
         try:
             if peer == "transformers":

@@ -41,11 +41,11 @@ def graph_specs(model, layout) -> list[GraphSpec]:
     pool may be sized for another machine). With LoRA the step graphs take the adapter slot
     stacks as params["lora"] (graphs/lora.py), whose shapes the layout pins."""
     from maxjax.engine.types import MAX_TOP_LOGPROBS
-    cfg, dtype = model.config, model.params["embed"].dtype
+    cfg, dtype = model.config, layout.kv_dtype
     params = model.params
     if layout.lora_slots:
         params = {**params, "lora": abstract(lora_specs(cfg, layout.lora_slots,
-                                                        layout.max_lora_rank), dtype)}
+                                                        layout.max_lora_rank), model.compute_dtype)}
     steps = step_graph_specs(model.arch, cfg, params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
                              MAX_TOP_LOGPROBS, backend_named(layout.attention))
@@ -54,7 +54,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
 
 def pool_specs(model, layout):
     """The KV pool's ShapeDtypeStructs: every graph returns the pool's leaves."""
-    return kv_specs(model.config, layout.num_pages, layout.page_size, model.params["embed"].dtype)
+    return kv_specs(model.config, layout.num_pages, layout.page_size, layout.kv_dtype)
 
 
 def flat_args(args) -> tuple:

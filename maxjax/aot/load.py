@@ -43,7 +43,7 @@ def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
     """Unset (or default) engine values take the pinned ones; an explicit other value is an error."""
     pinned = m.data.get("engine", {})
     for k in ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
-              "num_kv_pages"):
+              "num_kv_pages", "kv_cache_format"):
         have, want = getattr(engine_cfg, k), pinned.get(k)
         if want is None:
             raise UserError(f"{m.path}: engine field {k} is missing; recreate with: {fix(None)}")

@@ -179,12 +179,12 @@ def model_fingerprint(model) -> dict:
 
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
-                 "max_lora_rank", "platform", "attention")
+                 "max_lora_rank", "platform", "attention", "kv_cache_format")
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
          "kv_cache_page_size": "--kv-cache-page-size", "num_kv_pages": "--num-kv-pages",
-         "dtype": "--quantization-encoding"}
+         "dtype": "--quantization-encoding", "kv_cache_format": "--kv-cache-format"}
 
 
 def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
@@ -196,7 +196,8 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           # the LoRA slot stacks are graph inputs (graphs/lora.py); the adapters themselves are not
           "lora_slots": layout.lora_slots, "max_lora_rank": layout.max_lora_rank,
           # the platform the layout was planned for, and its attention backend
-          "platform": layout.platform, "attention": layout.attention}
+          "platform": layout.platform, "attention": layout.attention,
+          "kv_cache_format": layout.kv_dtype}
     fp["fingerprint"] = digest(fp)
     return fp
 

@@ -35,7 +35,9 @@ def _source_digest(path: str) -> str:
 
 def save(directory: str, model) -> dict | None:
     """Write the model's params (as loaded: converted, in its dtype); the manifest entry or None."""
-    if not (os.path.isfile(model.source) and model.source.endswith(".gguf")):
+    from maxjax.models.quantize import is_quantized
+    if not (os.path.isfile(model.source) and model.source.endswith(".gguf")) or \
+            is_quantized(model.dtype):      # quantized weights load fast from the GGUF
         return None
     from safetensors.numpy import save_file
     flat, _ = jax.tree_util.tree_flatten_with_path(model.params)

@@ -42,7 +42,12 @@ class EngineConfig:
     device_memory_utilization: float = field(default=0.9, metadata={
         "help": "Fraction of free device memory (host memory on CPU) for weights and KV cache"})
     quantization_encoding: str | None = field(default=None, metadata={
-        "help": "Compute dtype: float32 (CPU default) or bfloat16 (GPU default)"})
+        "help": "Weight encoding: float32 | bfloat16 | float16 | int8 (per channel, from any "
+                "checkpoint) | q4_0 | q4_1 | q4_k (a GGUF's 4-bit blocks). Default: int8 for a "
+                "quantized GGUF, else float32 on CPU and bfloat16 on GPU"})
+    kv_cache_format: str | None = field(default=None, metadata={
+        "choices": ["float32", "bfloat16"],
+        "help": "dtype of the KV cache (default: the activations' dtype, float32 on CPU)"})
     enable_structured_output: bool = field(default=True, metadata={
         "help": "Constrained decoding: response_format json_schema/json_object, structured_outputs, "
                 "guided_* (off: such requests get a 400 naming the field)"})

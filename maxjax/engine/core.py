@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from maxjax.engine import compile_counter, memory, speculative
@@ -37,6 +38,7 @@ from maxjax.structured.backend import backend_for
 
 log = logging.getLogger("maxjax.engine")
 DEFAULT_MAX_LENGTH_CAP = 4096
+KV_CACHE_FORMATS = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -52,6 +54,7 @@ class EngineLayout:
     memory_report: str = field(default="", compare=False)   # how the pool was sized
     lora_slots: int = 0          # device adapter slots + slot 0 (graphs/lora.py); 0: LoRA off
     max_lora_rank: int = 0
+    kv_dtype: str = "float32"       # --kv-cache-format
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -87,6 +90,10 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         if not kernel.supports_head_dim(mc.head_dim):
             attention = backend_for_platform("cpu")
     max_length = resolve_max_length(cfg, mc)
+    kv_dtype = cfg.kv_cache_format or np.dtype(model.compute_dtype).name
+    if kv_dtype not in KV_CACHE_FORMATS:
+        raise UserError(f"unsupported --kv-cache-format {kv_dtype!r} "
+                        f"(supported: {', '.join(KV_CACHE_FORMATS)})")
     page = cfg.kv_cache_page_size
     per_row = math.ceil(max_length / page)
     buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
@@ -100,13 +107,14 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
     else:
         # No more than every row at max_length could use, plus the scratch page.
         plan = memory.plan_pool(mc, model.params, page, cfg.device_memory_utilization, buckets,
-                                cfg.max_batch_size * per_row + 1)
+                                cfg.max_batch_size * per_row + 1,
+                                kv_itemsize=jnp.dtype(kv_dtype).itemsize)
         num_pages, report = plan.num_pages, plan.report()
     if num_pages < 2:
         raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
                         "(raise --device-memory-utilization or set --num-kv-pages)")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
-                        attention.name, report, *lora_shape(cfg))
+                        attention.name, report, *lora_shape(cfg), kv_dtype)
 
 
 def lora_shape(cfg: EngineConfig) -> tuple[int, int]:
@@ -131,7 +139,7 @@ def make_lora_manager(cfg: EngineConfig, model):
         return None
     lora_shape(cfg)
     from maxjax.lora.manager import LoraManager
-    manager = LoraManager(model.config, model.params["embed"].dtype, cfg.max_num_loras,
+    manager = LoraManager(model.config, model.compute_dtype, cfg.max_num_loras,
                           cfg.max_lora_rank, cfg.max_cpu_loras)
     for item in cfg.lora_paths:
         name, sep, path = item.partition("=")
@@ -163,7 +171,7 @@ class EngineCore:
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
-                                  self.lora, lay.attention)
+                                  self.lora, lay.attention, lay.kv_dtype)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.

@@ -24,6 +24,7 @@ from maxjax.engine.runner import ModelRunner, RowRequest
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
 from maxjax.graphs.step import RowSlice
+from maxjax.models.quantize import FLOAT_ENCODINGS
 
 log = logging.getLogger("maxjax.engine")
 _GREEDY = SamplingParams(temperature=0.0)
@@ -38,7 +39,9 @@ def load_draft(cfg, target):
         if kind != _PLATFORMS.get(jax.default_backend(), jax.default_backend()):
             raise UserError(f"--draft-devices {cfg.draft_devices}: the draft model can only run on "
                             f"the target's devices ({jax.default_backend()})")
-    draft = load_model(cfg.draft_model_path, cfg.draft_quantization_encoding or target.dtype,
+    # A quantized target's encoding may not exist in the draft's checkpoint: it takes its own.
+    same = target.dtype if target.dtype in FLOAT_ENCODINGS else None
+    draft = load_model(cfg.draft_model_path, cfg.draft_quantization_encoding or same,
                        progress=False)
     check_vocabulary(draft, target, cfg.draft_model_path)
     return draft
@@ -61,7 +64,8 @@ class DraftProposer:
         self.bm = BlockManager(layout.num_pages, layout.page_size, enable_prefix_caching=False)
         buckets = bucket_set(max_batch_input_tokens, max_batch_size)
         self.runner = ModelRunner(draft, buckets, layout.num_pages, layout.page_size,
-                                  layout.max_pages_per_row, layout.max_length)
+                                  layout.max_pages_per_row, layout.max_length,
+                                  kv_dtype=layout.kv_dtype)
         self.live: list[Request] = []      # requests holding draft pages
 
     def warmup(self) -> None:

@@ -83,11 +83,11 @@ def round_down(n: int, bits: int = 3) -> int:
 
 
 def plan_pool(mc, params, page_size: int, utilization: float, buckets, max_pages: int,
-              device=None) -> MemoryPlan:
+              device=None, kv_itemsize: int | None = None) -> MemoryPlan:
     """The pool for `mc` with `params` resident on `device` (default: the first JAX device),
-    at most `max_pages` pages."""
+    at most `max_pages` pages, each of `kv_itemsize` bytes per value (default: the embedding's)."""
     dev = device if device is not None else jax.devices()[0]
-    itemsize = np.dtype(params["embed"].dtype).itemsize
+    itemsize = kv_itemsize or np.dtype(params["embed"].dtype).itemsize
     pb = page_bytes(mc, page_size, itemsize)
     largest = max(buckets, key=lambda b: (b.num_tokens, b.num_samples))
     weights, act = weight_bytes(params), activation_bytes(mc, largest, itemsize)

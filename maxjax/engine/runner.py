@@ -74,7 +74,7 @@ class ModelRunner:
                  max_pages_per_row: int, history_len: int,
                  executables: dict[Bucket, Callable] | None = None,
                  kv_init: Callable[[], tuple] | None = None, lora=None,
-                 attention: str | None = None):
+                 attention: str | None = None, kv_dtype: str = "float32"):
         """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
         `attention`: the attention backend's name (None: this platform's)."""
         self.model = model
@@ -86,7 +86,7 @@ class ModelRunner:
         self.history_len = history_len
         self.num_pages = num_pages
         if kv_init is None:
-            spec = kv_init_spec(self.cfg, num_pages, page_size, model.params["embed"].dtype)
+            spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype)
             compiled = jax.jit(spec.fn).lower().compile()
             kv_init = lambda: compiled()[1]        # noqa: E731
         self._kv_init = kv_init

@@ -271,6 +271,24 @@ class GGUFTensorReader:
             w = w - np.float32(1.0)
         return w
 
+    def q4(self, hf_name: str):
+        """A 4-bit (Q4_0 / Q4_1 / Q4_K) tensor as `quantize.decode_q4` gives it, in HF layout;
+        None for a tensor of another type."""
+        from maxjax.models import quantize
+        name = self.gguf_name(hf_name)
+        qt, shape, data = self.gf.raw(name) if name in self.gf.tensors else (None, None, None)
+        if qt is None or qt.name not in quantize.Q4_TYPES.values():
+            return None
+        parts = quantize.decode_q4(qt.name, shape, data)
+        if self.permute and (".attn_q." in name or ".attn_k." in name):
+            heads = self.n_heads if ".attn_q." in name else self.n_kv_heads
+            parts = tuple(None if p is None else unpermute_qk(p, heads) for p in parts)
+        return parts
+
+    def matrix_types(self) -> list[str]:
+        """The GGUF type of every 2-D tensor (what `quantize.gguf_encoding` reads)."""
+        return [qt.name for qt, shape, *_ in self.gf.tensors.values() if len(shape) == 2]
+
     def close(self):
         self.gf.close()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from maxjax.models import registry
+from maxjax.models import quantize, registry
 from maxjax.graphs.config import ModelConfig
 from maxjax.errors import UserError, read_user_file
 from maxjax.graphs.arch import Architecture
@@ -33,6 +33,11 @@ class LoadedModel:
     name: str
     load_seconds: float = 0.0
     info: dict = field(default_factory=dict)
+
+    @property
+    def compute_dtype(self):
+        """The activations' dtype: the float encoding, float32 for a quantized one."""
+        return DTYPES.get(self.dtype, jnp.float32)
 
 
 def embedded_model_path() -> str:
@@ -90,18 +95,20 @@ def read_chat_template_file(path: str) -> str:
 
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
                progress: bool = True, params_source=None) -> LoadedModel:
-    """params_source(arch, cfg, dtype, path) -> params or None: converted weights stored with
-    precompiled artifacts (maxjax/aot/weights.py), used instead of converting the checkpoint."""
-    dtype = dtype or default_dtype()
-    if dtype not in DTYPES:
-        raise UserError(f"unsupported --quantization-encoding {dtype!r} "
-                        f"(supported: {', '.join(DTYPES)})")
+    """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: int8 for a
+    quantized GGUF, else float32 on CPU, bfloat16 on GPU). params_source(arch, cfg, dtype, path) -> params or None:
+    converted weights stored with precompiled artifacts (maxjax/aot/weights.py), used instead
+    of converting the checkpoint."""
+    if dtype is not None:
+        quantize.check_name(dtype)      # before reading anything; whether the file has it below
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     if os.path.isfile(path):
         from maxjax.models import gguf
         hf, reader, tokenizer, template = gguf.open_gguf(path)
         arch, cfg = model_config(hf, path)
+        types = reader.matrix_types()
+        dtype = dtype or quantize.gguf_encoding(types)
     else:
         from maxjax.models import hf as hfw
         hf = hfw.read_config(path)
@@ -109,9 +116,11 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         reader = hfw.SafetensorsReader(path)
         tokenizer = load_hf_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
+        types, dtype = None, dtype or default_dtype()
+    quantize.check_encoding(dtype, types)
     params = params_source(arch, cfg, dtype, path) if params_source else None
     if params is None:
-        params = load_params(arch, cfg, reader, DTYPES[dtype], progress, os.path.basename(path))
+        params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
     if chat_template:
         template = read_chat_template_file(chat_template)
     name = EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
@@ -127,13 +136,18 @@ def model_config(hf: dict, path: str) -> tuple[Architecture, ModelConfig]:
         raise UserError(f"{path}: {arch.name}: unsupported config: {e}") from e
 
 
-def load_params(arch: Architecture, cfg: ModelConfig, reader, dtype, progress: bool, label: str):
+def load_params(arch: Architecture, cfg: ModelConfig, reader, encoding: str, progress: bool,
+                label: str):
     from tqdm import tqdm
     total = len(arch.param_shapes(cfg)["layers"])
+    extra = {}
+    if quantize.is_quantized(encoding):
+        extra["quantizer"] = quantize.Quantizer(encoding, reader, getattr(reader, "q4", None))
     with tqdm(total=total, desc=f"loading {label}", unit="tensor", disable=not progress,
               leave=False) as bar:
         try:
-            return arch.params_from_hf(cfg, reader, dtype, progress=bar.update)
+            return arch.params_from_hf(cfg, reader, DTYPES.get(encoding, jnp.float32),
+                                       progress=bar.update, **extra)
         finally:
             if hasattr(reader, "close"):
                 reader.close()

@@ -1,0 +1,104 @@
+"""Quantized weights in the graph: what `layers.linear` does with a `QuantizedWeight`.
+
+Two formats, both read as integers by an int8 x int8 -> int32 dot, the one fast quantized kernel
+of XLA:CPU (YNNPACK, for dots of >= 2 rows; DESIGN.md):
+  bits=8  int8 per output channel: q int8 [in, out], w = scale[out] * q.
+  bits=4  GGUF 4-bit blocks of 32 inputs (Q4_0, Q4_1, Q4_K): q uint8 [in/2, out], two nibbles a
+          byte (in each block of 32 inputs, packed row j holds input j in its low nibble and
+          input j+16 in its high one, as GGUF does); w = scale[b] * (nibble - 8) + offset[b]
+          for block b (offset None: Q4_0). In the graph the block weights are unpacked and
+          rounded to int8 at one scale per output channel (`requant` = 127 / max|w| of the
+          channel, fixed at load), then take the int8 dot: a dot per 32-input block (the
+          GGUF arithmetic) wrote a [blocks, rows, out] int32 partial that made it 4-8x slower
+          than float32, and dequantizing to float32 before the dot is not fused into it
+          (BENCHMARKS.md, Quantized weights).
+Activations are quantized per row inside the graph, in two int8 digits: x ~ s1 * x1 + s2 * x2
+with x1 = round(x / s1), s1 = max|x| / 127, and x2 the same of the remainder x - s1 * x1. Both
+digits go through one dot (rows stacked), so the weight is read once: a single digit (plain
+per-row W8A8) cost SmolLM2 +5% perplexity over 2,048 tokens, two cost <1% (BENCHMARKS.md). The
+stacking also gives a one-row step two rows: XLA:CPU turns a one-row dot into a matrix-vector
+product that skips the int8 kernel (and converts the int8 weight to float32 in full).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QuantizedWeight:
+    q: jax.Array                 # int8 [in, out] (bits 8) or packed uint8 [in/2, out] (bits 4)
+    scale: jax.Array             # float32 [out] (bits 8) or [in/32, out] (bits 4)
+    offset: jax.Array | None = None    # float32 [in/32, out] (bits 4, GGUF formats with a min)
+    requant: jax.Array | None = None   # float32 [out]: 127 / max|w| per channel (bits 4)
+    bits: int = field(default=8, metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The [in, out] (or, transposed, [out, in]) shape of the weight it stands for."""
+        rows, cols = self.q.shape
+        return (rows * 2, cols) if self.bits == 4 else (rows, cols)
+
+
+BLOCK = 32
+DIGITS = 2      # activation digits; read at trace time (tools/bench_quant.py measures 1 too)
+
+
+def quantize_rows(x):
+    """x [..., in] float -> (int8 xq, float32 scale [..., 1]) with x ~ xq * scale."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    sx = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(xf / sx), -127, 127).astype(jnp.int8), sx
+
+
+def unpack_int4(q):
+    """Packed uint8 [in/2, out] -> the centered nibbles int8 [in/32, 32, out], in input order."""
+    half, out = q.shape
+    q = q.reshape(half * 2 // BLOCK, BLOCK // 2, out)
+    lo = (q & 0x0F).astype(jnp.int8) - 8
+    hi = (q >> 4).astype(jnp.int8) - 8
+    return jnp.concatenate([lo, hi], axis=1)
+
+
+def int8_weight(w: QuantizedWeight):
+    """(int8 [in, out], per-channel float32 scale [out]) of either format."""
+    if w.bits == 8:
+        return w.q, w.scale
+    nib = unpack_int4(w.q).astype(jnp.float32)
+    wf = nib * w.scale[:, None, :]
+    if w.offset is not None:
+        wf = wf + w.offset[:, None, :]
+    q = jnp.clip(jnp.round(wf * w.requant), -127, 127).astype(jnp.int8)
+    return q.reshape(-1, q.shape[-1]), 1.0 / w.requant
+
+
+def linear(x, w: QuantizedWeight, transposed: bool = False, out_dtype=None):
+    """x [..., in] @ w ([out, in] stored when `transposed`: the int8 embedding table as LM head)."""
+    lead, d_in = x.shape[:-1], x.shape[-1]
+    rest = x.reshape(-1, d_in).astype(jnp.float32)
+    rows = rest.shape[0]
+    digits, scales = [], []
+    for _ in range(DIGITS):
+        xq, sx = quantize_rows(rest)
+        digits.append(xq)
+        scales.append(sx)
+        rest = rest - xq.astype(jnp.float32) * sx
+    if rows * DIGITS == 1:
+        digits.append(jnp.zeros_like(digits[0]))
+    q, scale = int8_weight(w)
+    contract = ((1,), (1,)) if transposed else ((1,), (0,))
+    acc = jax.lax.dot_general(jnp.concatenate(digits), q, (contract, ((), ())),
+                              preferred_element_type=jnp.int32).astype(jnp.float32)
+    y = sum(acc[i * rows:(i + 1) * rows] * sx for i, sx in enumerate(scales)) * scale
+    return y.reshape(*lead, -1).astype(out_dtype or x.dtype)
+
+
+def embed(table, ids):
+    """Rows `ids` of an embedding table (a float array, or int8 per-row QuantizedWeight [V, D])."""
+    if isinstance(table, QuantizedWeight):
+        return table.q[ids].astype(jnp.float32) * table.scale[ids][:, None]
+    return table[ids]

@@ -1,0 +1,80 @@
+"""SmolLM2-135M real weights (the embedded Q4_1 GGUF) in each encoding over a fixed ~2,000-token
+text (tests/data/apache-2.0.txt, 2,048 tokens): perplexity next to float32 (the GGUF dequantized)
+and the share of positions whose top-1 token agrees with float32's. The text is prefilled through
+the paged step graph in chunks of 512 (one compile per encoding), logits at every position.
+Figures (printed with `-s`) are in BENCHMARKS.md, Quantized weights."""
+import math
+import os
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+
+from maxjax.graphs.decoder import init_kv
+from maxjax.graphs.step import RowSlice, build_step_inputs
+from maxjax.models.loader import load_model
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "apache-2.0.txt")
+NUM_TOKENS, CHUNK, PAGE = 2048, 512, 32
+PPL_TOLERANCE = {"int8": 0.01, "q4_1": 0.05}     # relative to float32 (the issue's targets)
+MIN_TOP1_AGREEMENT = {"int8": 0.93, "q4_1": 0.93}   # measured: 95.9%, 96.0%
+
+
+def score(model, tokens):
+    """(log-probability of each next token, top-1 token at each position but the last)."""
+    cfg, arch = model.config, model.arch
+    pages = list(range(1, len(tokens) // PAGE + 1))
+    kv = init_kv(cfg, len(pages) + 1, PAGE, model.compute_dtype)
+
+    @partial(jax.jit, donate_argnums=(1,))
+    def prefill(params, kv, step):
+        h, kv = arch.hidden_states(cfg, params, kv, step)
+        return arch.lm_logits(cfg, params, h), kv
+    logprobs, top = [], []
+    for start in range(0, len(tokens), CHUNK):
+        step = build_step_inputs([RowSlice(tokens[start:start + CHUNK], start, pages)], CHUNK, 1,
+                                 len(pages), PAGE)
+        logits, kv = prefill(model.params, kv, step)
+        logits = np.asarray(logits, np.float64)
+        lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        nxt = tokens[start + 1:start + CHUNK + 1]
+        logprobs += list(logits[np.arange(len(nxt)), nxt] - lse[:len(nxt)])
+        top += list(np.argmax(logits[:len(nxt)], -1))
+    return logprobs, top
+
+
+@pytest.fixture(scope="module")
+def scores():
+    out = {}
+    for encoding in ("float32", "int8", "q4_1"):
+        model = load_model(None, encoding, progress=False)
+        if "tokens" not in out:
+            with open(TEXT) as f:
+                ids = model.tokenizer.encode(f.read(), add_special_tokens=False)
+            out["tokens"] = ids[:NUM_TOKENS]
+            assert len(out["tokens"]) == NUM_TOKENS
+        out[encoding] = score(model, out["tokens"])
+        del model
+    return out
+
+
+def perplexity(logprobs) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+@pytest.mark.parametrize("encoding", ["int8", "q4_1"])
+def test_perplexity_next_to_float32(scores, encoding):
+    base, ours = perplexity(scores["float32"][0]), perplexity(scores[encoding][0])
+    top_f32, top = scores["float32"][1], scores[encoding][1]
+    agree = sum(int(a == b) for a, b in zip(top_f32, top)) / len(top)
+    print(f"\n{encoding}: perplexity {ours:.3f} vs float32 {base:.3f} "
+          f"({100 * (ours / base - 1):+.2f}%), top-1 agreement {100 * agree:.1f}% "
+          f"over {len(top)} positions")
+    assert abs(ours / base - 1) <= PPL_TOLERANCE[encoding]
+    assert agree >= MIN_TOP1_AGREEMENT[encoding]
+
+
+def test_float32_perplexity_is_plausible(scores):
+    # a sanity bound on the reference itself: a 135M model on English legal prose
+    assert 2.0 < perplexity(scores["float32"][0]) < 60.0

@@ -1,0 +1,105 @@
+"""Decode step time of SmolLM2-135M (the embedded GGUF's real weights) per weight encoding and KV
+cache format, side by side in one run (cases interleaved round-robin), with the bytes of weights
+a step reads and the roofline those bytes give at the copy bandwidth measured in the same run.
+
+    .venv/bin/python tools/bench_quant.py [--encodings float32,int8,q4_1] [--kv float32,bfloat16]
+        [--rows 1,8,32,64] [--context 256] [--iters 15] [--one-digit]
+
+`--one-digit` adds each quantized case with activations in one int8 digit, not two
+(graphs/quant.py; a one-row step then is padded to two rows).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import maxjax  # noqa: F401  (sets the XLA defaults before JAX starts)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxjax.engine.types import SamplingParams
+from maxjax.graphs import decoder, quant, sampling
+from maxjax.graphs.program import step_program
+from maxjax.graphs.step import RowSlice, build_step_inputs
+from maxjax.models.loader import load_model
+
+
+def weight_bytes(params) -> int:
+    """Bytes of the weights one decode step reads (the embedding rows it gathers aside)."""
+    leaves = jax.tree.leaves({k: v for k, v in params.items() if k != "embed"})
+    embed = params["embed"]         # tied: read in full as the LM head
+    return sum(a.nbytes for a in leaves) + sum(a.nbytes for a in jax.tree.leaves(embed))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of an in-place pass over 512 MB (read + write; donated, so nothing is allocated)."""
+    x = jnp.ones((128 << 20,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
+    x = f(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x = f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * x.nbytes / min(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--encodings", default="float32,int8,q4_1")
+    ap.add_argument("--kv", default="float32,bfloat16")
+    ap.add_argument("--rows", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--one-digit", action="store_true",
+                    help="also time activations in one int8 digit (graphs/quant.py)")
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    page = args.page_size
+    per_row = -(-(args.context + 1) // page)
+    max_pages = 4096 // page
+    models = {e: load_model(None, e, progress=False) for e in args.encodings.split(",")}
+    cfg = next(iter(models.values())).config
+    cases = []          # (label, compiled, params, kv holder, step, samp, bytes, tokens)
+    for enc, model in models.items():
+        for kv_fmt in args.kv.split(","):
+            for r in rows_list:
+                for digits in ([2, 1] if enc != "float32" and args.one_digit else [2]):
+                    quant.DIGITS = digits
+                    rows = [RowSlice([5], args.context,
+                                     list(range(1 + per_row * i, 1 + per_row * (i + 1))))
+                            for i in range(r)]
+                    kv = decoder.init_kv(cfg, 1 + per_row * r, page, kv_fmt)
+                    st = build_step_inputs(rows, r, r, max_pages, page)   # rows: powers of 2
+                    sa = sampling.build_sampling_arrays(
+                        [(SamplingParams(temperature=0), [], [], 0)] * r, r, 4096,
+                        vocab_size=cfg.vocab_size)
+                    fn = jax.jit(lambda p, kv, s, a: step_program(model.arch, cfg, 20, p, kv, s, a),
+                                 donate_argnums=(1,))
+                    c = fn.lower(model.params, kv, st, sa).compile()
+                    label = f"{enc} kv={kv_fmt} R={r}" + (" (1 digit)" if digits == 1 else "")
+                    cases.append([label, c, model.params, kv, st, sa,
+                                  weight_bytes(model.params), r, []])
+    quant.DIGITS = 2
+    for _ in range(args.iters + 1):
+        for case in cases:
+            c, params, kv, st, sa = case[1:6]
+            t = time.perf_counter()
+            out, case[3] = c(params, kv, st, sa)
+            jax.device_get(out[0].token_ids)
+            case[8].append(time.perf_counter() - t)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s; context {args.context} tokens per row")
+    print("| case | weights MB | step ms (median) | out tok/s | roofline ms | % of roofline |")
+    print("|---|---|---|---|---|---|")
+    for label, _, _, _, _, _, nbytes, r, times in cases:
+        ms = float(np.median(times[1:])) * 1e3
+        roof = nbytes / bw * 1e3
+        print(f"| {label} | {nbytes / 1e6:.0f} | {ms:.1f} | {r / ms * 1e3:.0f} | {roof:.1f} | "
+              f"{100 * roof / ms:.0f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
