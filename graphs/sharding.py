@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 MODEL_AXIS = "model"
@@ -93,7 +94,36 @@ def place(arrays, specs, mesh: jax.sharding.Mesh, rules: Rules = TENSOR_PARALLEL
 
 def tensor_parallel_mesh(num_devices: int) -> jax.sharding.Mesh:
     """A 1-D mesh over the first `num_devices` devices, named `MODEL_AXIS`."""
+    return mesh_over(jax.devices()[:num_devices])
+
+
+def mesh_over(devices) -> jax.sharding.Mesh:
+    """A 1-D mesh over `devices`, in order, named `MODEL_AXIS`."""
     # jax 0.10 makes Explicit axes by default, under which a matmul over a sharded contracting
     # dimension raises ShardingTypeError; Auto lets GSPMD insert the reduction.
-    return jax.make_mesh((num_devices,), (MODEL_AXIS,), axis_types=(AxisType.Auto,),
-                         devices=jax.devices()[:num_devices])
+    return jax.sharding.Mesh(np.asarray(devices), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def tensor_parallel_rules(cfg, degree: int) -> Rules:
+    """`TENSOR_PARALLEL` for a model config at `degree` devices: ValueError when its heads or
+    MLP do not split evenly; the vocabulary stays whole (replicated) when it does not."""
+    if degree == 1:
+        return TENSOR_PARALLEL
+    for what, n in (("kv heads", cfg.num_kv_heads), ("attention heads", cfg.num_heads),
+                    ("intermediate size", cfg.intermediate_size)):
+        if n % degree:
+            raise ValueError(f"the model's {n} {what} do not divide over {degree} devices "
+                             f"(tensor parallelism needs a degree that divides them)")
+    if cfg.vocab_size % degree:
+        return {**TENSOR_PARALLEL, "vocab": None}
+    return TENSOR_PARALLEL
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def params_mesh(params) -> jax.sharding.Mesh | None:
+    """The mesh the parameters were placed on (maxjax/engine/devices.py), None on one device."""
+    s = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return s.mesh if isinstance(s, NamedSharding) else None

@@ -119,6 +119,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
     from jax.experimental import serialize_executable
     specs = graphs.graph_specs(model, layout)
     kv = graphs.pool_specs(model, layout)
+    devices = graphs.execution_devices(layout)
     out: dict = {}
     t0, counts = time.perf_counter(), {"executable": 0, "export": 0}
     # Deserializing an executable is native code that releases the GIL: overlap them.
@@ -133,8 +134,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
             m, g = exe
             blob = _read_verified(m, name, g["files"]["executable"])
             trees = graphs.executable_trees(spec.args, g["sample_outputs"], len(jax.tree.leaves(kv)))
-            loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees),
-                           g["output_structure"])
+            loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees,
+                                       execution_devices=devices), g["output_structure"])
             counts["executable"] += 1
             continue
         m, g = cands[0]
@@ -154,7 +155,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
                             "manifest")
         log.info("compiling exported graph %s for %s (no executable for this device)", name,
                  local["device_kind"])
-        out[name] = (graphs.compile_export(exp, spec.args, spec.donate_argnums), "export",
+        out[name] = (graphs.compile_export(exp, spec), "export",
                      g["output_structure"])
         counts["export"] += 1
     with pool:

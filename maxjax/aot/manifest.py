@@ -179,7 +179,7 @@ def model_fingerprint(model) -> dict:
 
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
-                 "max_lora_rank")
+                 "max_lora_rank", "mesh")
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
@@ -195,9 +195,19 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "buckets": [[b.num_tokens, b.num_rows, b.num_samples] for b in layout.buckets],
           # the LoRA slot stacks are graph inputs (graphs/lora.py); the adapters themselves are not
           "lora_slots": engine_cfg.max_num_loras + 1 if engine_cfg.enable_lora else 0,
-          "max_lora_rank": engine_cfg.max_lora_rank if engine_cfg.enable_lora else 0}
+          "max_lora_rank": engine_cfg.max_lora_rank if engine_cfg.enable_lora else 0,
+          # the graphs are sharded over it: its shape and device kind (not which devices)
+          "mesh": describe_mesh(layout.mesh)}
     fp["fingerprint"] = digest(fp)
     return fp
+
+
+def describe_mesh(mesh) -> dict | None:
+    if mesh is None:
+        return None
+    devs = list(mesh.devices.flat)
+    return {"shape": dict(mesh.shape), "device_kinds": sorted({d.device_kind for d in devs}),
+            "num_processes": len({d.process_index for d in devs})}
 
 
 # ---- graph signatures ----------------------------------------------------------------------------

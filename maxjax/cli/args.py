@@ -92,8 +92,6 @@ class ModelOptions:
         "help": "Jinja chat template file, or JSON with a chat_template key, overriding the model's"})
     custom_architectures: list[str] = field(default_factory=list, metadata={
         "help": "Architecture packages to register: a directory or IMPORT_PATH:ATTR exposing ARCHITECTURES"})
-    devices: str | None = field(default=None, metadata={
-        "help": "cpu or gpu (default: the first platform JAX finds)"})
     precompiled_artifacts: list[str] = field(default_factory=list, metadata={
         "args": ["--precompiled-artifacts", "--precompiled-mefs"],
         "help": "Artifact directories from `maxjax warm-cache` to load instead of compiling"})

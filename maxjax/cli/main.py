@@ -27,11 +27,13 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     level = getattr(logging, model_opts.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries(level)
-    _select_devices(model_opts.devices)
+    engine_cfg = build(EngineConfig, args, base)
+    from maxjax.engine import devices
+    devices.select_platform(engine_cfg.devices)
     from maxjax.models import registry
     for spec in model_opts.custom_architectures:
         registry.register_custom(spec)
-    return model_opts, build(EngineConfig, args, base)
+    return model_opts, engine_cfg
 
 
 def _quiet_libraries(level: int) -> None:
@@ -46,21 +48,6 @@ def _config_classes(args):
     from maxjax.server.config import ServeConfig
     classes = [ModelOptions, EngineConfig]
     return classes + [ServeConfig] if args.command == "serve" else classes
-
-
-def _select_devices(devices: str | None) -> None:
-    if devices is None:
-        return
-    kind = devices.split(":")[0].lower()
-    platforms = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
-    if kind not in platforms:
-        raise UserError(f"--devices {devices!r}: expected cpu or gpu[:IDS]")
-    import jax
-    try:
-        jax.config.update("jax_platforms", platforms[kind])
-        jax.devices()
-    except RuntimeError as e:
-        raise UserError(f"--devices {devices}: no such device on this machine ({e})") from e
 
 
 def cmd_list(args) -> int:

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -46,6 +47,7 @@ class EngineLayout:
     num_pages: int
     max_pages_per_row: int
     buckets: list = field(default_factory=list)
+    mesh: Any = None        # the tensor-parallel mesh (maxjax/engine/devices.py); None: one device
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -57,17 +59,19 @@ def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
     return cfg.max_length
 
 
-def _available_bytes() -> int:
-    dev = jax.devices()[0]
-    if dev.platform != "cpu":
-        stats = dev.memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+def _available_bytes(mesh=None, replicas: int = 1) -> int:
+    """Free memory for one engine: its devices' together (a sharded pool splits over them), or
+    its share of the host's on the CPU, where the replicas' devices share one memory."""
+    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+    if devices[0].platform != "cpu":
+        stats = [d.memory_stats() or {} for d in devices]
+        if all("bytes_limit" in s for s in stats):
+            return min(int(s["bytes_limit"] - s.get("bytes_in_use", 0)) for s in stats) * len(stats)
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+                return int(line.split()[1]) * 1024 // replicas
+    return (4 << 30) // replicas
 
 
 def _round_down(n: int, bits: int = 3) -> int:
@@ -76,7 +80,10 @@ def _round_down(n: int, bits: int = 3) -> int:
 
 
 def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
+    """The engine's sizes, on the mesh its model's params are placed on."""
+    from maxjax.graphs.sharding import params_mesh
     mc = model.config
+    mesh = params_mesh(model.params)
     if cfg.kv_cache_page_size < 1:
         raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
     if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
@@ -89,7 +96,8 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
     else:
         itemsize = np.dtype(model.params["embed"].dtype).itemsize
         page_bytes = 2 * mc.num_layers * page * mc.num_kv_heads * mc.head_dim * itemsize
-        budget = int(_available_bytes() * cfg.device_memory_utilization)
+        budget = int(_available_bytes(mesh, cfg.data_parallel_degree)
+                     * cfg.device_memory_utilization)
         # No more than every row at max_length could use, plus the scratch page. The pool
         # shapes every graph: rounded down to 3 significant bits, the free memory's drift
         # between starts does not change it (and miss the compile cache).
@@ -99,7 +107,7 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
                         "(raise --device-memory-utilization or set --num-kv-pages)")
     buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
                          speculative.draft_tokens(cfg) + 1)
-    return EngineLayout(max_length, page, int(num_pages), per_row, buckets)
+    return EngineLayout(max_length, page, int(num_pages), per_row, buckets, mesh)
 
 
 def make_lora_manager(cfg: EngineConfig, model):
@@ -146,7 +154,7 @@ class EngineCore:
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
-                                  self.lora)
+                                  self.lora, lay.mesh)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.

@@ -21,7 +21,7 @@ from maxjax.engine.buckets import Bucket, pick_bucket
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for
-from maxjax.graphs.program import GraphSpec, kv_init_spec, step_graph_specs
+from maxjax.graphs.program import GraphSpec, jit_kwargs, kv_init_spec, step_graph_specs
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
 log = logging.getLogger("maxjax.runner")
@@ -73,9 +73,11 @@ class ModelRunner:
     def __init__(self, model, buckets: list[Bucket], num_pages: int, page_size: int,
                  max_pages_per_row: int, history_len: int,
                  executables: dict[Bucket, Callable] | None = None,
-                 kv_init: Callable[[], tuple] | None = None, lora=None):
-        """`lora`: the LoraManager whose device slots join the params (None: no LoRA)."""
+                 kv_init: Callable[[], tuple] | None = None, lora=None, mesh=None):
+        """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
+        `mesh`: the tensor-parallel mesh the model's params are placed on (None: one device)."""
         self.model = model
+        self.mesh = mesh
         self.lora = lora
         self.cfg = model.config
         self.buckets = sorted(buckets)
@@ -84,8 +86,8 @@ class ModelRunner:
         self.history_len = history_len
         self.num_pages = num_pages
         if kv_init is None:
-            spec = kv_init_spec(self.cfg, num_pages, page_size, model.params["embed"].dtype)
-            compiled = jax.jit(spec.fn).lower().compile()
+            spec = kv_init_spec(self.cfg, num_pages, page_size, model.params["embed"].dtype, mesh)
+            compiled = jax.jit(spec.fn, **jit_kwargs(spec)).lower().compile()
             kv_init = lambda: compiled()[1]        # noqa: E731
         self._kv_init = kv_init
         self.kv = kv_init()
@@ -104,7 +106,8 @@ class ModelRunner:
 
     def graph_specs(self) -> list[GraphSpec]:
         return step_graph_specs(self.model.arch, self.cfg, self.params, self.kv, self.buckets,
-                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention)
+                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention,
+                                self.mesh)
 
     def compile_all(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         specs = self.graph_specs()
@@ -113,7 +116,7 @@ class ModelRunner:
                 continue
             t0 = time.perf_counter()
             self.executables[spec.bucket] = jax.jit(
-                spec.fn, donate_argnums=spec.donate_argnums).lower(*spec.args).compile()
+                spec.fn, **jit_kwargs(spec)).lower(*spec.args).compile()
             log.debug("compiled %s in %.2fs", spec.name, time.perf_counter() - t0)
             if progress:
                 progress(i + 1, len(specs), spec.name)
