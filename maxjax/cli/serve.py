@@ -7,6 +7,7 @@ import threading
 
 from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.config import EngineConfig
+from maxjax.engine.replicas import ReplicatedEngine
 from maxjax.errors import UserError
 
 
@@ -34,19 +35,28 @@ class LoadingEngine:
         return self.inner.stats() if self.inner else {}
 
 
-def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True) -> AsyncEngine:
-    from maxjax.engine.build import build_core
-    core = build_core(model_opts.model_path, engine_cfg, chat_template=model_opts.chat_template,
-                      precompiled_artifacts=model_opts.precompiled_artifacts,
-                      require_compiled=model_opts.require_compiled_artifacts, progress=progress,
-                      compile_cache=model_opts.compile_cache,
-                      compile_cache_max_size=model_opts.compile_cache_max_size)
-    if model_opts.export_artifacts:
-        from maxjax.aot import export as aot_export
-        aot_export.export_engine(model_opts.export_artifacts, core)
-    model = core.model
-    engine = AsyncEngine(core, model.tokenizer, serve_cfg.served_model_name or model.name,
-                         model.chat_template, serve_cfg.max_pending_requests)
+def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True):
+    """The started AsyncEngine, or with --data-parallel-degree D a ReplicatedEngine of D."""
+    from maxjax.engine.build import build_core, load
+    model = model_opts.model_path
+    if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
+        model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,
+                     model_opts.precompiled_artifacts, progress)
+    engines = []
+    for replica in range(engine_cfg.data_parallel_degree):
+        core = build_core(model, engine_cfg, chat_template=model_opts.chat_template,
+                          precompiled_artifacts=model_opts.precompiled_artifacts,
+                          require_compiled=model_opts.require_compiled_artifacts,
+                          progress=progress, compile_cache=model_opts.compile_cache,
+                          compile_cache_max_size=model_opts.compile_cache_max_size,
+                          replica=replica)
+        if model_opts.export_artifacts and replica == 0:
+            from maxjax.aot import export as aot_export
+            aot_export.export_engine(model_opts.export_artifacts, core)
+        engines.append(AsyncEngine(core, core.model.tokenizer,
+                                   serve_cfg.served_model_name or core.model.name,
+                                   core.model.chat_template, serve_cfg.max_pending_requests))
+    engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
     engine.start()
     return engine
 
