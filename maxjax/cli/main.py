@@ -15,6 +15,7 @@ from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_d
                              build, check_config_keys, grammar_spec, read_config_file,
                              sampling_params)
 from maxjax.engine.config import EngineConfig
+from maxjax.engine.distributed import DistributedOptions
 from maxjax.errors import RequestError, UserError
 
 
@@ -28,8 +29,14 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries(level)
     engine_cfg = build(EngineConfig, args, base)
-    from maxjax.engine import devices
-    devices.select_platform(engine_cfg.devices)
+    from maxjax.engine import devices, distributed
+    group = build(distributed.DistributedOptions, args, base).resolved()
+    if group is not None and args.command != "serve":
+        raise UserError(f"--num-processes: multi-host runs `maxjax serve` only (not "
+                        f"{args.command})")
+    args.group = group
+    devices.select_platform(engine_cfg.devices,
+                            start=group and (lambda: distributed.initialize(group)))
     from maxjax.models import registry
     for spec in model_opts.custom_architectures:
         registry.register_custom(spec)
@@ -46,7 +53,7 @@ def _quiet_libraries(level: int) -> None:
 
 def _config_classes(args):
     from maxjax.server.config import ServeConfig
-    classes = [ModelOptions, EngineConfig]
+    classes = [ModelOptions, EngineConfig, DistributedOptions]
     return classes + [ServeConfig] if args.command == "serve" else classes
 
 
@@ -150,7 +157,7 @@ def cmd_serve(args) -> int:
                           "server": {k: ("***" if k == "api_key" and v else v)
                                      for k, v in dataclasses.asdict(serve_cfg).items()}}, indent=2))
     from maxjax.cli.serve import serve
-    return serve(model_opts, engine_cfg, serve_cfg)
+    return serve(model_opts, engine_cfg, serve_cfg, args.group)
 
 
 def cmd_warm_cache(args) -> int:
@@ -191,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         add_dataclass_args(sp, ModelOptions, "model")
         add_dataclass_args(sp, EngineConfig, "engine")
+        add_dataclass_args(sp, DistributedOptions, "multi-host")
         sp.add_argument("--config-file", help="YAML or JSON file of flag values (the command line wins)")
         return sp
 

@@ -35,8 +35,9 @@ class LoadingEngine:
         return self.inner.stats() if self.inner else {}
 
 
-def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True):
-    """The started AsyncEngine, or with --data-parallel-degree D a ReplicatedEngine of D."""
+def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True, leader=None):
+    """The started AsyncEngine, or with --data-parallel-degree D a ReplicatedEngine of D.
+    `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py)."""
     from maxjax.engine.build import build_core, load
     model = model_opts.model_path
     if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
@@ -44,12 +45,16 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
                      model_opts.precompiled_artifacts, progress)
     engines = []
     for replica in range(engine_cfg.data_parallel_degree):
-        core = build_core(model, engine_cfg, chat_template=model_opts.chat_template,
-                          precompiled_artifacts=model_opts.precompiled_artifacts,
-                          require_compiled=model_opts.require_compiled_artifacts,
-                          progress=progress, compile_cache=model_opts.compile_cache,
-                          compile_cache_max_size=model_opts.compile_cache_max_size,
-                          replica=replica)
+        if leader is not None:
+            from maxjax.engine.distributed import build_group_core
+            core = build_group_core(model_opts, engine_cfg, leader, progress)
+        else:
+            core = build_core(model, engine_cfg, chat_template=model_opts.chat_template,
+                              precompiled_artifacts=model_opts.precompiled_artifacts,
+                              require_compiled=model_opts.require_compiled_artifacts,
+                              progress=progress, compile_cache=model_opts.compile_cache,
+                              compile_cache_max_size=model_opts.compile_cache_max_size,
+                              replica=replica)
         if model_opts.export_artifacts and replica == 0:
             from maxjax.aot import export as aot_export
             aot_export.export_engine(model_opts.export_artifacts, core)
@@ -61,14 +66,24 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True)
     return engine
 
 
-def serve(model_opts, engine_cfg: EngineConfig, serve_cfg) -> int:
+def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
+    """`group`: the resolved DistributedOptions of a multi-host run (None: one process); process
+    0 serves, the others follow it (maxjax/engine/distributed.py)."""
     from maxjax.server.app import run_server
+    if group is not None and group.process_id > 0:
+        from maxjax.engine.distributed import run_follower
+        return run_follower(model_opts, engine_cfg, group)
     lazy = LoadingEngine(serve_cfg.served_model_name)
     stop_holder: dict = {}
+    channel: dict = {}
 
     def load():
         try:
-            lazy.inner = build_engine(model_opts, engine_cfg, serve_cfg)
+            if group is not None:
+                from maxjax.engine.distributed import Leader
+                channel["leader"] = Leader(group)
+            lazy.inner = build_engine(model_opts, engine_cfg, serve_cfg,
+                                      leader=channel.get("leader"))
         except BaseException as e:  # reported on the main thread
             lazy.failure = e
             loop, stop = stop_holder["loop"], stop_holder["stop"]
@@ -83,6 +98,8 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg) -> int:
     asyncio.run(main())
     if lazy.inner is not None:
         lazy.inner.shutdown()
+    if "leader" in channel:
+        channel["leader"].close()
     if lazy.failure is not None:
         if isinstance(lazy.failure, (UserError, ValueError)):
             raise UserError(str(lazy.failure))

@@ -59,16 +59,20 @@ def parse(text: str | None) -> DeviceSpec:
     return DeviceSpec(text, platform, len(nums), nums)
 
 
-def select_platform(text: str | None) -> None:
-    """Before JAX starts its backends: the platform, and for cpu:N the host device count."""
+def select_platform(text: str | None, start=None) -> None:
+    """Before JAX starts its backends: the platform, and for cpu:N the host device count; then
+    `start()` (joining a multi-host group) and the backend."""
     spec = parse(text)
-    if spec.platform is None:
-        return
     import jax
     try:
-        jax.config.update("jax_platforms", spec.platform)
+        if spec.platform is not None:
+            jax.config.update("jax_platforms", spec.platform)
         if spec.platform == "cpu" and spec.count and spec.count > 1 and not _backends_started():
             jax.config.update("jax_num_cpu_devices", max(spec.count, _forced_cpu_devices()))
+        if start:
+            start()
+        if spec.platform is None and not start:
+            return
         jax.devices()
     except RuntimeError as e:
         raise UserError(f"--devices {text}: no such device on this machine ({e})") from e

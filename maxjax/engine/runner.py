@@ -96,6 +96,15 @@ class ModelRunner:
         self.attention = backend_for(jax.default_backend())
         self.last_timing: dict[str, float] = {}
         self.last_bucket: Bucket | None = None
+        # Multi-host process 0 (maxjax/engine/distributed.py): told every executable call
+        # first, so that the other processes make it too. None: one process.
+        self.mirror: Callable | None = None
+
+    def _step(self, bucket: Bucket, step, samp):
+        if self.mirror is not None:
+            self.mirror("step", self.buckets.index(bucket), step, samp)
+        out, self.kv = self.executables[bucket](self.params, self.kv, step, samp)
+        return out
 
     @property
     def params(self) -> dict:
@@ -123,6 +132,8 @@ class ModelRunner:
 
     def reset_kv(self) -> None:
         """A new zero pool (the old one was lost in a failed call)."""
+        if self.mirror is not None:
+            self.mirror("kv_init")
         self.kv = self._kv_init()
 
     def prime_steps(self):
@@ -142,8 +153,7 @@ class ModelRunner:
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
                                                       b.num_samples, self.history_len, self.eos,
                                                       self.cfg.vocab_size)
-                out, self.kv = self.executables[b](self.params, self.kv, step, samp)
-                jax.block_until_ready(out)
+                jax.block_until_ready(self._step(b, step, samp))
                 yield b
 
     def run(self, rows: list[RowRequest]) -> list[RowResult]:
@@ -157,7 +167,7 @@ class ModelRunner:
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()
-        (out, plp), self.kv = self.executables[bucket](self.params, self.kv, step, samp)
+        out, plp = self._step(bucket, step, samp)
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None
