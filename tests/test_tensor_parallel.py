@@ -1,8 +1,9 @@
 """Tensor parallelism (`--devices cpu:N`) on the 4 host devices tests/conftest.py forces: greedy
 tokens equal the single-device run's and logprobs agree within 1e-4 (tiny model) / 2e-3
 (SmolLM2: a sharded matmul sums in another order); the parameters and the KV pool carry the
-shardings their logical axes declare; sharded artifacts serve without compiling and are refused
-on another mesh; bad --devices values are one-line errors."""
+shardings their logical axes declare (kv heads that do not divide are replicated); sharded
+artifacts serve without compiling and are refused on another mesh; bad --devices values are
+one-line errors."""
 import jax
 import numpy as np
 import pytest
@@ -58,6 +59,7 @@ def assert_declared_shardings(core, n: int):
     for pool in core.runner.kv:
         assert pool.sharding.spec == P(None, None, "model", None, None)
         assert {s.data.shape[2] for s in pool.addressable_shards} == {pool.shape[2] // n}
+        assert len(pool.sharding.device_set) == n
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -69,11 +71,18 @@ def test_tensor_parallel_equals_one_device(tiny4, reference, n):
     assert llm.stats()["pages_used"] == 0
 
 
-def test_kv_heads_that_do_not_divide_are_refused(tmp_path):
+def test_kv_heads_that_do_not_divide_are_replicated(tmp_path):
+    """2 kv heads over 4 devices: the KV pool stays whole on every device, the rest splits; the
+    outputs still equal the single-device run's."""
     model = load_model(write_tiny_llama(tmp_path, num_kv_heads=2), "float32", progress=False)
-    with pytest.raises(UserError, match=r"--devices: the model's 2 kv heads do not divide over "
-                                        r"4 devices"):
-        LLM(model, devices="cpu:4", **ENGINE)
+    rules = sharding.tensor_parallel_rules(model.config, 4)
+    assert rules["kv_heads"] is None and rules["mlp"] == "model"
+    ref = LLM(model, **ENGINE).generate(PROMPTS, GREEDY)
+    llm = LLM(model, devices="cpu:4", **ENGINE)
+    assert_same_outputs(llm.generate(PROMPTS, GREEDY), ref, atol=1e-4)
+    for pool in llm.core.runner.kv:
+        assert pool.sharding.is_fully_replicated and len(pool.sharding.device_set) == 4
+    assert llm.core.model.params["layers"][0]["w_down"].sharding.spec == P("model", None)
 
 
 def test_devices_syntax():

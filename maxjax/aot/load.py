@@ -70,6 +70,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         m = None    # fix() reads the pinned values once the manifest is read
         m = mf.read_manifest(d, fix(None))
         mf.check_versions(m, fix(None), require_compiled or m.data.get("compiled_for") == local)
+        _check_mesh(m, model, fix(None))     # before the model: a mesh also lays out its weights
         mf.check_model(m, model, fix(None))
         pinned = _adopt_pinned(m, engine_cfg, fix)
         if local["platform"] not in m.data.get("targets", []):
@@ -87,6 +88,15 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         manifests.append(m)
     assert layout is not None
     return (layout, *_load_graphs(manifests, model, layout, local, require_compiled))
+
+
+def _check_mesh(m: mf.Manifest, model, fix: str) -> None:
+    from maxjax.graphs.sharding import params_mesh
+    want = m.data.get("engine", {}).get("mesh")
+    have = mf.describe_mesh(params_mesh(model.params))
+    if want != have:
+        raise UserError(f"{m.path}: engine mesh: artifacts {want}, this run {have} (--devices); "
+                        f"recreate the artifacts with: {fix}")
 
 
 def _read_verified(m: mf.Manifest, name: str, entry: dict) -> bytes:

@@ -60,13 +60,13 @@ def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
 
 
 def _available_bytes(mesh=None, replicas: int = 1) -> int:
-    """Free memory for one engine: its devices' together (a sharded pool splits over them), or
-    its share of the host's on the CPU, where the replicas' devices share one memory."""
+    """Free memory for one copy of the KV pool: the least free device's on an accelerator, or
+    this engine's share of the host's on the CPU (the replicas' devices share one memory)."""
     devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
     if devices[0].platform != "cpu":
         stats = [d.memory_stats() or {} for d in devices]
         if all("bytes_limit" in s for s in stats):
-            return min(int(s["bytes_limit"] - s.get("bytes_in_use", 0)) for s in stats) * len(stats)
+            return min(int(s["bytes_limit"] - s.get("bytes_in_use", 0)) for s in stats)
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -81,7 +81,7 @@ def _round_down(n: int, bits: int = 3) -> int:
 
 def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
     """The engine's sizes, on the mesh its model's params are placed on."""
-    from maxjax.graphs.sharding import params_mesh
+    from maxjax.graphs.sharding import params_mesh, tensor_parallel_rules
     mc = model.config
     mesh = params_mesh(model.params)
     if cfg.kv_cache_page_size < 1:
@@ -98,6 +98,9 @@ def plan_layout(cfg: EngineConfig, model) -> EngineLayout:
         page_bytes = 2 * mc.num_layers * page * mc.num_kv_heads * mc.head_dim * itemsize
         budget = int(_available_bytes(mesh, cfg.data_parallel_degree)
                      * cfg.device_memory_utilization)
+        if mesh is not None and mesh.devices.flat[0].platform != "cpu" and \
+                tensor_parallel_rules(mc, mesh.size)["kv_heads"]:
+            budget *= mesh.size          # the pool splits over the devices by kv heads
         # No more than every row at max_length could use, plus the scratch page. The pool
         # shapes every graph: rounded down to 3 significant bits, the free memory's drift
         # between starts does not change it (and miss the compile cache).

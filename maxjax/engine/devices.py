@@ -16,6 +16,7 @@ Called by maxjax/cli/main.py (`select_platform`, before JAX starts) and maxjax/e
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from maxjax.errors import UserError
 
+log = logging.getLogger("maxjax.engine")
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 _SYNTAX = "expected cpu, cpu:N, gpu, gpu:all or gpu:ID[,ID...]"
 
@@ -136,16 +138,24 @@ def replica_meshes(text: str | None, data_parallel_degree: int = 1) -> list:
     return [mesh_over(g) for g in groups]
 
 
-def place_model(model, mesh, flag: str = "--devices"):
-    """The LoadedModel with its parameters on `mesh`, sharded by their logical axes (the same
-    object when `mesh` is None); UserError when the model does not split over it."""
+def place_model(model, mesh):
+    """The LoadedModel with its parameters on `mesh`, sharded by their logical axes and the
+    fused weights laid out per device (graphs/sharding.py); the same object when `mesh` is
+    None."""
     if mesh is None:
         return model
     from maxjax.graphs import sharding
-    try:
-        rules = sharding.tensor_parallel_rules(model.config, mesh.size)
-    except ValueError as e:
-        raise UserError(f"{flag}: {e}") from None
-    specs = model.arch.param_specs(model.config)
-    placed = sharding.place(model.params, specs, mesh, rules)
-    return dataclasses.replace(model, params=placed)
+    cfg, params = model.config, model.params
+    rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+    if cfg.qkv_shards == cfg.gate_up_shards == 1:       # not laid out for a mesh yet
+        whole = [a for a, r in rules.items() if r is None and sharding.TENSOR_PARALLEL[a]]
+        if whole:
+            log.warning("tensor parallelism over %d devices: %s do not divide by %d, so they "
+                        "stay whole on every device%s", mesh.size, ", ".join(whole), mesh.size,
+                        " (the whole KV pool on each)" if "kv_heads" in whole else "")
+        cfg, params = sharding.tensor_parallel_layout(cfg, params, mesh.size)
+    elif max(cfg.qkv_shards, cfg.gate_up_shards) != mesh.size:
+        raise UserError(f"the model's weights are laid out for {max(cfg.qkv_shards, cfg.gate_up_shards)} "
+                        f"devices, not {mesh.size}")
+    placed = sharding.place(params, model.arch.param_specs(cfg), mesh, rules)
+    return dataclasses.replace(model, config=cfg, params=placed)
