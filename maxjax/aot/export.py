@@ -253,6 +253,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     if artifacts_dir is None:
         print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
     serve = ["maxjax", "serve", *_model_flag(model), "--precompiled-artifacts", directory]
+    serve += ["--devices", engine_cfg.devices] if engine_cfg.devices else []
     print(f"serve with: {shlex.join(serve)}")
     return 0
 

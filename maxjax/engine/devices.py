@@ -144,6 +144,7 @@ def place_model(model, mesh):
     None."""
     if mesh is None:
         return model
+    import jax
     from maxjax.graphs import sharding
     cfg, params = model.config, model.params
     rules = sharding.tensor_parallel_rules(cfg, mesh.size)
@@ -157,5 +158,7 @@ def place_model(model, mesh):
     elif max(cfg.qkv_shards, cfg.gate_up_shards) != mesh.size:
         raise UserError(f"the model's weights are laid out for {max(cfg.qkv_shards, cfg.gate_up_shards)} "
                         f"devices, not {mesh.size}")
+    # From host arrays: resharding device arrays would compile a program per shape.
+    params = jax.tree.map(np.asarray, params)
     placed = sharding.place(params, model.arch.param_specs(cfg), mesh, rules)
     return dataclasses.replace(model, config=cfg, params=placed)
