@@ -254,7 +254,7 @@ def test_pool_sized_from_memory_is_stable_across_starts(model, monkeypatch):
     cfg = EngineConfig(max_batch_size=256, quantization_encoding="float32")
     sizes = set()
     for free in (10_000_000, 9_700_000, 10_300_000):
-        monkeypatch.setattr(core_mod, "_available_bytes", lambda free=free: free)
+        monkeypatch.setattr(core_mod, "_available_bytes", lambda *_, free=free: free)
         sizes.add(plan_layout(cfg, model).num_pages)
     assert len(sizes) == 1
 
