@@ -146,6 +146,8 @@ def place_model(model, mesh):
         return model
     import jax
     from maxjax.graphs import sharding
+    if sharding.params_mesh(model.params) == mesh:
+        return model          # placed already (a multi-host process's arrays are not all here)
     cfg, params = model.config, model.params
     rules = sharding.tensor_parallel_rules(cfg, mesh.size)
     if cfg.qkv_shards == cfg.gate_up_shards == 1:       # not laid out for a mesh yet
