@@ -44,6 +44,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: tuple = field(default=(), compare=True)
+    # Tensor parallelism (graphs/sharding.py `tensor_parallel_layout`): the fused q|k|v and
+    # gate|up weights laid out as this many per-device blocks, each [q_i|k_i|v_i] ([g_i|u_i]).
+    qkv_shards: int = 1
+    gate_up_shards: int = 1
 
     def __post_init__(self):
         if not self.layer_windows:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxjax.graphs import quant
 
@@ -66,10 +67,31 @@ def activation(name: str):
     raise ValueError(f"unsupported activation {name!r} (supported: silu, gelu, gelu_pytorch_tanh)")
 
 
-def gated_mlp(x, w_gate_up, w_down, act: str):
+def gated_mlp(x, w_gate_up, w_down, act: str, shards: int = 1):
     gate_up = linear(x, w_gate_up)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    F = gate_up.shape[-1] // 2
+    gate, up = split_fused(gate_up, (F, F), shards)
     return linear(activation(act)(gate) * up, w_down)
+
+
+def split_fused(x, sizes, shards: int = 1):
+    """The parts of a fused projection's output x [T, sum(sizes)], laid out as `shards` blocks
+    that each hold every part's 1/shards slice in order (`shards` 1: the parts one after the
+    other). Per-device blocks keep a column-parallel projection's split local: each device
+    holds its own q, k and v heads (gate and up columns), no resharding between."""
+    if shards == 1:
+        return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    blocks = x.reshape(*x.shape[:-1], shards, -1)
+    parts = jnp.split(blocks, np.cumsum([n // shards for n in sizes])[:-1].tolist(), axis=-1)
+    return [p.reshape(*x.shape[:-1], -1) for p in parts]
+
+
+def fuse_per_shard(w, sizes, shards: int):
+    """The inverse layout of `split_fused`: w [..., sum(sizes)] (parts one after the other) with
+    its last axis reordered into `shards` blocks of every part's slice (host numpy)."""
+    bounds = np.cumsum([0, *sizes])
+    parts = [w[..., a:b].reshape(*w.shape[:-1], shards, -1) for a, b in zip(bounds, bounds[1:])]
+    return np.concatenate(parts, axis=-1).reshape(w.shape)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None):

@@ -20,9 +20,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from maxjax.graphs import sampling
+from maxjax.graphs import sampling, sharding
 from maxjax.graphs.attention import AttentionBackend
-from maxjax.graphs.decoder import init_kv
+from maxjax.graphs.decoder import init_kv, kv_pool_specs
 from maxjax.graphs.step import step_input_specs
 
 KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step, samp)
@@ -43,6 +43,7 @@ class GraphSpec:
     fn: Callable
     args: tuple              # pytree of jax.ShapeDtypeStruct
     donate_argnums: tuple
+    out_shardings: Any = None   # on a mesh: (outputs', kv's) shardings; None: one device
 
 
 def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, samp):
@@ -76,24 +77,58 @@ def abstract(tree):
 
 
 def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, history_len: int,
-                     num_top_logprobs: int,
-                     backend: AttentionBackend | None = None) -> list[GraphSpec]:
+                     num_top_logprobs: int, backend: AttentionBackend | None = None,
+                     mesh=None) -> list[GraphSpec]:
     """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones (params
     with a "lora" entry, graphs/lora.py, take a per-token adapter slot input);
-    `backend`: the attention backend (graphs/attention.py; None: the default platform's)."""
+    `backend`: the attention backend (graphs/attention.py; None: the default platform's);
+    `mesh`: the tensor-parallel mesh the graphs are sharded over (None: one device)."""
     fn = partial(step_program, arch, cfg, num_top_logprobs)
     params, kv = abstract(params), abstract(kv)
+    out_shardings = None
+    if mesh is not None:
+        rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+        params = _on(params, sharding.shardings(arch.param_specs(cfg), mesh, rules))
+        kv_sh = _kv_shardings(cfg, kv[0].shape[1], kv[0].shape[3], mesh)
+        kv, out_shardings = _on(kv, kv_sh), (sharding.replicated(mesh), kv_sh)
     specs = []
     for b in sorted(buckets):
         step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend,
                                 lora="lora" in params)
         samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
-        specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED))
+        if mesh is not None:      # per-step inputs are replicated: every device reads them whole
+            step, samp = (_on(x, sharding.replicated(mesh)) for x in (step, samp))
+        specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED,
+                               out_shardings))
     return specs
 
 
-def kv_init_spec(cfg, num_pages: int, page_size: int, dtype) -> GraphSpec:
-    """() -> (None, a zero KV pool)."""
+def _kv_shardings(cfg, num_pages: int, page_size: int, mesh):
+    rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+    return sharding.shardings(kv_pool_specs(cfg, num_pages, page_size), mesh, rules)
+
+
+def _on(tree, shardings):
+    """ShapeDtypeStructs of `tree` placed by `shardings` (a matching pytree, or one sharding)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings),
+                            tree)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                        shardings)
+
+
+def kv_init_spec(cfg, num_pages: int, page_size: int, dtype, mesh=None) -> GraphSpec:
+    """() -> (None, a zero KV pool), sharded on kv heads over `mesh` when given."""
     def kv_init():
         return None, init_kv(cfg, num_pages, page_size, dtype)
-    return GraphSpec(KV_INIT, None, kv_init, (), ())
+    out = None if mesh is None else (sharding.replicated(mesh),
+                                     _kv_shardings(cfg, num_pages, page_size, mesh))
+    return GraphSpec(KV_INIT, None, kv_init, (), (), out)
+
+
+def jit_kwargs(spec: GraphSpec) -> dict:
+    """jax.jit's keywords for `spec`: its donation, and its output shardings on a mesh."""
+    kw = {"donate_argnums": spec.donate_argnums}
+    if spec.out_shardings is not None:
+        kw["out_shardings"] = spec.out_shardings
+    return kw

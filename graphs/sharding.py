@@ -17,13 +17,11 @@ Logical axes of the decoder (graphs/decoder.py declares which array has which):
   head_dim  the per-head axis of the q/k norms
   layers, pages, page   the KV pool's layer, page and in-page token axes (head_dim as above)
 
-`TENSOR_PARALLEL` shards the fused axes too, in contiguous blocks: on 2 devices one holds q (and
-gate), the other k|v (and up), so GSPMD reshards after the projection. That is correct, only not
-communication-optimal; it is chosen because the fused weights hold most of the parameters and
-replicating them would forfeit most of the memory split. An optimal layout needs the fused axes
-ordered per shard ([q_i|k_i|v_i] for each device i) at load time; a caller may instead map `qkv`
-and `gate_up` to None. A sharded dimension must be divisible by its mesh axis size
-(`jax.device_put` rejects it otherwise).
+`TENSOR_PARALLEL` shards the fused axes too, in contiguous blocks. Laid out as they load (q, then
+k, then v), one device would hold q and the other k|v, and GSPMD would reshard after every
+projection; `tensor_parallel_layout` reorders them into per-device blocks ([q_i|k_i|v_i],
+[gate_i|up_i]) so that q/k/v and gate/up are column-parallel and o/down row-parallel: one
+all-reduce after each. `tensor_parallel_rules` leaves whole what does not divide.
 """
 from __future__ import annotations
 
@@ -31,6 +29,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 MODEL_AXIS = "model"
@@ -93,7 +92,60 @@ def place(arrays, specs, mesh: jax.sharding.Mesh, rules: Rules = TENSOR_PARALLEL
 
 def tensor_parallel_mesh(num_devices: int) -> jax.sharding.Mesh:
     """A 1-D mesh over the first `num_devices` devices, named `MODEL_AXIS`."""
+    return mesh_over(jax.devices()[:num_devices])
+
+
+def mesh_over(devices) -> jax.sharding.Mesh:
+    """A 1-D mesh over `devices`, in order, named `MODEL_AXIS`."""
     # jax 0.10 makes Explicit axes by default, under which a matmul over a sharded contracting
     # dimension raises ShardingTypeError; Auto lets GSPMD insert the reduction.
-    return jax.make_mesh((num_devices,), (MODEL_AXIS,), axis_types=(AxisType.Auto,),
-                         devices=jax.devices()[:num_devices])
+    return jax.sharding.Mesh(np.asarray(devices), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def tensor_parallel_rules(cfg, degree: int) -> Rules:
+    """`TENSOR_PARALLEL` for a model config at `degree` devices. Attention splits by heads when
+    both head counts divide by `degree`, else it stays whole on every device (the KV pool
+    replicated: 3 kv heads on 2 devices); the MLP and the vocabulary split when they divide."""
+    if degree == 1:
+        return TENSOR_PARALLEL
+    whole = []
+    if cfg.num_heads % degree or cfg.num_kv_heads % degree:
+        whole += ["q_heads", "kv_heads", "qkv"]
+    if cfg.intermediate_size % degree:
+        whole += ["gate_up", "mlp"]
+    if cfg.vocab_size % degree:
+        whole.append("vocab")
+    return {**TENSOR_PARALLEL, **{a: None for a in whole}}
+
+
+def tensor_parallel_layout(cfg, params, degree: int):
+    """(config, params) for `degree` devices: the fused q|k|v and gate|up weights whose axis is
+    split reordered into per-device blocks (graphs/layers.py `split_fused`), which the config's
+    `qkv_shards` / `gate_up_shards` tell the graph. Host arrays; `place` puts them on a mesh."""
+    import dataclasses
+    from maxjax.graphs.layers import fuse_per_shard
+    rules = tensor_parallel_rules(cfg, degree)
+    qkv = degree if rules["qkv"] else 1
+    gate_up = degree if rules["gate_up"] else 1
+    sizes = {"wqkv": (qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
+             "bqkv": (qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
+             "w_gate_up": (gate_up, (cfg.intermediate_size,) * 2)}
+    layers = []
+    for layer in params["layers"]:
+        layer = dict(layer)
+        for key, (shards, parts) in sizes.items():
+            if key in layer and shards > 1:
+                layer[key] = fuse_per_shard(np.asarray(layer[key]), parts, shards)
+        layers.append(layer)
+    cfg = dataclasses.replace(cfg, qkv_shards=qkv, gate_up_shards=gate_up)
+    return cfg, {**params, "layers": layers}
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def params_mesh(params) -> jax.sharding.Mesh | None:
+    """The mesh the parameters were placed on (maxjax/engine/devices.py), None on one device."""
+    s = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return s.mesh if isinstance(s, NamedSharding) else None

@@ -12,6 +12,7 @@ from maxjax.engine import speculative
 from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel
 
 
@@ -47,6 +48,9 @@ class LLM:
             registry.register_custom(spec)
         self.engine_config = EngineConfig(quantization_encoding=quantization_encoding,
                                           **engine_options)
+        if self.engine_config.data_parallel_degree != 1:
+            raise UserError("--data-parallel-degree: replicas run behind `maxjax serve`; the "
+                            "offline API runs one engine (use --devices for tensor parallelism)")
         self.core = build_core(model, self.engine_config, chat_template=chat_template,
                                precompiled_artifacts=precompiled_artifacts or (),
                                require_compiled=require_compiled_artifacts, progress=progress,

@@ -66,6 +66,32 @@ class _EngineCollector:
             phases.add_metric([phase], float(seconds))
         yield phases
         yield from _spec_metrics(stats)
+        yield from _replica_metrics(stats.get("replicas") or [])
+
+
+# (replica stats key, metric name, kind, help): per replica of --data-parallel-degree
+_REPLICA_METRICS = (
+    ("up", "maxjax_replica_up", "gauge", "1 while the replica serves, 0 once it failed"),
+    ("num_running", "maxjax_replica_requests_running", "gauge", "Requests running"),
+    ("num_waiting", "maxjax_replica_requests_waiting", "gauge", "Requests queued"),
+    ("in_flight", "maxjax_replica_requests_in_flight", "gauge", "Requests routed, unfinished"),
+    ("kv_pages_used", "maxjax_replica_kv_cache_pages_used", "gauge", "KV cache pages in use"),
+    ("routed", "maxjax_replica_requests_routed", "counter", "Requests routed to the replica"),
+    ("prefix_routed", "maxjax_replica_requests_prefix_routed", "counter",
+     "Requests routed to the replica for the prefix it caches"),
+    ("steps", "maxjax_replica_engine_steps", "counter", "Engine steps run"),
+)
+
+
+def _replica_metrics(replicas: list):
+    if not replicas:
+        return
+    for key, name, kind, doc in _REPLICA_METRICS:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, doc, labels=["replica"])
+        for i, s in enumerate(replicas):
+            family.add_metric([str(i)], float(s.get(key, 0) or 0))
+        yield family
 
 
 def _spec_metrics(stats: dict):

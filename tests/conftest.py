@@ -4,6 +4,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Four host devices, before anything imports jax, for the tensor- and data-parallel tests (an
+# engine without --devices still runs on the first one alone).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=4").strip()
 
 # Engines built by the engine's one builder (maxjax/engine/build.py) in different tests share
 # graphs through maxjax's compile cache (maxjax/aot/cache.py): one directory for the session

@@ -7,14 +7,16 @@ import os
 import numpy as np
 
 
-def write_tiny_llama(path, rms_norm_eps=1e-5, tokenizer=None, vocab_size=512) -> str:
-    """A 2-layer random Llama as an HF directory (config.json, safetensors, word-level tokenizer;
-    or `tokenizer`, a transformers tokenizer of `vocab_size` ids, e.g. another model's)."""
+def write_tiny_llama(path, rms_norm_eps=1e-5, tokenizer=None, vocab_size=512,
+                     num_kv_heads=2) -> str:
+    """A 2-layer random Llama (4 heads) as an HF directory (config.json, safetensors, word-level
+    tokenizer; or `tokenizer`, a transformers tokenizer of `vocab_size` ids, e.g. another
+    model's)."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     os.makedirs(path, exist_ok=True)
-    V, H, I, L, NH, KV, D = vocab_size, 64, 128, 2, 4, 2, 16
+    V, H, I, L, NH, KV, D = vocab_size, 64, 128, 2, 4, num_kv_heads, 16
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
            "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
            "num_attention_heads": NH, "num_key_value_heads": KV, "max_position_embeddings": 512,

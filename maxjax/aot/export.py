@@ -50,7 +50,7 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool)
     compiled = None
     if compile_local:
         hits = _jax_cache_hits()
-        compiled = graphs.compile_export(exp, spec.args, spec.donate_argnums)
+        compiled = graphs.compile_export(exp, spec)
     if compiled is not None and _jax_cache_hits() == hits:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled)
         if (in_tree, out_tree) != graphs.executable_trees(spec.args, n_out, num_kv):
@@ -185,8 +185,9 @@ def _model_flag(model) -> list[str]:
     return [] if embedded else ["--model-path", model.source]
 
 
-# Speculation adds verification buckets to the bucket set: the command repeats these flags.
-SPEC_FLAGS = ("speculative_method", "num_speculative_tokens")
+# Speculation adds verification buckets to the bucket set, the devices shard the graphs: the
+# command repeats these flags.
+SPEC_FLAGS = ("speculative_method", "num_speculative_tokens", "devices")
 # LoRA adds the adapter slot stacks to the graphs' inputs.
 LORA_FLAGS = ("enable_lora", "max_num_loras", "max_lora_rank")
 
@@ -227,7 +228,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     """Artifacts into `artifacts_dir`; without one, into the compile cache entry that `serve`,
     `generate` and maxjax.LLM with the same model and engine flags load (maxjax/aot/cache.py)."""
     from maxjax.aot import cache
-    from maxjax.engine.build import load
+    from maxjax.engine.build import load, on_devices
     from maxjax.engine.core import plan_layout
     from maxjax.models.loader import default_dtype
     platforms = normalize_targets(targets)
@@ -244,6 +245,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     dtype = engine_cfg.quantization_encoding or default_dtype(platforms[0])
     model = load(model_opts.model_path, dtype, model_opts.chat_template, progress=True)
     engine_cfg.quantization_encoding = model.dtype
+    model = on_devices(model, engine_cfg)   # every replica runs the graphs of the first one's
     layout = plan_layout(engine_cfg, model, platforms[0])
     engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
     t0 = time.perf_counter()
@@ -262,6 +264,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
         print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
     serve = ["maxjax", "serve", *_model_flag(model), "--precompiled-artifacts", directory,
              *(["--enable-lora"] if engine_cfg.enable_lora else [])]
+    serve += ["--devices", engine_cfg.devices] if engine_cfg.devices else []
     print(f"serve with: {shlex.join(serve)}")
     return 0
 

@@ -37,9 +37,10 @@ EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:
-    """The step graphs of `layout`'s buckets, then the KV initializer; nothing is allocated (the
-    pool may be sized for another machine). With LoRA the step graphs take the adapter slot
-    stacks as params["lora"] (graphs/lora.py), whose shapes the layout pins."""
+    """The step graphs of `layout`'s buckets, then the KV initializer, sharded over the layout's
+    mesh when it has one; nothing is allocated (the pool may be sized for another machine). With
+    LoRA the step graphs take the adapter slot stacks as params["lora"] (graphs/lora.py), whose
+    shapes the layout pins."""
     from maxjax.engine.types import MAX_TOP_LOGPROBS
     cfg, dtype = model.config, layout.kv_dtype
     params = model.params
@@ -48,8 +49,17 @@ def graph_specs(model, layout) -> list[GraphSpec]:
                                                         layout.max_lora_rank), model.compute_dtype)}
     steps = step_graph_specs(model.arch, cfg, params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
-                             MAX_TOP_LOGPROBS, backend_named(layout.attention))
-    return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype)]
+                             MAX_TOP_LOGPROBS, backend_named(layout.attention),
+                             mesh=layout.mesh)
+    return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype, layout.mesh)]
+
+
+def execution_devices(layout) -> list:
+    """The devices a loaded executable runs on: the mesh's, in order, else the default one
+    (deserializing onto more devices than the executable has aborts the process)."""
+    if layout.mesh is None:
+        return [jax.devices()[0]]
+    return list(layout.mesh.devices.flat)
 
 
 def pool_specs(model, layout):
@@ -61,6 +71,16 @@ def flat_args(args) -> tuple:
     return tuple(tuple(jax.tree.leaves(a)) for a in args)
 
 
+def flat_jit_kwargs(spec: GraphSpec) -> dict:
+    """jax.jit's keywords for the flat convention: the donation, and on a mesh the output
+    shardings (one for the step outputs, one per kv leaf)."""
+    kw = {"donate_argnums": spec.donate_argnums}
+    if spec.out_shardings is not None:
+        out, kv = spec.out_shardings
+        kw["out_shardings"] = (out, tuple(jax.tree.leaves(kv)))
+    return kw
+
+
 def export(spec: GraphSpec, platforms: list[str]) -> tuple[jax.export.Exported, object]:
     """The graph exported for `platforms`, and its output's `tree_spec`."""
     defs = [jax.tree.structure(a) for a in spec.args]
@@ -70,14 +90,13 @@ def export(spec: GraphSpec, platforms: list[str]) -> tuple[jax.export.Exported, 
         out, kv = spec.fn(*(d.unflatten(x) for d, x in zip(defs, leaves)))
         structure["spec"] = tree_spec(out)      # recorded while tracing
         return tuple(jax.tree.leaves(out)), tuple(jax.tree.leaves(kv))
-    exp = jax.export.export(jax.jit(flat, donate_argnums=spec.donate_argnums),
-                            platforms=platforms, disabled_checks=EXPORT_CHECKS)(
-        *flat_args(spec.args))
+    exp = jax.export.export(jax.jit(flat, **flat_jit_kwargs(spec)), platforms=platforms,
+                            disabled_checks=EXPORT_CHECKS)(*flat_args(spec.args))
     return exp, structure["spec"]
 
 
-def compile_export(exp, args, donate) -> jax.stages.Compiled:
-    return jax.jit(exp.call, donate_argnums=donate).lower(*flat_args(args)).compile()
+def compile_export(exp, spec: GraphSpec) -> jax.stages.Compiled:
+    return jax.jit(exp.call, **flat_jit_kwargs(spec)).lower(*flat_args(spec.args)).compile()
 
 
 def executable_trees(args, num_outputs: int, num_kv: int):

@@ -102,6 +102,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         m = None    # fix() reads the pinned values once the manifest is read
         m = mf.read_manifest(d, fix(None))
         mf.check_versions(m, fix(None), require_compiled or m.data.get("compiled_for") == local)
+        _check_mesh(m, model, fix(None))     # before the model: a mesh also lays out its weights
         mf.check_model(m, model, fix(None))
         pinned = _adopt_pinned(m, engine_cfg, fix)
         if local["platform"] not in m.data.get("targets", []):
@@ -119,6 +120,15 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         manifests.append(m)
     assert layout is not None
     return (layout, *_load_graphs(manifests, model, layout, local, require_compiled))
+
+
+def _check_mesh(m: mf.Manifest, model, fix: str) -> None:
+    from maxjax.graphs.sharding import params_mesh
+    want = m.data.get("engine", {}).get("mesh")
+    have = mf.describe_mesh(params_mesh(model.params))
+    if want != have:
+        raise UserError(f"{m.path}: engine mesh: artifacts {want}, this run {have} (--devices); "
+                        f"recreate the artifacts with: {fix}")
 
 
 def _read_verified(m: mf.Manifest, name: str, entry: dict) -> bytes:
@@ -151,6 +161,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
     from jax.experimental import serialize_executable
     specs = graphs.graph_specs(model, layout)
     kv = graphs.pool_specs(model, layout)
+    devices = graphs.execution_devices(layout)
     out: dict = {}
     t0, counts = time.perf_counter(), {"executable": 0, "export": 0}
     # Deserializing an executable is native code that releases the GIL: overlap them.
@@ -165,8 +176,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
             m, g = exe
             blob = _read_verified(m, name, g["files"]["executable"])
             trees = graphs.executable_trees(spec.args, g["sample_outputs"], len(jax.tree.leaves(kv)))
-            loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees),
-                           g["output_structure"])
+            loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees,
+                                       execution_devices=devices), g["output_structure"])
             counts["executable"] += 1
             continue
         m, g = cands[0]
@@ -188,7 +199,7 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
             raise UserError(f"{m.path}: graph {name}: the export's signature differs from its "
                             "manifest")
         log.info("compiling exported graph %s for %s (%s)", name, local["device_kind"], built)
-        out[name] = (graphs.compile_export(exp, spec.args, spec.donate_argnums), "export",
+        out[name] = (graphs.compile_export(exp, spec), "export",
                      g["output_structure"])
         counts["export"] += 1
     with pool:

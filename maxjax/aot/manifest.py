@@ -179,7 +179,7 @@ def model_fingerprint(model) -> dict:
 
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
-                 "max_lora_rank", "platform", "attention", "kv_cache_format")
+                 "max_lora_rank", "platform", "attention", "kv_cache_format", "mesh")
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
@@ -197,9 +197,19 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "lora_slots": layout.lora_slots, "max_lora_rank": layout.max_lora_rank,
           # the platform the layout was planned for, and its attention backend
           "platform": layout.platform, "attention": layout.attention,
-          "kv_cache_format": layout.kv_dtype}
+          "kv_cache_format": layout.kv_dtype,
+          # the graphs are sharded over it: its shape and device kind (not which devices)
+          "mesh": describe_mesh(layout.mesh)}
     fp["fingerprint"] = digest(fp)
     return fp
+
+
+def describe_mesh(mesh) -> dict | None:
+    if mesh is None:
+        return None
+    devs = list(mesh.devices.flat)
+    return {"shape": dict(mesh.shape), "device_kinds": sorted({d.device_kind for d in devs}),
+            "num_processes": len({d.process_index for d in devs})}
 
 
 # ---- graph signatures ----------------------------------------------------------------------------

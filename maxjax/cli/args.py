@@ -93,8 +93,6 @@ class ModelOptions:
     custom_architectures: list[str] = field(default_factory=list, metadata={
         "help": "Architecture packages to register: a directory or IMPORT_PATH:ATTR exposing "
                 "ARCHITECTURES. This imports and runs that code: pass only code you trust"})
-    devices: str | None = field(default=None, metadata={
-        "help": "cpu or gpu (default: the first platform JAX finds)"})
     precompiled_artifacts: list[str] = field(default_factory=list, metadata={
         "args": ["--precompiled-artifacts", "--precompiled-mefs"],
         "help": "Artifact directories from `maxjax warm-cache` to load instead of compiling"})

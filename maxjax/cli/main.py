@@ -16,6 +16,7 @@ from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_d
                              build, check_config_keys, grammar_spec, read_config_file,
                              sampling_params)
 from maxjax.engine.config import EngineConfig
+from maxjax.engine.distributed import DistributedOptions
 from maxjax.errors import RequestError, UserError
 
 
@@ -28,11 +29,19 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     level = getattr(logging, model_opts.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries(level)
-    _select_devices(model_opts.devices)
+    engine_cfg = build(EngineConfig, args, base)
+    from maxjax.engine import devices, distributed
+    group = build(distributed.DistributedOptions, args, base).resolved()
+    if group is not None and args.command != "serve":
+        raise UserError(f"--num-processes: multi-host runs `maxjax serve` only (not "
+                        f"{args.command})")
+    args.group = group
+    devices.select_platform(engine_cfg.devices,
+                            start=group and (lambda: distributed.initialize(group)))
     from maxjax.models import registry
     for spec in model_opts.custom_architectures:
         registry.register_custom(spec)
-    return model_opts, build(EngineConfig, args, base)
+    return model_opts, engine_cfg
 
 
 def _quiet_libraries(level: int) -> None:
@@ -45,23 +54,8 @@ def _quiet_libraries(level: int) -> None:
 
 def _config_classes(args):
     from maxjax.server.config import ServeConfig
-    classes = [ModelOptions, EngineConfig]
+    classes = [ModelOptions, EngineConfig, DistributedOptions]
     return classes + [ServeConfig] if args.command == "serve" else classes
-
-
-def _select_devices(devices: str | None) -> None:
-    if devices is None:
-        return
-    kind = devices.split(":")[0].lower()
-    platforms = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
-    if kind not in platforms:
-        raise UserError(f"--devices {devices!r}: expected cpu or gpu[:IDS]")
-    import jax
-    try:
-        jax.config.update("jax_platforms", platforms[kind])
-        jax.devices()
-    except RuntimeError as e:
-        raise UserError(f"--devices {devices}: no such device on this machine ({e})") from e
 
 
 def cmd_list(args) -> int:
@@ -164,7 +158,7 @@ def cmd_serve(args) -> int:
                           "server": {k: ("***" if k == "api_key" and v else v)
                                      for k, v in dataclasses.asdict(serve_cfg).items()}}, indent=2))
     from maxjax.cli.serve import serve
-    return serve(model_opts, engine_cfg, serve_cfg)
+    return serve(model_opts, engine_cfg, serve_cfg, args.group)
 
 
 def cmd_warm_cache(args) -> int:
@@ -205,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         add_dataclass_args(sp, ModelOptions, "model")
         add_dataclass_args(sp, EngineConfig, "engine")
+        add_dataclass_args(sp, DistributedOptions, "multi-host")
         sp.add_argument("--config-file", help="YAML or JSON file of flag values (the command line wins)")
         return sp
 

@@ -8,6 +8,7 @@ import threading
 
 from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.config import EngineConfig
+from maxjax.engine.replicas import ReplicatedEngine
 from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.serve")
@@ -37,36 +38,63 @@ class LoadingEngine:
         return self.inner.stats() if self.inner else {}
 
 
-def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
-                 on_death=None) -> AsyncEngine:
-    from maxjax.engine.build import build_core
-    core = build_core(model_opts.model_path, engine_cfg, chat_template=model_opts.chat_template,
-                      precompiled_artifacts=model_opts.precompiled_artifacts,
-                      require_compiled=model_opts.require_compiled_artifacts, progress=progress,
-                      compile_cache=model_opts.compile_cache,
-                      compile_cache_max_size=model_opts.compile_cache_max_size)
-    if model_opts.export_artifacts:
-        from maxjax.aot import export as aot_export
-        aot_export.export_engine(model_opts.export_artifacts, core)
-    model = core.model
-    engine = AsyncEngine(core, model.tokenizer, serve_cfg.served_model_name or model.name,
-                         model.chat_template, serve_cfg.max_pending_requests)
-    engine.on_death = on_death
+def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True, leader=None,
+                 on_death=None):
+    """The started AsyncEngine, or with --data-parallel-degree D a ReplicatedEngine of D.
+    `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py);
+    `on_death`: called once every replica's engine thread has died."""
+    from maxjax.engine.build import build_core, load
+    model = model_opts.model_path
+    if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
+        model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,
+                     model_opts.precompiled_artifacts, progress)
+    engines = []
+    for replica in range(engine_cfg.data_parallel_degree):
+        if leader is not None:
+            from maxjax.engine.distributed import build_group_core
+            core = build_group_core(model_opts, engine_cfg, leader, progress)
+        else:
+            core = build_core(model, engine_cfg, chat_template=model_opts.chat_template,
+                              precompiled_artifacts=model_opts.precompiled_artifacts,
+                              require_compiled=model_opts.require_compiled_artifacts,
+                              progress=progress, compile_cache=model_opts.compile_cache,
+                              compile_cache_max_size=model_opts.compile_cache_max_size,
+                              replica=replica)
+        if model_opts.export_artifacts and replica == 0:
+            from maxjax.aot import export as aot_export
+            aot_export.export_engine(model_opts.export_artifacts, core)
+        engines.append(AsyncEngine(core, core.model.tokenizer,
+                                   serve_cfg.served_model_name or core.model.name,
+                                   core.model.chat_template, serve_cfg.max_pending_requests))
+    engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
+    if on_death is not None:
+        for e in engines:
+            e.on_death = lambda: on_death() if engine.dead is not None else None
     engine.start()
     return engine
 
 
-def serve(model_opts, engine_cfg: EngineConfig, serve_cfg) -> int:
+def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
+    """`group`: the resolved DistributedOptions of a multi-host run (None: one process); process
+    0 serves, the others follow it (maxjax/engine/distributed.py)."""
     from maxjax.server.app import run_server
+    if group is not None and group.process_id > 0:
+        from maxjax.engine.distributed import run_follower
+        return run_follower(model_opts, engine_cfg, group)
     lazy = LoadingEngine(serve_cfg.served_model_name)
     stop_holder: dict = {}
+    channel: dict = {}
 
     def stop_serving():
         stop_holder["loop"].call_soon_threadsafe(stop_holder["stop"].set)
 
     def load():
         try:
-            lazy.inner = build_engine(model_opts, engine_cfg, serve_cfg, on_death=stop_serving)
+            if group is not None:
+                from maxjax.engine.distributed import Leader
+                channel["leader"] = Leader(group)
+            lazy.inner = build_engine(model_opts, engine_cfg, serve_cfg,
+                                      leader=channel.get("leader"), on_death=stop_serving)
         except BaseException as e:  # reported on the main thread
             lazy.failure = e
             loop, stop = stop_holder["loop"], stop_holder["stop"]
@@ -81,9 +109,11 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg) -> int:
     asyncio.run(main())
     if lazy.inner is not None:
         lazy.inner.shutdown()
-        if lazy.inner.dead is not None:
-            log.critical("exiting: the engine thread died (%s)", lazy.inner.dead)
-            return 1
+    if "leader" in channel:
+        channel["leader"].close()
+    if lazy.inner is not None and lazy.inner.dead is not None:
+        log.critical("exiting: the engine thread died (%s)", lazy.inner.dead)
+        return 1
     if lazy.failure is not None:
         if isinstance(lazy.failure, (UserError, ValueError)):
             raise UserError(str(lazy.failure))

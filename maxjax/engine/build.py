@@ -50,17 +50,19 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
                chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
                require_compiled: bool = False, progress: bool = False,
                compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
-               ) -> EngineCore:
+               replica: int = 0) -> EngineCore:
     """A warmed-up EngineCore. `engine_cfg` is completed in place: its quantization_encoding
     becomes the model's dtype, its unset values the artifacts' pinned ones (or the sizes this
     machine gives). `require_compiled`: refuse artifacts that hold no executable for this
     device. `compile_cache`: False turns the compile cache off (None: on unless
     MAXJAX_NO_COMPILE_CACHE=1); `compile_cache_max_size` its cap (maxjax/aot/cache.py).
-    `progress`: log lines for loading and compiling."""
+    `progress`: log lines for loading and compiling. `replica`: which of the
+    --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
     from maxjax.aot import cache
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
                  progress)
     engine_cfg.quantization_encoding = model.dtype
+    model = on_devices(model, engine_cfg, replica)
     t0 = time.perf_counter()
     loaded = ()
     use_cache = cache.enabled(compile_cache)
@@ -84,6 +86,21 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
         if lay.memory_report:
             log.info("%s", lay.memory_report)
     return core
+
+
+def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0) -> LoadedModel:
+    """The model with its params on replica `replica`'s mesh of --devices (as it is on one
+    device); UserError for what a mesh does not support yet."""
+    from maxjax.engine import devices
+    mesh = devices.replica_meshes(engine_cfg.devices, engine_cfg.data_parallel_degree)[replica]
+    if mesh is not None:
+        if engine_cfg.enable_lora:
+            raise UserError(f"--enable-lora with --devices {engine_cfg.devices} or "
+                            "--data-parallel-degree: LoRA runs on one device only for now")
+        if engine_cfg.speculative_method == "draft":
+            raise UserError(f"--speculative-method draft with --devices {engine_cfg.devices} or "
+                            "--data-parallel-degree: the draft model runs on one device only")
+    return devices.place_model(model, mesh)
 
 
 def _from_cache(model, engine_cfg: EngineConfig, limit: int, progress: bool):

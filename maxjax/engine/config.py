@@ -15,6 +15,13 @@ def platform_defaults(platform: str) -> dict:
 
 @dataclass
 class EngineConfig:
+    devices: str | None = field(default=None, metadata={
+        "help": "Devices of each process: cpu, cpu:N (N host devices), gpu, gpu:all or "
+                "gpu:ID[,ID...]; several form a tensor-parallel mesh (default: the first device "
+                "of the first platform JAX finds)"})
+    data_parallel_degree: int = field(default=1, metadata={
+        "help": "Engine replicas on disjoint groups of --devices behind one server; a request "
+                "goes to the replica caching its longest prefix, else the least loaded"})
     max_length: int | None = field(default=None, metadata={
         "help": "Maximum prompt + output tokens per request (default: the model's "
                 "max_position_embeddings, capped at 4096)"})

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,7 @@ class EngineLayout:
     lora_slots: int = 0          # device adapter slots + slot 0 (graphs/lora.py); 0: LoRA off
     max_lora_rank: int = 0
     kv_dtype: str = "float32"       # --kv-cache-format
+    mesh: Any = None        # the tensor-parallel mesh (maxjax/engine/devices.py); None: one device
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -75,8 +77,10 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
     """The layout for graphs that run on `platform` (None: this machine's): its attention
     backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
     platform's memory cannot be measured here)."""
+    from maxjax.graphs.sharding import params_mesh, tensor_parallel_rules
     mc = model.config
     platform = platform or local_platform()
+    mesh = params_mesh(model.params)     # the mesh the model's params are placed on
     if cfg.kv_cache_page_size < 1:
         raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
     if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
@@ -106,15 +110,18 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
                         f"{local_platform()} machine cannot measure that device's memory")
     else:
         # No more than every row at max_length could use, plus the scratch page.
+        kv_shards = mesh.size if mesh is not None and mesh.devices.flat[0].platform != "cpu" \
+            and tensor_parallel_rules(mc, mesh.size)["kv_heads"] else 1
         plan = memory.plan_pool(mc, model.params, page, cfg.device_memory_utilization, buckets,
                                 cfg.max_batch_size * per_row + 1,
-                                kv_itemsize=jnp.dtype(kv_dtype).itemsize)
+                                kv_itemsize=jnp.dtype(kv_dtype).itemsize, mesh=mesh,
+                                replicas=cfg.data_parallel_degree, kv_shards=kv_shards)
         num_pages, report = plan.num_pages, plan.report()
     if num_pages < 2:
         raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
                         "(raise --device-memory-utilization or set --num-kv-pages)")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
-                        attention.name, report, *lora_shape(cfg), kv_dtype)
+                        attention.name, report, *lora_shape(cfg), kv_dtype, mesh)
 
 
 def lora_shape(cfg: EngineConfig) -> tuple[int, int]:
@@ -171,7 +178,7 @@ class EngineCore:
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
-                                  self.lora, lay.attention, lay.kv_dtype)
+                                  self.lora, lay.attention, lay.kv_dtype, lay.mesh)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.

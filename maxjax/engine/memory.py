@@ -83,16 +83,24 @@ def round_down(n: int, bits: int = 3) -> int:
 
 
 def plan_pool(mc, params, page_size: int, utilization: float, buckets, max_pages: int,
-              device=None, kv_itemsize: int | None = None) -> MemoryPlan:
-    """The pool for `mc` with `params` resident on `device` (default: the first JAX device),
-    at most `max_pages` pages, each of `kv_itemsize` bytes per value (default: the embedding's)."""
-    dev = device if device is not None else jax.devices()[0]
+              device=None, kv_itemsize: int | None = None, mesh=None, replicas: int = 1,
+              kv_shards: int = 1) -> MemoryPlan:
+    """The pool for `mc` with `params` resident on `device` (default: the first JAX device) or on
+    every device of `mesh` (then the least free one counts), at most `max_pages` pages, each of
+    `kv_itemsize` bytes per value (default: the embedding's). On the CPU the `replicas` engines
+    share the host's memory; `kv_shards`: the devices the pool is split over by kv heads."""
+    devices = list(mesh.devices.flat) if mesh is not None else [
+        device if device is not None else jax.devices()[0]]
+    dev = devices[0]
     itemsize = kv_itemsize or np.dtype(params["embed"].dtype).itemsize
     pb = page_bytes(mc, page_size, itemsize)
     largest = max(buckets, key=lambda b: (b.num_tokens, b.num_samples))
     weights, act = weight_bytes(params), activation_bytes(mc, largest, itemsize)
-    free = device_free_bytes(dev) + weights
-    budget = int(free * utilization) - weights - act
+    free = min(device_free_bytes(d) for d in devices)
+    if dev.platform == "cpu":
+        free //= replicas
+    free += weights
+    budget = (int(free * utilization) - weights - act) * kv_shards
     fit = round_down(max(budget, 0) // pb)
     platform = "cuda" if dev.platform == "gpu" else dev.platform
     return MemoryPlan(min(fit, max_pages), pb, free, utilization, weights, act, largest.name,

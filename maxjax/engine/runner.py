@@ -21,7 +21,7 @@ from maxjax.engine.buckets import Bucket, pick_bucket
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for, backend_named
-from maxjax.graphs.program import GraphSpec, kv_init_spec, step_graph_specs
+from maxjax.graphs.program import GraphSpec, jit_kwargs, kv_init_spec, step_graph_specs
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
 log = logging.getLogger("maxjax.runner")
@@ -74,10 +74,12 @@ class ModelRunner:
                  max_pages_per_row: int, history_len: int,
                  executables: dict[Bucket, Callable] | None = None,
                  kv_init: Callable[[], tuple] | None = None, lora=None,
-                 attention: str | None = None, kv_dtype: str = "float32"):
+                 attention: str | None = None, kv_dtype: str = "float32", mesh=None):
         """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
-        `attention`: the attention backend's name (None: this platform's)."""
+        `attention`: the attention backend's name (None: this platform's);
+        `mesh`: the tensor-parallel mesh the model's params are placed on (None: one device)."""
         self.model = model
+        self.mesh = mesh
         self.lora = lora
         self.cfg = model.config
         self.buckets = sorted(buckets)
@@ -86,8 +88,8 @@ class ModelRunner:
         self.history_len = history_len
         self.num_pages = num_pages
         if kv_init is None:
-            spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype)
-            compiled = jax.jit(spec.fn).lower().compile()
+            spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype, mesh)
+            compiled = jax.jit(spec.fn, **jit_kwargs(spec)).lower().compile()
             kv_init = lambda: compiled()[1]        # noqa: E731
         self._kv_init = kv_init
         self.kv = kv_init()
@@ -96,6 +98,15 @@ class ModelRunner:
         self.attention = backend_named(attention) if attention else backend_for()
         self.last_timing: dict[str, float] = {}
         self.last_bucket: Bucket | None = None
+        # Multi-host process 0 (maxjax/engine/distributed.py): told every executable call
+        # first, so that the other processes make it too. None: one process.
+        self.mirror: Callable | None = None
+
+    def _step(self, bucket: Bucket, step, samp):
+        if self.mirror is not None:
+            self.mirror("step", self.buckets.index(bucket), step, samp)
+        out, self.kv = self.executables[bucket](self.params, self.kv, step, samp)
+        return out
 
     @property
     def params(self) -> dict:
@@ -106,7 +117,8 @@ class ModelRunner:
 
     def graph_specs(self) -> list[GraphSpec]:
         return step_graph_specs(self.model.arch, self.cfg, self.params, self.kv, self.buckets,
-                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention)
+                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention,
+                                self.mesh)
 
     def compile_all(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         specs = self.graph_specs()
@@ -115,13 +127,15 @@ class ModelRunner:
                 continue
             t0 = time.perf_counter()
             self.executables[spec.bucket] = jax.jit(
-                spec.fn, donate_argnums=spec.donate_argnums).lower(*spec.args).compile()
+                spec.fn, **jit_kwargs(spec)).lower(*spec.args).compile()
             log.debug("compiled %s in %.2fs", spec.name, time.perf_counter() - t0)
             if progress:
                 progress(i + 1, len(specs), spec.name)
 
     def reset_kv(self) -> None:
         """A new zero pool (the old one was lost in a failed call)."""
+        if self.mirror is not None:
+            self.mirror("kv_init")
         self.kv = self._kv_init()
 
     def prime_steps(self):
@@ -141,8 +155,7 @@ class ModelRunner:
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
                                                       b.num_samples, self.history_len, self.eos,
                                                       self.cfg.vocab_size)
-                out, self.kv = self.executables[b](self.params, self.kv, step, samp)
-                jax.block_until_ready(out)
+                jax.block_until_ready(self._step(b, step, samp))
                 yield b
 
     def run(self, rows: list[RowRequest]) -> list[RowResult]:
@@ -156,7 +169,7 @@ class ModelRunner:
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()
-        (out, plp), self.kv = self.executables[bucket](self.params, self.kv, step, samp)
+        out, plp = self._step(bucket, step, samp)
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None

@@ -1,0 +1,166 @@
+"""Which devices an engine runs on: `--devices` in max serve's syntax, and `--data-parallel-degree`.
+
+`--devices` names a platform and which of its devices each process uses: `cpu` (one), `cpu:N`
+(N host devices: JAX is started with N), `gpu` (the first), `gpu:all`, `gpu:0,1` (by local
+index). With `--num-processes` the devices of every process together form the mesh. D replicas
+split the devices, in order, into D equal groups; each group is one engine's tensor-parallel
+mesh (one axis, `model`), and a single device with one replica is no mesh at all (the
+single-device graphs, unchanged).
+
+The mesh is where an engine's weights live: `place_model` puts the parameters on it by their
+logical axes (graphs/sharding.py) and everything downstream (layout, graph shardings, the KV
+pool, the engine fingerprint) reads it back with `graphs.sharding.params_mesh`.
+
+Called by maxjax/cli/main.py (`select_platform`, before JAX starts) and maxjax/engine/build.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from maxjax.errors import UserError
+
+log = logging.getLogger("maxjax.engine")
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+_SYNTAX = "expected cpu, cpu:N, gpu, gpu:all or gpu:ID[,ID...]"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    text: str
+    platform: str | None          # JAX platform; None: the first JAX finds
+    count: int | None = 1         # devices per process; None: all of them
+    ids: tuple[int, ...] | None = None   # local device indices (gpu:0,1)
+
+
+def parse(text: str | None) -> DeviceSpec:
+    if text is None:
+        return DeviceSpec("", None)
+    m = re.fullmatch(r"\s*([a-z]+)\s*(?::\s*(.*?))?\s*", text.lower())
+    if not m or m.group(1) not in PLATFORMS:
+        raise UserError(f"--devices {text!r}: {_SYNTAX}")
+    platform, rest = PLATFORMS[m.group(1)], m.group(2)
+    if rest is None or rest == "":
+        return DeviceSpec(text, platform)
+    if rest == "all":
+        return DeviceSpec(text, platform, None)
+    parts = [p.strip() for p in rest.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise UserError(f"--devices {text!r}: {_SYNTAX}")
+    nums = tuple(int(p) for p in parts)
+    if platform == "cpu":
+        if len(nums) != 1 or nums[0] < 1:
+            raise UserError(f"--devices {text!r}: cpu:N takes one count N >= 1")
+        return DeviceSpec(text, platform, nums[0])
+    if len(set(nums)) != len(nums):
+        raise UserError(f"--devices {text!r}: a device is listed twice")
+    return DeviceSpec(text, platform, len(nums), nums)
+
+
+def select_platform(text: str | None, start=None) -> None:
+    """Before JAX starts its backends: the platform, and for cpu:N the host device count; then
+    `start()` (joining a multi-host group) and the backend."""
+    spec = parse(text)
+    import jax
+    try:
+        if spec.platform is not None:
+            jax.config.update("jax_platforms", spec.platform)
+        if spec.platform == "cpu" and spec.count and spec.count > 1 and not _backends_started():
+            jax.config.update("jax_num_cpu_devices", max(spec.count, _forced_cpu_devices()))
+        if start:
+            start()
+        if spec.platform is None and not start:
+            return
+        jax.devices()
+    except RuntimeError as e:
+        raise UserError(f"--devices {text}: no such device on this machine ({e})") from e
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+def _forced_cpu_devices() -> int:
+    import os
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) if m else 1
+
+
+def device_groups(text: str | None, data_parallel_degree: int = 1) -> list[list]:
+    """The devices of each replica, in order (every process's selection, by process)."""
+    import jax
+    spec = parse(text)
+    if data_parallel_degree < 1:
+        raise UserError(f"--data-parallel-degree must be >= 1 (got {data_parallel_degree})")
+    backend = spec.platform and ("gpu" if spec.platform in ("cuda", "rocm") else spec.platform)
+    try:
+        local = jax.local_devices(backend=backend)
+    except RuntimeError as e:
+        raise UserError(f"--devices {spec.text}: no such device on this machine ({e})") from e
+    if spec.ids is not None:
+        missing = [i for i in spec.ids if i >= len(local)]
+        if missing:
+            raise UserError(f"--devices {spec.text}: no device {missing[0]} (this process has "
+                            f"{len(local)} {local[0].platform} devices)")
+        index = list(spec.ids)
+    else:
+        n = len(local) if spec.count is None else spec.count
+        if n > len(local):
+            hint = (f"; JAX had started before the flag applied: set XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count={n}") if local[0].platform == "cpu" else ""
+            raise UserError(f"--devices {spec.text}: this process has {len(local)} "
+                            f"{local[0].platform} devices{hint}")
+        index = list(range(n))
+    by_process: dict[int, list] = {}
+    for d in jax.devices(backend):
+        by_process.setdefault(d.process_index, []).append(d)
+    devices = [procs[i] for _, procs in sorted(by_process.items()) for i in index]
+    if len(devices) % data_parallel_degree:
+        raise UserError(f"--data-parallel-degree {data_parallel_degree} does not divide the "
+                        f"{len(devices)} devices of --devices {spec.text or 'default'}")
+    size = len(devices) // data_parallel_degree
+    return [devices[i * size:(i + 1) * size] for i in range(data_parallel_degree)]
+
+
+def replica_meshes(text: str | None, data_parallel_degree: int = 1) -> list:
+    """One mesh per replica; [None] for a single device (the single-device graphs)."""
+    from maxjax.graphs.sharding import mesh_over
+    groups = device_groups(text, data_parallel_degree)
+    if len(groups) == 1 and len(groups[0]) == 1 and groups[0][0].process_index == 0:
+        import jax
+        if groups[0][0] == jax.devices()[0]:
+            return [None]
+    return [mesh_over(g) for g in groups]
+
+
+def place_model(model, mesh):
+    """The LoadedModel with its parameters on `mesh`, sharded by their logical axes and the
+    fused weights laid out per device (graphs/sharding.py); the same object when `mesh` is
+    None."""
+    if mesh is None:
+        return model
+    import jax
+    from maxjax.graphs import sharding
+    if sharding.params_mesh(model.params) == mesh:
+        return model          # placed already (a multi-host process's arrays are not all here)
+    cfg, params = model.config, model.params
+    rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+    if cfg.qkv_shards == cfg.gate_up_shards == 1:       # not laid out for a mesh yet
+        whole = [a for a, r in rules.items() if r is None and sharding.TENSOR_PARALLEL[a]]
+        if whole:
+            log.warning("tensor parallelism over %d devices: %s do not divide by %d, so they "
+                        "stay whole on every device%s", mesh.size, ", ".join(whole), mesh.size,
+                        " (the whole KV pool on each)" if "kv_heads" in whole else "")
+        cfg, params = sharding.tensor_parallel_layout(cfg, params, mesh.size)
+    elif max(cfg.qkv_shards, cfg.gate_up_shards) != mesh.size:
+        raise UserError(f"the model's weights are laid out for {max(cfg.qkv_shards, cfg.gate_up_shards)} "
+                        f"devices, not {mesh.size}")
+    # From host arrays: resharding device arrays would compile a program per shape.
+    params = jax.tree.map(np.asarray, params)
+    placed = sharding.place(params, model.arch.param_specs(cfg), mesh, rules)
+    return dataclasses.replace(model, config=cfg, params=placed)
