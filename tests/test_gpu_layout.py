@@ -40,6 +40,7 @@ class FakeGpu:
 class FakeModel:
     def __init__(self, cfg, dtype=jnp.bfloat16):
         self.config, self.params = cfg, abstract_params(cfg, dtype)
+        self.compute_dtype = dtype
 
 
 def test_platform_defaults():
