@@ -57,9 +57,8 @@ def bench_maxjax(batches, input_len, output_len, engine_kw):
         core.step()
         steps += 1
     decode_tps = steps / (time.perf_counter() - t)
-    weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize
-                       for a in __import__("jax").tree.leaves(model.params))
-    return rows, decode_tps, weight_bytes, warm, llm.stats()
+    from maxjax.engine.memory import weight_bytes
+    return rows, decode_tps, weight_bytes(model.params), warm, llm.stats()
 
 
 def bench_transformers(batches, input_len, output_len):
