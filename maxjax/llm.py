@@ -48,6 +48,7 @@ class LLM:
             registry.register_custom(spec)
         self.engine_config = EngineConfig(quantization_encoding=quantization_encoding,
                                           **engine_options)
+        self.engine_config.target(None)
         if self.engine_config.data_parallel_degree != 1:
             raise UserError("--data-parallel-degree: replicas run behind `maxjax serve`; the "
                             "offline API runs one engine (use --devices for tensor parallelism)")

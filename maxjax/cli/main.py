@@ -38,6 +38,7 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     args.group = group
     devices.select_platform(engine_cfg.devices,
                             start=group and (lambda: distributed.initialize(group)))
+    engine_cfg.target(None)
     from maxjax.models import registry
     for spec in model_opts.custom_architectures:
         registry.register_custom(spec)

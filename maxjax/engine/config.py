@@ -106,8 +106,10 @@ class EngineConfig:
                 "supported)"})
 
     def __post_init__(self):
+        # The CPU's until the platform is known: asking JAX here would start its backend before
+        # --devices and jax.distributed may (the CLI and LLM call target(None) once they have).
         self._platform_defaults: dict = {}
-        self.target(None)
+        self.target("cpu")
 
     def target(self, platform: str | None) -> None:
         """Fill the settings left unset with the defaults of the platform the graphs will run on
