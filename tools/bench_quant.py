@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--one-digit", action="store_true",
                     help="also time activations in one int8 digit (graphs/quant.py)")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="also trace each case and print its TOP graph functions by op time")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     page = args.page_size
@@ -99,6 +101,24 @@ def main():
         roof = nbytes / bw * 1e3
         print(f"| {label} | {nbytes / 1e6:.0f} | {ms:.1f} | {r / ms * 1e3:.0f} | {roof:.1f} | "
               f"{100 * roof / ms:.0f}% |", flush=True)
+    if args.profile:
+        print_profiles(cases, args.profile)
+
+
+def print_profiles(cases, top: int):
+    """Per case, ms per step in each graph function (summed over device threads, under the
+    tracer: shares, not times)."""
+    from hlo_profile import profile_phases      # tools/, on sys.path as the script's directory
+
+    for case in cases:
+        def run(case=case):
+            out, case[3] = case[1](*case[2:6])
+            jax.device_get(out[0].token_ids)
+        phases = profile_phases(case[1], run)
+        total = sum(phases.values())
+        print(f"\n{case[0]}: {total:.1f} ms of ops per step under the tracer")
+        for label, ms in list(phases.items())[:top]:
+            print(f"  {label:<40} {ms:7.2f} ms  {100 * ms / total:4.0f}%")
 
 
 if __name__ == "__main__":

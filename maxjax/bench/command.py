@@ -226,7 +226,10 @@ class Run:
     async def run(self) -> list[dict]:
         headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
         timeout = aiohttp.ClientTimeout(total=self.args.timeout)
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        # A connection per request: a pooled keep-alive connection the server has just closed
+        # (llama-server's cpp-httplib does after 5 s idle) fails the POST with "Can not write
+        # request body"; a localhost connect costs well under a millisecond.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(headers=headers, timeout=timeout,
                                          connector=connector) as session:
             self.model = await _pick_model(session, self.root, self.args.model)
