@@ -61,6 +61,7 @@ def _module_at(rev: str, path: str):
         f.write(src.stdout)
     spec = importlib.util.spec_from_file_location("attention_at_rev", file)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod        # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
