@@ -22,14 +22,8 @@ from maxjax.engine.types import SamplingParams
 from maxjax.graphs import decoder, quant, sampling
 from maxjax.graphs.program import step_program
 from maxjax.graphs.step import RowSlice, build_step_inputs
+from maxjax.engine.memory import weight_bytes   # SmolLM2 ties its embedding: read whole as the LM head
 from maxjax.models.loader import load_model
-
-
-def weight_bytes(params) -> int:
-    """Bytes of the weights one decode step reads (the embedding rows it gathers aside)."""
-    leaves = jax.tree.leaves({k: v for k, v in params.items() if k != "embed"})
-    embed = params["embed"]         # tied: read in full as the LM head
-    return sum(a.nbytes for a in leaves) + sum(a.nbytes for a in jax.tree.leaves(embed))
 
 
 def copy_bandwidth() -> float:

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import jax
 
+_CONTAINERS = {"while", "conditional", "call"}
 _TABLE = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)$")
 
 
@@ -61,11 +62,18 @@ def frame_labels(text: str) -> dict[int, str]:
 
 
 def op_labels(text: str) -> dict[str, str]:
-    """HLO instruction name -> its label (frame_labels), for every instruction with metadata."""
+    """HLO instruction name -> its label: frame_labels' for an instruction with a stack frame,
+    else its jax op name ("op:dot_general"), else its HLO opcode ("hlo:copy")."""
     labels = frame_labels(text)
     out = {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?stack_frame_id=(\d+)", text, re.M):
-        out[m.group(1)] = labels.get(int(m.group(2)), "?")
+    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? ([a-z][\w\-]*)\((.*)$", text, re.M):
+        name, opcode, rest = m.groups()
+        if opcode in _CONTAINERS:
+            continue            # their events span their bodies' ops, which count themselves
+        frame = re.search(r"stack_frame_id=(\d+)", rest)
+        op = re.search(r'op_name="([^"]*)"', rest)
+        out[name] = (labels.get(int(frame.group(1)), "?") if frame else
+                     f"op:{op.group(1).rsplit('/', 1)[-1]}" if op else f"hlo:{opcode}")
     return out
 
 
