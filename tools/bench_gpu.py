@@ -148,15 +148,9 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
     prompt = lambda: list(map(int, rng.integers(100, cfg.vocab_size - 100, input_len)))   # noqa: E731
     params = maxjax.SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate([prompt()], maxjax.SamplingParams(max_new_tokens=4))
+    from bench_offline import decode_probe
     core = llm.core
-    core.add_request("decode-probe", prompt(), params)
-    while core.scheduler.requests["decode-probe"].num_output_tokens < 1:
-        core.step()
-    t, steps = time.perf_counter(), 0
-    while core.has_unfinished():
-        core.step()
-        steps += 1
-    decode_tps = steps / (time.perf_counter() - t)
+    decode_tps = decode_probe(core, prompt(), params)
     wbytes = weight_bytes(model.params)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     step_bytes = wbytes + kv_per_token * (input_len + output_len // 2)

@@ -30,6 +30,19 @@ def prompts_of(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]
     return [list(map(int, rng.choice(vocab, length))) for _ in range(n)]
 
 
+def decode_probe(core, prompt, params) -> float:
+    """Pure decode speed at batch 1, steps per second: the steps after the prefill of one request
+    alone on an idle engine core."""
+    core.add_request("decode-probe", prompt, params)
+    while core.scheduler.requests["decode-probe"].num_output_tokens < 1:
+        core.step()
+    t, steps = time.perf_counter(), 0
+    while core.has_unfinished():
+        core.step()
+        steps += 1
+    return steps / (time.perf_counter() - t)
+
+
 def bench_maxjax(batches, input_len, output_len, engine_kw):
     import maxjax
     from maxjax.models.loader import load_model
@@ -47,16 +60,7 @@ def bench_maxjax(batches, input_len, output_len, engine_kw):
         dt = time.perf_counter() - t
         n = sum(len(o.token_ids) for o in outs)
         rows[b] = n / dt
-    # Pure decode speed at batch 1: time the steps after the prefill.
-    core = llm.core
-    core.add_request("decode-probe", prompts_of(None, 1, input_len, 7)[0], params)
-    while core.scheduler.requests["decode-probe"].num_output_tokens < 1:
-        core.step()
-    t, steps = time.perf_counter(), 0
-    while core.has_unfinished():
-        core.step()
-        steps += 1
-    decode_tps = steps / (time.perf_counter() - t)
+    decode_tps = decode_probe(llm.core, prompts_of(None, 1, input_len, 7)[0], params)
     from maxjax.engine.memory import weight_bytes
     return rows, decode_tps, weight_bytes(model.params), warm, llm.stats()
 
