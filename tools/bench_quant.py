@@ -39,6 +39,22 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / min(ts)
 
 
+def decode_case(model, params, r: int, context: int, page: int, kv_fmt):
+    """(compiled step_program, KV pool, step inputs, sampling arrays) of a decode step of `r`
+    rows with `context` tokens cached each, greedy, on `params` (`model`'s, or a variant)."""
+    cfg = model.config
+    per_row = -(-(context + 1) // page)
+    rows = [RowSlice([5], context, list(range(1 + per_row * i, 1 + per_row * (i + 1))))
+            for i in range(r)]
+    kv = decoder.init_kv(cfg, 1 + per_row * r, page, kv_fmt)
+    st = build_step_inputs(rows, r, r, 4096 // page, page)   # rows: powers of 2
+    sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * r, r, 4096,
+                                        vocab_size=cfg.vocab_size)
+    fn = jax.jit(lambda p, kv, s, a: step_program(model.arch, cfg, 20, p, kv, s, a),
+                 donate_argnums=(1,))
+    return fn.lower(params, kv, st, sa).compile(), kv, st, sa
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--encodings", default="float32,int8,q4_1")
@@ -54,27 +70,15 @@ def main():
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     page = args.page_size
-    per_row = -(-(args.context + 1) // page)
-    max_pages = 4096 // page
     models = {e: load_model(None, e, progress=False) for e in args.encodings.split(",")}
-    cfg = next(iter(models.values())).config
     cases = []          # (label, compiled, params, kv holder, step, samp, bytes, tokens)
     for enc, model in models.items():
         for kv_fmt in args.kv.split(","):
             for r in rows_list:
                 for digits in ([2, 1] if enc != "float32" and args.one_digit else [2]):
                     quant.DIGITS = digits
-                    rows = [RowSlice([5], args.context,
-                                     list(range(1 + per_row * i, 1 + per_row * (i + 1))))
-                            for i in range(r)]
-                    kv = decoder.init_kv(cfg, 1 + per_row * r, page, kv_fmt)
-                    st = build_step_inputs(rows, r, r, max_pages, page)   # rows: powers of 2
-                    sa = sampling.build_sampling_arrays(
-                        [(SamplingParams(temperature=0), [], [], 0)] * r, r, 4096,
-                        vocab_size=cfg.vocab_size)
-                    fn = jax.jit(lambda p, kv, s, a: step_program(model.arch, cfg, 20, p, kv, s, a),
-                                 donate_argnums=(1,))
-                    c = fn.lower(model.params, kv, st, sa).compile()
+                    c, kv, st, sa = decode_case(model, model.params, r, args.context, page,
+                                                kv_fmt)
                     label = f"{enc} kv={kv_fmt} R={r}" + (" (1 digit)" if digits == 1 else "")
                     cases.append([label, c, model.params, kv, st, sa,
                                   weight_bytes(model.params), r, []])
