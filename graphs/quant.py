@@ -30,7 +30,8 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclass
 class QuantizedWeight:
-    q: jax.Array                 # int8 [in, out] (bits 8) or packed uint8 [in/2, out] (bits 4)
+    q: jax.Array                 # int8 [in, out] (bits 8) or packed uint8 [in/2, out] (bits 4);
+                                 # int8 [out/64, in, 64]: packed for graphs/cpu_kernels.py
     scale: jax.Array             # float32 [out] (bits 8) or [in/32, out] (bits 4)
     offset: jax.Array | None = None    # float32 [in/32, out] (bits 4, GGUF formats with a min)
     requant: jax.Array | None = None   # float32 [out]: 127 / max|w| per channel (bits 4)
@@ -39,6 +40,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """The [in, out] (or, transposed, [out, in]) shape of the weight it stands for."""
+        if self.q.ndim == 3:                        # packed for the CPU kernel: [in, out]
+            return self.q.shape[1], self.q.shape[0] * self.q.shape[2]
         rows, cols = self.q.shape
         return (rows * 2, cols) if self.bits == 4 else (rows, cols)
 
@@ -77,7 +80,11 @@ def int8_weight(w: QuantizedWeight):
 
 
 def linear(x, w: QuantizedWeight, transposed: bool = False, out_dtype=None):
-    """x [..., in] @ w ([out, in] stored when `transposed`: the int8 embedding table as LM head)."""
+    """x [..., in] @ w ([out, in] stored when `transposed`: the int8 embedding table as LM head;
+    a 3-D `q`: packed for the CPU kernel of graphs/cpu_kernels.py, already in [in, out] order)."""
+    if w.q.ndim == 3:
+        from maxjax.graphs import cpu_kernels
+        return cpu_kernels.int8_linear(x, w).astype(out_dtype or x.dtype)
     lead, d_in = x.shape[:-1], x.shape[-1]
     rest = x.reshape(-1, d_in).astype(jnp.float32)
     rows = rest.shape[0]

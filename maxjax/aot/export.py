@@ -190,6 +190,8 @@ def _model_flag(model) -> list[str]:
 SPEC_FLAGS = ("speculative_method", "num_speculative_tokens", "devices")
 # LoRA adds the adapter slot stacks to the graphs' inputs.
 LORA_FLAGS = ("enable_lora", "max_num_loras", "max_lora_rank")
+# The CPU kernel lays out the int8 weights the graphs take.
+KERNEL_FLAGS = ("use_experimental_kernels",)
 
 
 def warm_cache_command(model, engine: dict, directory: str | None, platforms: list[str]) -> str:
@@ -202,6 +204,8 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
     for k in SPEC_FLAGS:
         if engine.get(k) is not None:
             parts += [f"--{k.replace('_', '-')}", str(engine[k])]
+    if engine.get("use_experimental_kernels"):
+        parts.append("--use-experimental-kernels")
     if engine.get("enable_lora"):
         parts += ["--enable-lora", "--max-num-loras", str(engine["max_num_loras"]),
                   "--max-lora-rank", str(engine["max_lora_rank"])]
@@ -245,7 +249,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     dtype = engine_cfg.quantization_encoding or default_dtype(platforms[0])
     model = load(model_opts.model_path, dtype, model_opts.chat_template, progress=True)
     engine_cfg.quantization_encoding = model.dtype
-    model = on_devices(model, engine_cfg)   # every replica runs the graphs of the first one's
+    model = on_devices(model, engine_cfg, platforms=platforms)   # every replica runs the first one's
     layout = plan_layout(engine_cfg, model, platforms[0])
     engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
     t0 = time.perf_counter()
@@ -263,7 +267,8 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     if artifacts_dir is None:
         print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
     serve = ["maxjax", "serve", *_model_flag(model), "--precompiled-artifacts", directory,
-             *(["--enable-lora"] if engine_cfg.enable_lora else [])]
+             *(["--enable-lora"] if engine_cfg.enable_lora else []),
+             *(["--use-experimental-kernels"] if engine_cfg.use_experimental_kernels else [])]
     serve += ["--devices", engine_cfg.devices] if engine_cfg.devices else []
     print(f"serve with: {shlex.join(serve)}")
     return 0

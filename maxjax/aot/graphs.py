@@ -33,7 +33,10 @@ from maxjax.graphs.sharding import abstract
 # call, which jax.export does not guarantee stable across jax versions: allowed here, and an
 # artifact holding one is tied to the jax that wrote it (manifest.check_versions).
 TRITON_CALL = "__gpu$xla.gpu.triton"
-EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+# --use-experimental-kernels' CPU int8 linear (graphs/cpu_kernels.py): registered before an
+# artifact holding it is compiled (maxjax/engine/build.experimental_kernels).
+CPU_INT8_CALL = "maxjax_int8_linear"
+EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c) for c in (TRITON_CALL, CPU_INT8_CALL)]
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:

@@ -24,7 +24,7 @@ import jax
 
 from maxjax.aot import graphs
 from maxjax.aot import manifest as mf
-from maxjax.aot.export import LORA_FLAGS, SPEC_FLAGS, warm_cache_command
+from maxjax.aot.export import KERNEL_FLAGS, LORA_FLAGS, SPEC_FLAGS, warm_cache_command
 from maxjax.engine.config import EngineConfig, platform_defaults
 from maxjax.errors import UserError
 
@@ -97,7 +97,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
             for k, v in eng.items():
                 if v is None or (_unset(user, k) and k != field):
                     eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
-            eng.update({k: getattr(user, k) for k in (*SPEC_FLAGS, *LORA_FLAGS)})
+            eng.update({k: getattr(user, k) for k in (*SPEC_FLAGS, *LORA_FLAGS, *KERNEL_FLAGS)})
             return warm_cache_command(model, eng, d, [local["platform"]])
         m = None    # fix() reads the pinned values once the manifest is read
         m = mf.read_manifest(d, fix(None))

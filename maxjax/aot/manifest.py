@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from maxjax.errors import UserError
+from maxjax.graphs import cpu_kernels
 
 log = logging.getLogger("maxjax.aot")
 
@@ -173,6 +174,9 @@ def model_fingerprint(model) -> dict:
           "config": json.loads(canonical(model.config.to_dict())),
           "weights": weight_signature(model.params),
           "tokenizer_digest": tokenizer_digest(model.tokenizer, model.chat_template)}
+    kernels = cpu_kernels.kernels_of(model.params)
+    if kernels:             # only then: the digest of every other model stays what it was
+        fp["kernels"] = kernels
     fp["fingerprint"] = digest({k: v for k, v in fp.items() if k != "name"})
     return fp
 
@@ -305,6 +309,12 @@ def check_model(m: Manifest, model, fix: str) -> None:
         if pc.get(k) != hc.get(k):
             raise UserError(f"{m.path}: model config field {k}: artifacts {pc.get(k)!r}, this "
                             f"model {hc.get(k)!r}; recreate the artifacts with: {fix}")
+    if pinned.get("kernels", []) != have.get("kernels", []):
+        built = "with" if pinned.get("kernels") else "without"
+        raise UserError(f"{m.path}: model kernels: the artifacts were built {built} "
+                        f"--use-experimental-kernels, this run is "
+                        f"{'with' if have.get('kernels') else 'without'} it: pass the same, or "
+                        f"recreate them with: {fix}")
     pw, hw = pinned.get("weights", {}), have["weights"]
     for k in sorted(set(pw) | set(hw)):
         if pw.get(k) != hw.get(k):

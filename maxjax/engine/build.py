@@ -19,6 +19,7 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore, plan_layout
+from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("maxjax.engine")
@@ -88,11 +89,15 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     return core
 
 
-def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0) -> LoadedModel:
+def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
+               platforms: Sequence[str] | None = None) -> LoadedModel:
     """The model with its params on replica `replica`'s mesh of --devices (as it is on one
-    device); UserError for what a mesh does not support yet."""
+    device), laid out for --use-experimental-kernels when given; UserError for what a mesh does
+    not support yet. `platforms`: where the graphs run (None: this machine)."""
     from maxjax.engine import devices
     mesh = devices.replica_meshes(engine_cfg.devices, engine_cfg.data_parallel_degree)[replica]
+    if engine_cfg.use_experimental_kernels:
+        return experimental_kernels(model, mesh, platforms)
     if mesh is not None:
         if engine_cfg.enable_lora:
             raise UserError(f"--enable-lora with --devices {engine_cfg.devices} or "
@@ -101,6 +106,24 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0) -
             raise UserError(f"--speculative-method draft with --devices {engine_cfg.devices} or "
                             "--data-parallel-degree: the draft model runs on one device only")
     return devices.place_model(model, mesh)
+
+
+def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | None) -> LoadedModel:
+    """--use-experimental-kernels: the int8 matrices packed for graphs/cpu_kernels.py."""
+    import dataclasses
+
+    import jax
+    from maxjax.graphs import cpu_kernels
+    platforms = list(platforms or [jax.export.default_export_platform()])
+    why = ("it runs on one device (drop --devices / --data-parallel-degree)" if mesh is not None
+           else f"its kernel is for the CPU (graphs for {', '.join(platforms)})"
+           if platforms != ["cpu"] else cpu_kernels.unavailable())
+    if why:
+        raise UserError(f"--use-experimental-kernels: {why}")
+    if model.dtype != "int8":
+        log.info("--use-experimental-kernels: no kernel for %s weights (only int8)", model.dtype)
+        return model
+    return dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
 
 
 def _from_cache(model, engine_cfg: EngineConfig, limit: int, progress: bool):
