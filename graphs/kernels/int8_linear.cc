@@ -52,7 +52,7 @@ static void run_cols(const float* x, const int8_t* q, const float* s, float* y,
   }
 }
 
-static constexpr int64_t kThreadedWork = int64_t(16) << 20;   // multiply-adds
+static constexpr int64_t kThreadedWork = int64_t(32) << 20;   // multiply-adds
 
 static ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                              ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
