@@ -98,6 +98,10 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
     mesh = devices.replica_meshes(engine_cfg.devices, engine_cfg.data_parallel_degree)[replica]
     if engine_cfg.use_experimental_kernels:
         return experimental_kernels(model, mesh, platforms)
+    from maxjax.graphs import cpu_kernels
+    if cpu_kernels.kernels_of(model.params):     # weights restored from such artifacts
+        raise UserError("the artifacts' stored weights are laid out for --use-experimental-kernels"
+                        ": pass it, or recreate the artifacts without it")
     if mesh is not None:
         if engine_cfg.enable_lora:
             raise UserError(f"--enable-lora with --devices {engine_cfg.devices} or "
