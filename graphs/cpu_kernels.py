@@ -61,7 +61,8 @@ def unavailable() -> str | None:
     lib = os.path.join(root, f"int8_linear-{key}.so")
     if not os.path.isfile(lib):
         os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mktemp(suffix=".so", dir=root)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+        os.close(fd)
         cmd = [compiler, "-O3", *[f"-m{f}" for f in CPU_FLAGS], "-mfma", "-std=c++17", "-shared",
                "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp, "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -89,7 +90,7 @@ def is_packed(w) -> bool:
     return isinstance(w, QuantizedWeight) and w.q.ndim == 3
 
 
-def _pack(w, transposed: bool = False):
+def pack_weight(w, transposed: bool = False):
     """A bits-8 QuantizedWeight ([in, out]; [out, in] when `transposed`) packed for the kernel,
     or None when its output width is not a multiple of the tile."""
     q = np.asarray(jax.device_get(w.q))
@@ -107,13 +108,13 @@ def pack_params(params: dict) -> dict:
 
     def conv(w):
         if isinstance(w, QuantizedWeight) and w.bits == 8 and w.q.ndim == 2:
-            return _pack(w) or w
+            return pack_weight(w) or w
         return w
     out = {**params, "layers": [{k: conv(v) for k, v in layer.items()}
                                 for layer in params["layers"]]}
     head = params.get("lm_head", params["embed"])      # the LM head reads the table [V, D]
     if isinstance(head, QuantizedWeight) and head.bits == 8 and head.q.ndim == 2:
-        packed = _pack(head, transposed=True)
+        packed = pack_weight(head, transposed=True)
         if packed is not None:
             out["lm_head"] = packed
     return out

@@ -30,7 +30,7 @@ def test_kernel_equals_numpy(rows):
     q = rng.integers(-127, 128, (96, 320)).astype(np.int8)
     scale = rng.uniform(1e-3, 2e-2, 320).astype(np.float32)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
-    w = cpu_kernels._pack(quant.QuantizedWeight(jnp.asarray(q), jnp.asarray(scale)))
+    w = cpu_kernels.pack_weight(quant.QuantizedWeight(jnp.asarray(q), jnp.asarray(scale)))
     assert w.q.shape == (5, 96, 64) and w.shape == (96, 320)
     got = np.asarray(jax.jit(quant.linear)(jnp.asarray(x), w))
     want = (x.astype(np.float64) @ q.astype(np.float64)) * scale

@@ -32,7 +32,7 @@ def kernel_linear(x, packed, scale):
 
 
 def pack(q):
-    return cpu_kernels._pack(quant.QuantizedWeight(jnp.asarray(q), jnp.ones(q.shape[1]))).q
+    return cpu_kernels.pack_weight(quant.QuantizedWeight(jnp.asarray(q), jnp.ones(q.shape[1]))).q
 
 
 def timed(fns: dict, iters: int) -> dict:
