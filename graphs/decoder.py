@@ -43,7 +43,7 @@ def param_specs(cfg: ModelConfig) -> dict:
         lay["q_norm"] = lay["k_norm"] = ArraySpec((cfg.head_dim,), ("head_dim",))
     if cfg.post_norms:
         lay["post_attn_norm"] = lay["post_mlp_norm"] = norm
-    table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"))
+    table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
     specs = {"embed": table, "final_norm": norm,
              "layers": [dict(lay) for _ in range(cfg.num_layers)]}
     if not cfg.tie_word_embeddings:

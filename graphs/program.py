@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from maxjax.graphs import sampling, sharding
+from maxjax.graphs import quant, sampling, sharding
 from maxjax.graphs.attention import AttentionBackend
 from maxjax.graphs.decoder import init_kv, kv_pool_specs
 from maxjax.graphs.step import step_input_specs
@@ -88,7 +88,8 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, h
     out_shardings = None
     if mesh is not None:
         rules = sharding.tensor_parallel_rules(cfg, mesh.size)
-        params = _on(params, sharding.shardings(arch.param_specs(cfg), mesh, rules))
+        specs = quant.param_specs(arch.param_specs(cfg), params)
+        params = _on(params, sharding.shardings(specs, mesh, rules))
         kv_sh = _kv_shardings(cfg, kv[0].shape[1], kv[0].shape[3], mesh)
         kv, out_shardings = _on(kv, kv_sh), (sharding.replicated(mesh), kv_sh)
     specs = []

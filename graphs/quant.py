@@ -18,6 +18,11 @@ digits go through one dot (rows stacked), so the weight is read once: a single d
 per-row W8A8) cost SmolLM2 +5% perplexity over 2,048 tokens, two cost <1% (BENCHMARKS.md). The
 stacking also gives a one-row step two rows: XLA:CPU turns a one-row dot into a matrix-vector
 product that skips the int8 kernel (and converts the int8 weight to float32 in full).
+
+On a mesh a quantized weight shards as its float version does (`param_specs`): q keeps the float
+weight's logical axes, per-channel scales take its output axis, 4-bit block scales and offsets
+both axes, so a row-parallel split of the input axis falls between whole 32-input blocks (when
+the blocks do not divide by the devices, maxjax/engine/devices.py refuses).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+
+from maxjax.graphs.sharding import ArraySpec
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +55,30 @@ class QuantizedWeight:
 
 BLOCK = 32
 DIGITS = 2      # activation digits; read at trace time (tools/bench_quant.py measures 1 too)
+
+
+def specs(spec: ArraySpec, w: QuantizedWeight) -> QuantizedWeight:
+    """The ArraySpecs of w's arrays, from the spec of the float weight it stands for."""
+    if w.shape != spec.shape:
+        raise ValueError(f"quantized weight of shape {w.shape} for a parameter of {spec.shape}")
+    out = spec.out_axis % 2
+    channels = ArraySpec((spec.shape[out],), (spec.axes[out],))
+    if w.bits == 8:
+        return QuantizedWeight(spec, channels)
+    if out != 1:
+        raise ValueError(f"4-bit weights are [in, out] matrices, not a table of axes {spec.axes}")
+    d_in, d_out = spec.shape
+    blocks = ArraySpec((d_in // BLOCK, d_out), spec.axes)
+    return QuantizedWeight(ArraySpec((d_in // 2, d_out), spec.axes), blocks,
+                           None if w.offset is None else blocks,
+                           None if w.requant is None else channels, bits=4)
+
+
+def param_specs(float_specs, params):
+    """`float_specs` (an architecture's param_specs) with each QuantizedWeight of `params` (real
+    or abstract arrays) in its place given `specs`: the one declaration, quantized or not."""
+    return jax.tree.map(lambda s, p: specs(s, p) if isinstance(p, QuantizedWeight) else s,
+                        float_specs, params, is_leaf=lambda x: isinstance(x, ArraySpec))
 
 
 def quantize_rows(x):

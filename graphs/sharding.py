@@ -3,7 +3,8 @@
 Every parameter (and the KV pool) is declared once as an `ArraySpec`: its shape and one logical
 axis name per dimension. Shapes, `ShapeDtypeStruct`s and shardings are all derived from that
 declaration, so tensor parallelism is a sharding of the same pure graph function (GSPMD inserts
-the collectives), in the manner of jax-llm-examples' `ArrayInfo` + `logical_to_physical`.
+the collectives), in the manner of jax-llm-examples' `ArrayInfo` + `logical_to_physical`. A
+quantized weight's arrays (graphs/quant.py) take specs derived from its float weight's.
 
 Logical axes of the decoder (graphs/decoder.py declares which array has which):
   embed     the hidden size D
@@ -47,6 +48,10 @@ TENSOR_PARALLEL: Rules = {
 class ArraySpec:
     shape: tuple[int, ...]
     axes: tuple[str, ...]     # one logical axis name per dimension
+    # A matrix's output channels (where a per-channel quantization scale runs, graphs/quant.py):
+    # the last axis of an [in, out] projection, the first of a [vocab, embed] table (stored
+    # per row: the LM head is its transpose).
+    out_axis: int = -1
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -121,7 +126,8 @@ def tensor_parallel_rules(cfg, degree: int) -> Rules:
 def tensor_parallel_layout(cfg, params, degree: int):
     """(config, params) for `degree` devices: the fused q|k|v and gate|up weights whose axis is
     split reordered into per-device blocks (graphs/layers.py `split_fused`), which the config's
-    `qkv_shards` / `gate_up_shards` tell the graph. Host arrays; `place` puts them on a mesh."""
+    `qkv_shards` / `gate_up_shards` tell the graph (a QuantizedWeight: each of its arrays, all
+    [..., out]). Host arrays; `place` puts them on a mesh."""
     import dataclasses
     from maxjax.graphs.layers import fuse_per_shard
     rules = tensor_parallel_rules(cfg, degree)
@@ -130,15 +136,29 @@ def tensor_parallel_layout(cfg, params, degree: int):
     sizes = {"wqkv": (qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
              "bqkv": (qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
              "w_gate_up": (gate_up, (cfg.intermediate_size,) * 2)}
+
+    def per_shard(w, parts, shards):    # an array, or each of a QuantizedWeight's: [..., out]
+        return jax.tree.map(lambda a: fuse_per_shard(np.asarray(a), parts, shards), w)
+
     layers = []
     for layer in params["layers"]:
         layer = dict(layer)
         for key, (shards, parts) in sizes.items():
             if key in layer and shards > 1:
-                layer[key] = fuse_per_shard(np.asarray(layer[key]), parts, shards)
+                layer[key] = per_shard(layer[key], parts, shards)
         layers.append(layer)
     cfg = dataclasses.replace(cfg, qkv_shards=qkv, gate_up_shards=gate_up)
     return cfg, {**params, "layers": layers}
+
+
+def undivided(specs, rules: Rules, degree: int) -> list[tuple[str, str, int]]:
+    """(path, logical axis, size) of every dimension of `specs` that `rules` split but that does
+    not divide by `degree` (a 4-bit weight's blocks, graphs/quant.py)."""
+    bad = []
+    for path, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
+        bad += [(jax.tree_util.keystr(path), a, n) for n, a in zip(s.shape, s.axes)
+                if rules[a] and n % degree]
+    return bad
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:

@@ -7,8 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 import quant_reference as ref
@@ -18,57 +16,13 @@ from maxjax.models import quantize as Q
 from maxjax.models.loader import load_model
 from paged_harness import paged_greedy
 from reference import assert_logits_close
-from tiny_llama import write_tiny_llama
+from tiny_llama import q4k_blocks, write_tiny_gguf, write_tiny_llama
 
 RNG = np.random.default_rng(0)
-# big enough for Q4_K's 256-wide super-blocks on every projection input
-V, H, I, L, NH, NKV, HD = 320, 256, 512, 2, 4, 2, 64
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 2, 77]]
 NEW_TOKENS = 6
 # logits of the graph vs the NumPy reference: the same integers; float sums in another order
 LOGIT_REL_TOL = 2e-3
-
-
-def q4k_blocks(rows: int, cols: int) -> np.ndarray:
-    """Random Q4_K bytes with small finite f16 super-block scales."""
-    block, size = GGML_QUANT_SIZES[T.Q4_K]
-    raw = RNG.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    raw[:, 0:2] = RNG.uniform(2e-4, 6e-4, (len(raw), 1)).astype(np.float16).view(np.uint8)
-    raw[:, 2:4] = RNG.uniform(5e-4, 1e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
-
-
-def write_gguf(path, qt) -> str:
-    """A random 2-layer llama GGUF whose matrices are of type `qt` (norms F32, embedding Q8_0)."""
-    w = GGUFWriter(str(path), "llama")
-    for add, v in ((w.add_block_count, L), (w.add_context_length, 256), (w.add_embedding_length, H),
-                   (w.add_feed_forward_length, I), (w.add_head_count, NH),
-                   (w.add_head_count_kv, NKV), (w.add_layer_norm_rms_eps, 1e-5),
-                   (w.add_rope_freq_base, 10000.0), (w.add_rope_dimension_count, HD),
-                   (w.add_vocab_size, V)):
-        add(v)
-
-    def matrix(name, rows, cols, qtype=qt):
-        if qtype == T.Q4_K:
-            w.add_tensor(name, q4k_blocks(rows, cols), raw_dtype=qtype)
-        else:
-            x = (RNG.standard_normal((rows, cols)) * 0.08).astype(np.float32)
-            w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
-    matrix("token_embd.weight", V, H, T.Q8_0)
-    w.add_tensor("output_norm.weight", (1 + 0.1 * RNG.standard_normal(H)).astype(np.float32))
-    for i in range(L):
-        p = f"blk.{i}."
-        for name, (rows, cols) in {"attn_q": (NH * HD, H), "attn_k": (NKV * HD, H),
-                                   "attn_v": (NKV * HD, H), "attn_output": (H, NH * HD),
-                                   "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}.items():
-            matrix(p + name + ".weight", rows, cols)
-        for name in ("attn_norm", "ffn_norm"):
-            w.add_tensor(p + name + ".weight", (1 + 0.1 * RNG.standard_normal(H)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
 
 
 # --- block formats and linear -----------------------------------------------------------------
@@ -76,7 +30,7 @@ def write_gguf(path, qt) -> str:
 @pytest.mark.parametrize("qt", [T.Q4_0, T.Q4_1, T.Q4_K])
 def test_q4_blocks_decode_to_gguf_dequantize(qt):
     rows, cols = 8, 512
-    raw = q4k_blocks(rows, cols) if qt == T.Q4_K else \
+    raw = q4k_blocks(RNG, rows, cols) if qt == T.Q4_K else \
         quantize(RNG.standard_normal((rows, cols)).astype(np.float32), qt)
     nib, scale, offset = Q.decode_q4(qt.name, (rows, cols), raw.reshape(-1))
     assert nib.max() <= 15 and (offset is None) == (qt == T.Q4_0)
@@ -126,8 +80,10 @@ def test_int8_rows_error_is_half_a_step():
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     d = tmp_path_factory.mktemp("quant")
-    return {"int8": write_tiny_llama(str(d / "hf")), "q4_0": write_gguf(d / "q40.gguf", T.Q4_0),
-            "q4_1": write_gguf(d / "q41.gguf", T.Q4_1), "q4_k": write_gguf(d / "q4k.gguf", T.Q4_K)}
+    return {"int8": write_tiny_llama(str(d / "hf")),
+            "q4_0": write_tiny_gguf(d / "q40.gguf", T.Q4_0),
+            "q4_1": write_tiny_gguf(d / "q41.gguf", T.Q4_1, seed=1),
+            "q4_k": write_tiny_gguf(d / "q4k.gguf", T.Q4_K, seed=2)}
 
 
 @pytest.mark.parametrize("encoding", ["int8", "q4_0", "q4_1", "q4_k"])

@@ -1,4 +1,5 @@
-"""A tiny random Llama written as an HF directory without torch (config, safetensors, tokenizer)."""
+"""A tiny random Llama written without torch: as an HF directory (config, safetensors, tokenizer)
+or as a GGUF of quantized blocks."""
 from __future__ import annotations
 
 import json
@@ -58,3 +59,54 @@ def tiny_core(directory, **engine_options):
     options = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
                    kv_cache_page_size=8)
     return build_core(model, EngineConfig(**{**options, **engine_options}))
+
+
+def q4k_blocks(rng, rows: int, cols: int):
+    """Random Q4_K bytes [rows, cols / 256 * 144] with small finite f16 super-block scales."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.constants import GGML_QUANT_SIZES
+    block, size = GGML_QUANT_SIZES[T.Q4_K]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(2e-4, 6e-4, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    raw[:, 2:4] = rng.uniform(5e-4, 1e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(path, qt, num_kv_heads=2, head_dim=64, seed=0) -> str:
+    """A random 2-layer llama GGUF (vocabulary 320, hidden 256, MLP 512, 4 heads: every
+    projection input a whole number of Q4_K's 256-wide super-blocks at head_dim 64) whose
+    matrices are of GGUF type `qt` (norms F32, the embedding Q8_0)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+    V, H, I, L, NH, NKV, HD = 320, 256, 512, 2, 4, num_kv_heads, head_dim
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, L), (w.add_context_length, 256), (w.add_embedding_length, H),
+                   (w.add_feed_forward_length, I), (w.add_head_count, NH),
+                   (w.add_head_count_kv, NKV), (w.add_layer_norm_rms_eps, 1e-5),
+                   (w.add_rope_freq_base, 10000.0), (w.add_rope_dimension_count, HD),
+                   (w.add_vocab_size, V)):
+        add(v)
+
+    def matrix(name, rows, cols, qtype=qt):
+        if qtype == T.Q4_K:
+            w.add_tensor(name, q4k_blocks(rng, rows, cols), raw_dtype=qtype)
+        else:
+            x = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
+            w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+    matrix("token_embd.weight", V, H, T.Q8_0)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    for i in range(L):
+        p = f"blk.{i}."
+        for name, (rows, cols) in {"attn_q": (NH * HD, H), "attn_k": (NKV * HD, H),
+                                   "attn_v": (NKV * HD, H), "attn_output": (H, NH * HD),
+                                   "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}.items():
+            matrix(p + name + ".weight", rows, cols)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(p + name + ".weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

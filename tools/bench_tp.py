@@ -1,11 +1,12 @@
-"""Tensor-parallel overhead on one CPU: the SmolLM2-135M step graph (random f32 weights, fused with
+"""Tensor-parallel overhead on one CPU: the SmolLM2-135M step graph (random weights in
+--encoding: float32, or quantized as a checkpoint is, maxjax/models/quantize.py; fused with
 sampling, exactly as the engine compiles it: graphs/program.py step_graph_specs) at TP=1 and
 TP=N on N forced host devices, which add no cores, so what the figures show is the cost of the
 sharding: the collectives GSPMD inserts and the smaller per-device matmuls. Runs interleave
 the two engines in one process; a profile of the TP=N steps gives the time in collectives.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 .venv/bin/python tools/bench_tp.py \
-        [--tp 2] [--rows 1,8,32] [--prefill 128] [--rounds 3]
+        [--tp 2] [--rows 1,8,32] [--prefill 128] [--rounds 3] [--encoding int8]
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import numpy as np
 
 from maxjax.engine.buckets import Bucket
 from maxjax.engine.types import SamplingParams
-from maxjax.graphs import decoder, sampling, sharding
+from maxjax.graphs import decoder, quant, sampling, sharding
 from maxjax.graphs.program import jit_kwargs, step_graph_specs
 from maxjax.graphs.step import RowSlice, build_step_inputs
+from maxjax.models import quantize
 from maxjax.models.registry import get_architecture
 
 ARCH = get_architecture("LlamaForCausalLM")
@@ -37,18 +39,42 @@ SMOLLM2 = ARCH.config_from_hf({
 COLLECTIVES = re.compile(r"all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute")
 
 
-def engine(cfg, tp: int, num_pages: int, page: int, buckets, max_pages: int):
-    """(params, kv, {bucket: compiled}) on a TP mesh of `tp` devices (tp 1: one device)."""
+def random_params(cfg, encoding: str):
+    """Random weights (std 0.02) of `cfg`'s shapes, every matrix and the embedding table
+    quantized to `encoding` as a checkpoint's are (4-bit: GGUF blocks from gguf's quantizer)."""
     key = jax.random.PRNGKey(0)
     params = jax.tree.map(lambda s: jax.random.normal(key, s.shape, s.dtype) * 0.02,
                           decoder.abstract_params(cfg, jnp.float32))
+    if encoding == "float32":
+        return params
+
+    def matrix(w):           # [in, out] -> a checkpoint's [out, in] -> QuantizedWeight [in, out]
+        w = np.asarray(w).T.copy()
+        raw = None
+        if quantize.is_4bit(encoding):
+            from gguf import GGMLQuantizationType
+            from gguf.quants import quantize as gguf_quantize
+            qt = quantize.Q4_TYPES[encoding]
+            blocks = gguf_quantize(w, GGMLQuantizationType[qt]).reshape(-1)
+            raw = lambda _: quantize.decode_q4(qt, w.shape, blocks)
+        return quantize.Quantizer(encoding, lambda _: w, raw).matrix(["w"])
+    layers = [{k: matrix(v) if v.ndim == 2 else v for k, v in layer.items()}
+              for layer in params["layers"]]
+    table = quantize.Quantizer(encoding, lambda _: np.asarray(params["embed"])).table("embed")
+    return {**params, "embed": table, "layers": layers}
+
+
+def engine(cfg, tp: int, num_pages: int, page: int, buckets, max_pages: int, encoding: str):
+    """(params, kv, {bucket: compiled}) on a TP mesh of `tp` devices (tp 1: one device)."""
+    params = random_params(cfg, encoding)
     kv = decoder.init_kv(cfg, num_pages, page, jnp.float32)
     mesh = None
     if tp > 1:        # as maxjax/engine/devices.py place_model does
         mesh = sharding.tensor_parallel_mesh(tp)
         rules = sharding.tensor_parallel_rules(cfg, tp)
+        specs = quant.param_specs(ARCH.param_specs(cfg), params)
         cfg, params = sharding.tensor_parallel_layout(cfg, params, tp)
-        params = sharding.place(params, ARCH.param_specs(cfg), mesh, rules)
+        params = sharding.place(jax.tree.map(np.asarray, params), specs, mesh, rules)
         kv = sharding.place(kv, decoder.kv_pool_specs(cfg, num_pages, page), mesh, rules)
     specs = step_graph_specs(ARCH, cfg, params, kv, buckets, max_pages, 4096, 20, mesh=mesh)
     compiled = {s.bucket: jax.jit(s.fn, **jit_kwargs(s)).lower(*s.args).compile() for s in specs}
@@ -113,6 +139,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--heads", type=int, help="attention heads (default: SmolLM2's 9)")
     ap.add_argument("--kv-heads", type=int, help="kv heads (default: SmolLM2's 3)")
+    ap.add_argument("--encoding", default="float32",
+                    choices=["float32", "int8", *(e for e in quantize.Q4_TYPES if e != "q4_k")],
+                    help="weights (q4_k: gguf has no quantizer for it)")
     args = ap.parse_args()
     if jax.device_count() < args.tp:
         raise SystemExit(f"needs {args.tp} devices: XLA_FLAGS="
@@ -138,12 +167,14 @@ def main():
         inputs.append((name, b, st, sa, sum(len(r.token_ids) for r in rows)))
     buckets = sorted({b for _, b, *_ in inputs})
     t0 = time.perf_counter()
-    engines = {1: engine(cfg, 1, num_pages, page, buckets, max_pages)}
+    engines = {1: engine(cfg, 1, num_pages, page, buckets, max_pages, args.encoding)}
     t1 = time.perf_counter()
-    engines[args.tp] = engine(cfg, args.tp, num_pages, page, buckets, max_pages)
-    print(f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads; rules at TP={args.tp}: "
+    engines[args.tp] = engine(cfg, args.tp, num_pages, page, buckets, max_pages, args.encoding)
+    print(f"{args.encoding} weights, {cfg.num_heads} heads, {cfg.num_kv_heads} kv heads; "
+          f"rules at TP={args.tp}: "
           f"{ {k: v for k, v in sharding.tensor_parallel_rules(cfg, args.tp).items() if v} }")
-    print(f"jax {jax.__version__}, {os.cpu_count()} cores, compile {len(buckets)} graphs: "
+    print(f"jax {jax.__version__}, {os.cpu_count()} cores, weights + compile of {len(buckets)} "
+          f"graphs: "
           f"TP=1 {t1 - t0:.1f} s, TP={args.tp} {time.perf_counter() - t1:.1f} s")
     times = {(n, tp): [] for n, *_ in inputs for tp in engines}
     for _ in range(args.rounds):

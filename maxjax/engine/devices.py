@@ -8,7 +8,8 @@ mesh (one axis, `model`), and a single device with one replica is no mesh at all
 single-device graphs, unchanged).
 
 The mesh is where an engine's weights live: `place_model` puts the parameters on it by their
-logical axes (graphs/sharding.py) and everything downstream (layout, graph shardings, the KV
+logical axes (graphs/sharding.py; a quantized weight's arrays by those of its float version,
+graphs/quant.py) and everything downstream (layout, graph shardings, the KV
 pool, the engine fingerprint) reads it back with `graphs.sharding.params_mesh`.
 
 Called by maxjax/cli/main.py (`select_platform`, before JAX starts) and maxjax/engine/build.py.
@@ -145,11 +146,20 @@ def place_model(model, mesh):
     if mesh is None:
         return model
     import jax
-    from maxjax.graphs import sharding
+    from maxjax.graphs import quant, sharding
+    from maxjax.models import quantize
     if sharding.params_mesh(model.params) == mesh:
         return model          # placed already (a multi-host process's arrays are not all here)
     cfg, params = model.config, model.params
     rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+    specs = quant.param_specs(model.arch.param_specs(cfg), params)
+    for path, axis, size in sharding.undivided(specs, rules, mesh.size)[:1]:
+        why = "" if not quantize.is_4bit(model.dtype) else (
+            " (a 4-bit weight splits only between whole 32-input blocks: serve it as int8, or on "
+            "a device count that divides the blocks)")
+        raise UserError(f"tensor parallelism over {mesh.size} devices: {path} of the "
+                        f"{model.dtype} weights has {size} along its {axis} axis, which does "
+                        f"not divide by {mesh.size}{why}")
     if cfg.qkv_shards == cfg.gate_up_shards == 1:       # not laid out for a mesh yet
         whole = [a for a, r in rules.items() if r is None and sharding.TENSOR_PARALLEL[a]]
         if whole:
@@ -162,5 +172,5 @@ def place_model(model, mesh):
                         f"devices, not {mesh.size}")
     # From host arrays: resharding device arrays would compile a program per shape.
     params = jax.tree.map(np.asarray, params)
-    placed = sharding.place(params, model.arch.param_specs(cfg), mesh, rules)
+    placed = sharding.place(params, specs, mesh, rules)
     return dataclasses.replace(model, config=cfg, params=placed)

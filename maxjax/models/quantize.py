@@ -32,6 +32,10 @@ def is_quantized(encoding: str) -> bool:
     return encoding in QUANTIZED_ENCODINGS
 
 
+def is_4bit(encoding: str) -> bool:
+    return encoding in Q4_TYPES
+
+
 def native_4bit(types: list[str]) -> str | None:
     """The 4-bit encoding most of a GGUF's matrices (their GGUF `types`) have, if any."""
     q4 = Counter(t for t in types if t in Q4_TYPES.values())
