@@ -80,7 +80,8 @@ def warmed(root, model_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     directory = re.search(r"^artifacts: (.+)$", r.stdout, re.M).group(1)
     assert os.path.dirname(directory) == env["MAXJAX_CACHE_DIR"]
-    assert f"maxjax serve --model-path {model_dir} --precompiled-artifacts {directory}" in r.stdout
+    assert f"maxjax serve --model-path {model_dir} --quantization-encoding float32 " \
+        f"--precompiled-artifacts {directory}" in r.stdout
     return directory
 
 

@@ -266,7 +266,8 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     print(f"artifacts: {directory}")
     if artifacts_dir is None:
         print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
-    serve = ["maxjax", "serve", *_model_flag(model), "--precompiled-artifacts", directory,
+    serve = ["maxjax", "serve", *_model_flag(model), "--quantization-encoding", model.dtype,
+             "--precompiled-artifacts", directory,
              *(["--enable-lora"] if engine_cfg.enable_lora else []),
              *(["--use-experimental-kernels"] if engine_cfg.use_experimental_kernels else [])]
     serve += ["--devices", engine_cfg.devices] if engine_cfg.devices else []
