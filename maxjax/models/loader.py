@@ -96,9 +96,10 @@ def read_chat_template_file(path: str) -> str:
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
                progress: bool = True, params_source=None) -> LoadedModel:
     """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: int8 for a
-    quantized GGUF, else float32 on CPU, bfloat16 on GPU). params_source(arch, cfg, dtype, path) -> params or None:
-    converted weights stored with precompiled artifacts (maxjax/aot/weights.py), used instead
-    of converting the checkpoint."""
+    quantized GGUF, else float32 on CPU, bfloat16 on GPU). params_source(arch, cfg, dtype, path)
+    -> (config, params) or None: converted weights stored with precompiled artifacts
+    (maxjax/aot/weights.py; on a mesh laid out and placed already), used instead of converting
+    the checkpoint."""
     if dtype is not None:
         quantize.check_name(dtype)      # before reading anything; whether the file has it below
     path = resolve_model_path(model)
@@ -118,8 +119,12 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         template = getattr(tokenizer, "chat_template", None)
         types, dtype = None, dtype or default_dtype()
     quantize.check_encoding(dtype, types)
-    params = params_source(arch, cfg, dtype, path) if params_source else None
-    if params is None:
+    stored = params_source(arch, cfg, dtype, path) if params_source else None
+    if stored is not None:
+        cfg, params = stored
+        if hasattr(reader, "close"):
+            reader.close()
+    else:
         params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
     if chat_template:
         template = read_chat_template_file(chat_template)
