@@ -1,9 +1,10 @@
-"""Converted weights stored in the artifacts with orbax (maxjax/aot/weights.py): a mesh's
-artifacts (float32, bfloat16) and a one-device int8 store restore the params bit for bit, in
-the declared shardings, without converting the checkpoint or compiling anything, and serve
-the same greedy tokens; a store for another encoding, mesh or checkpoint falls back to the
-normal load; a corrupt one is a one-line UserError. Tiny random Llama (tests/tiny_llama.py)
-on the 4 host devices tests/conftest.py forces."""
+"""Converted weights stored in the artifacts with orbax (maxjax/aot/weights.py): a 2-device
+mesh's bfloat16 store and a one-device int8 store (QuantizedWeight pytrees) restore the params
+bit for bit, in the declared shardings, without converting the checkpoint or compiling
+anything, and serve the same greedy tokens as the converted params; a store for another
+encoding, mesh or checkpoint falls back to the normal load; a damaged one is a one-line
+UserError. Tiny random Llama (tests/tiny_llama.py) on the 4 host devices tests/conftest.py
+forces."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,18 @@ def warm(path, directory, encoding: str, devices: str | None = None, store=None)
     return placed
 
 
+@pytest.fixture(scope="module")
+def bf16_mesh(tiny_path, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bf16-tp2") / "art"
+    return str(d), warm(tiny_path, d, "bfloat16", "cpu:2")   # stored by default on a mesh
+
+
+@pytest.fixture(scope="module")
+def int8_one(tiny_path, tmp_path_factory):
+    d = tmp_path_factory.mktemp("int8") / "art"
+    return str(d), warm(tiny_path, d, "int8", store=True)
+
+
 def forbid_conversion(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the checkpoint was converted")
@@ -63,18 +76,17 @@ def assert_same_params(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("encoding", ["float32", "bfloat16"])
-def test_mesh_artifacts_restore_the_weights_into_their_shardings(tiny_path, tmp_path, encoding,
+def test_mesh_artifacts_restore_the_weights_into_their_shardings(tiny_path, bf16_mesh,
                                                                  monkeypatch):
-    d = str(tmp_path / "tp2")
-    placed = warm(tiny_path, d, encoding, "cpu:2")      # stored by default on a mesh
-    data = json.loads((tmp_path / "tp2" / mf.MANIFEST).read_text())
-    assert data["weights"]["degree"] == 2 and data["weights"]["dtype"] == encoding
+    d, placed = bf16_mesh
+    data = json.loads(open(os.path.join(d, mf.MANIFEST)).read())
+    assert data["weights"]["degree"] == 2 and data["weights"]["dtype"] == "bfloat16"
     forbid_conversion(monkeypatch)
     before = compile_counter.count()
     # the converted params against the restored ones, on the same executables
-    ref = LLM(placed, devices="cpu:2", precompiled_artifacts=[d], **ENGINE).generate(PROMPTS, GREEDY)
-    llm = LLM(tiny_path, quantization_encoding=encoding, devices="cpu:2",
+    ref = LLM(placed, devices="cpu:2", precompiled_artifacts=[d], **ENGINE).generate(PROMPTS,
+                                                                                     GREEDY)
+    llm = LLM(tiny_path, quantization_encoding="bfloat16", devices="cpu:2",
               precompiled_artifacts=[d], require_compiled_artifacts=True, **ENGINE)
     assert_same_params(llm.core.model.params, placed.params)
     assert llm.core.model.config == placed.config and placed.config.qkv_shards == 2
@@ -83,9 +95,8 @@ def test_mesh_artifacts_restore_the_weights_into_their_shardings(tiny_path, tmp_
     assert compile_counter.count() == before      # restoring, loading and serving compiled nothing
 
 
-def test_int8_store_on_one_device(tiny_path, tmp_path, monkeypatch):
-    d = str(tmp_path / "int8")
-    placed = warm(tiny_path, d, "int8", store=True)
+def test_int8_store_on_one_device(tiny_path, int8_one, monkeypatch):
+    d, placed = int8_one
     assert isinstance(placed.params["layers"][0]["wqkv"], QuantizedWeight)
     forbid_conversion(monkeypatch)
     ref = LLM(placed, precompiled_artifacts=[d], **ENGINE).generate(PROMPTS, GREEDY)
@@ -106,24 +117,24 @@ def test_describe_and_abstract_round_trip_4bit_nodes():
         [(a.shape, a.dtype) for a in jax.tree.leaves(tree)]
 
 
-def test_mismatched_or_corrupt_stores(tiny_path, tmp_path):
-    d = tmp_path / "one"
-    placed = warm(tiny_path, d, "float32", store=True)
+def test_mismatched_or_damaged_stores(tiny_path, int8_one, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(int8_one[0], d)
+    placed = int8_one[1]
     hook = weights.params_source([str(d)])
-    cfg = loader.load_model(tiny_path, "float32", progress=False).config
-    arch = placed.arch
-    _, params = hook(arch, cfg, "float32", tiny_path)
+    arch, cfg = placed.arch, placed.config
+    _, params = hook(arch, cfg, "int8", tiny_path)
     assert_same_params(params, placed.params)
     # another encoding, another mesh, another checkpoint: the normal load
-    assert hook(arch, cfg, "bfloat16", tiny_path) is None
+    assert hook(arch, cfg, "float32", tiny_path) is None
     mesh = mesh_over(jax.devices()[:2])
-    assert weights.params_source([str(d)], mesh)(arch, cfg, "float32", tiny_path) is None
+    assert weights.params_source([str(d)], mesh)(arch, cfg, "int8", tiny_path) is None
     other = tmp_path / "other-checkpoint"
     shutil.copytree(tiny_path, other)
     with open(other / "model.safetensors", "r+b") as f:
         f.seek(-4, os.SEEK_END)
         f.write(b"\x01\x02\x03\x04")
-    assert hook(arch, cfg, "float32", str(other)) is None
+    assert hook(arch, cfg, "int8", str(other)) is None
     # a data file cut short, then gone: one-line errors
     files = json.loads((d / mf.MANIFEST).read_text())["weights"]["files"]
     biggest = max(files, key=files.get)
@@ -132,13 +143,13 @@ def test_mismatched_or_corrupt_stores(tiny_path, tmp_path):
     path.write_bytes(blob[:-10])
     with pytest.raises(UserError, match=f"stored weights file weights/{biggest} is of another "
                                         "size; recreate the artifacts") as e:
-        hook(arch, cfg, "float32", tiny_path)
+        hook(arch, cfg, "int8", tiny_path)
     assert "\n" not in str(e.value)
     path.unlink()
     with pytest.raises(UserError, match="is missing"):
-        hook(arch, cfg, "float32", tiny_path)
+        hook(arch, cfg, "int8", tiny_path)
     # the same size, other bytes: orbax's own error, as one line
     path.write_bytes(b"\xff" * len(blob))
     with pytest.raises(UserError, match="stored weights in weights/ cannot be restored") as e:
-        hook(arch, cfg, "float32", tiny_path)
+        hook(arch, cfg, "int8", tiny_path)
     assert "\n" not in str(e.value)

@@ -61,11 +61,6 @@ def group_process(command: str, path, rank: int, coordinator: int, log, *extra,
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def serve_process(path, rank: int, coordinator: int, http: int, log, *extra, jax_cache=True):
-    return group_process("serve", path, rank, coordinator, log, "--port", str(http),
-                         "--no-webui", *extra, jax_cache=jax_cache)
-
-
 def wait_ready(url: str, procs, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -81,27 +76,49 @@ def wait_ready(url: str, procs, timeout: float = 240) -> None:
     raise TimeoutError("the group did not become ready")
 
 
+def complete(url: str) -> str:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def run_group(command: str, path, logs, *extra, jax_cache=True):
+    """Both processes of a `maxjax COMMAND` group, on a fresh coordinator port."""
+    coordinator = free_port_pair()
+    return [group_process(command, path, i, coordinator, logs[i], *extra, jax_cache=jax_cache)
+            for i in (0, 1)]
+
+
+def serve_flags(http: int) -> list[str]:
+    return ["--port", str(http), "--no-webui"]
+
+
+OPTS = {k.replace("-", "_"): v for k, v in ENGINE.items()}
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny4mh"), num_kv_heads=4)
 
 
-def test_two_processes_serve_one_tensor_parallel_engine(tiny_path, tmp_path):
-    opts = {k.replace("-", "_"): v for k, v in ENGINE.items()}
-    ref = LLM(tiny_path, quantization_encoding="float32", **opts).generate(
+@pytest.fixture(scope="module")
+def reference(tiny_path) -> str:
+    """The single-process greedy completion."""
+    return LLM(tiny_path, quantization_encoding="float32", **OPTS).generate(
         [PROMPT], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0].text
-    coordinator, http = free_port_pair(), free_port_pair()
+
+
+def test_two_processes_serve_one_tensor_parallel_engine(tiny_path, reference, tmp_path):
+    http = free_port_pair()
     logs = [open(tmp_path / f"p{i}.log", "w+") for i in (0, 1)]
-    procs = [serve_process(tiny_path, i, coordinator, http, logs[i]) for i in (0, 1)]
+    procs = run_group("serve", tiny_path, logs, *serve_flags(http))
     try:
         url = f"http://127.0.0.1:{http}"
         wait_ready(url, procs)
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(url + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            assert json.loads(r.read())["choices"][0]["text"] == ref
+        assert complete(url) == reference
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         rc = procs[0].wait(30)
@@ -117,24 +134,8 @@ def test_two_processes_serve_one_tensor_parallel_engine(tiny_path, tmp_path):
             f.close()
 
 
-def complete(url: str) -> str:
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["choices"][0]["text"]
-
-
-def run_group(command: str, path, logs, *extra, jax_cache=True, http=None):
-    coordinator = free_port_pair()
-    if http is None:
-        return [group_process(command, path, i, coordinator, logs[i], *extra, jax_cache=jax_cache)
-                for i in (0, 1)]
-    return [serve_process(path, i, coordinator, http, logs[i], *extra, jax_cache=jax_cache)
-            for i in (0, 1)]
-
-
-def test_two_process_warm_cache_serves_from_one_artifact_directory(tiny_path, tmp_path):
+def test_two_process_warm_cache_serves_from_one_artifact_directory(tiny_path, reference,
+                                                                   tmp_path):
     """Both processes run warm-cache for the 2-process mesh into one directory (process 0 the
     manifest and exports, each its executables, orbax each its shards); the group serves from
     it compiling nothing, restoring its weights instead of converting the checkpoint, with the
@@ -146,9 +147,7 @@ def test_two_process_warm_cache_serves_from_one_artifact_directory(tiny_path, tm
     from maxjax.engine.config import EngineConfig
     from maxjax.errors import UserError
     from maxjax.models.loader import load_model
-    opts = {k.replace("-", "_"): v for k, v in ENGINE.items()}
-    ref = LLM(tiny_path, quantization_encoding="float32", **opts).generate(
-        [PROMPT], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0].text
+    opts, ref = OPTS, reference
     art = str(tmp_path / "group-artifacts")
     logs = [open(tmp_path / f"w{i}.log", "w+") for i in (0, 1)]
     procs = run_group("warm-cache", tiny_path, logs, "--artifacts-dir", art, jax_cache=False)
@@ -171,8 +170,8 @@ def test_two_process_warm_cache_serves_from_one_artifact_directory(tiny_path, tm
 
     http = free_port_pair()
     logs = [open(tmp_path / f"s{i}.log", "w+") for i in (0, 1)]
-    procs = run_group("serve", tiny_path, logs, "--precompiled-artifacts", art,
-                      "--require-compiled-artifacts", http=http)
+    procs = run_group("serve", tiny_path, logs, *serve_flags(http), "--precompiled-artifacts",
+                      art, "--require-compiled-artifacts")
     try:
         url = f"http://127.0.0.1:{http}"
         wait_ready(url, procs)

@@ -12,7 +12,7 @@ server logs (`graphs ready in` / `Engine ready in`: after the weights, to every 
 "weights" the model load it logs (`Loaded NAME (ENCODING) in S s`).
 
     .venv/bin/python tools/bench_startup.py [--against REV] [--rounds 1] [--jobs 1 2]
-        [--modes artifacts artifacts-weights] [--encoding int8]
+        [--modes artifacts artifacts-weights] [--encoding int8] [--engine-flags '...']
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import statistics
@@ -93,12 +94,16 @@ def main() -> int:
                     help="MAXJAX_COMPILE_JOBS values for the cold start (0: the default)")
     ap.add_argument("--modes", nargs="+", default=["cold", "second", "artifacts", "no-cache"])
     ap.add_argument("--encoding", help="--quantization-encoding (default: the model's)")
+    ap.add_argument("--engine-flags", default="",
+                    help="more engine flags for every start, e.g. '--max-batch-size 4' (fewer "
+                         "graphs: quicker warm-cache when the weights are what is timed)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-startup-")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "MAXJAX_"))}
     env.update(TOKENIZERS_PARALLELISM="false", JAX_ENABLE_COMPILATION_CACHE="false")
     flags = ["--num-kv-pages", str(args.num_kv_pages)]
     flags += ["--quantization-encoding", args.encoding] if args.encoding else []
+    flags += shlex.split(args.engine_flags)
     other = None
     if args.against:
         sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -152,7 +152,7 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                     jobs: int = 1, progress: bool = True, store_weights: bool | None = None) -> dict:
     """Every graph of `layout` into `directory`, built in a temp dir and renamed into place
     (replacing an artifact directory that is there); `store_weights` None: weights.stored's
-    default."""
+    default (on)."""
     from tqdm import tqdm
     parent = os.path.dirname(os.path.abspath(directory)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -168,7 +168,7 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                 bar.set_postfix_str(name)
                 bar.update()
             data, _ = build_entry(tmp, model, engine_cfg, layout, platforms, jobs, on_graph,
-                                  aot_weights.stored(store_weights, layout), shared=True)
+                                  aot_weights.stored(store_weights), shared=True)
         if group.is_leader():
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
@@ -221,6 +221,9 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
         parts += ["--enable-lora", "--max-num-loras", str(engine["max_num_loras"]),
                   "--max-lora-rank", str(engine["max_lora_rank"])]
     parts += ["--target", *platforms]
+    if group.size() > 1:        # on every process of the group
+        parts += ["--coordinator-address", "HOST:PORT", "--num-processes", str(group.size()),
+                  "--process-id", "I"]
     if directory:
         parts += ["--artifacts-dir", directory]
     return shlex.join(parts)
@@ -247,7 +250,6 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     from maxjax.aot import cache
     from maxjax.engine.build import load, on_devices
     from maxjax.engine.core import plan_layout
-    from maxjax.models.loader import default_dtype
     platforms = normalize_targets(targets)
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
@@ -262,8 +264,8 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     # The first target is the machine the graphs are planned for: its defaults (buckets, dtype)
     # and its attention backend; the other targets get exports of the same graphs.
     engine_cfg.target(platforms[0])
-    dtype = engine_cfg.quantization_encoding or default_dtype(platforms[0])
-    model = load(model_opts.model_path, dtype, model_opts.chat_template, progress=True)
+    model = load(model_opts.model_path, engine_cfg.quantization_encoding,
+                 model_opts.chat_template, progress=True, platform=platforms[0])
     engine_cfg.quantization_encoding = model.dtype
     model = on_devices(model, engine_cfg)   # every replica runs the graphs of the first one's
     layout = plan_layout(engine_cfg, model, platforms[0])
@@ -291,7 +293,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     serve += ["--devices", engine_cfg.devices] if engine_cfg.devices else []
     if group.size() > 1:
         serve += ["--coordinator-address", "HOST:PORT", "--num-processes", str(group.size()),
-                  "--process-id", str(jax.process_index())]
+                  "--process-id", "I"]
     if data.get("weights"):
         print(f"converted weights stored ({data['weights']['bytes'] / 1e6:.0f} MB, orbax)")
     print(f"serve with: {shlex.join(serve)}")

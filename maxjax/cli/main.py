@@ -224,9 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--jobs", type=int, default=None,
                     help="Parallel compilations (default: 2, or 1 on a one-core machine)")
     sp.add_argument("--store-weights", action=argparse.BooleanOptionalAction, default=None,
-                    help="Store the converted weights in the artifacts (orbax), so serving "
-                    "from them converts no checkpoint (default: on for a mesh or several "
-                    "processes, off on one device)")
+                    help="Store the converted weights in the artifacts (orbax), so that "
+                    "serving from them converts no checkpoint (default: on; the compile "
+                    "cache never stores them)")
     sp.set_defaults(func=cmd_warm_cache)
 
     sp = sub.add_parser("cache", help="Show or empty the compile cache ($MAXJAX_CACHE_DIR)")

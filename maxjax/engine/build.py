@@ -29,12 +29,12 @@ HEARTBEAT_SECONDS = 15.0
 
 def load(model: str | LoadedModel | None, quantization_encoding: str | None = None,
          chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
-         progress: bool = False, mesh=None) -> LoadedModel:
+         progress: bool = False, mesh=None, platform: str | None = None) -> LoadedModel:
     """A LoadedModel as it is; else `load_model(model, ...)` (a GGUF file, a HF directory or
     repo id, None for the embedded default). With `precompiled_artifacts` that store the
     converted weights for `mesh` (the engine's, `replica_mesh`), they are restored onto it
     instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
-    terminal)."""
+    terminal). `platform`: whose default encoding (None: this machine's)."""
     if isinstance(model, LoadedModel):
         return model
     stored = None
@@ -44,7 +44,8 @@ def load(model: str | LoadedModel | None, quantization_encoding: str | None = No
     if progress:
         log.info("Loading weights: %s", model or "the embedded SmolLM2-135M-Instruct")
     loaded = load_model(model, quantization_encoding, chat_template,
-                        progress=progress and sys.stderr.isatty(), params_source=stored)
+                        progress=progress and sys.stderr.isatty(), params_source=stored,
+                        platform=platform)
     if progress:
         log.info("Loaded %s (%s) in %.1f s", loaded.name, loaded.dtype, loaded.load_seconds)
     return loaded

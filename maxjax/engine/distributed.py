@@ -258,7 +258,9 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
     """This process's EngineCore of the group: the model on the mesh over every process's
     devices (its shards restored from --precompiled-artifacts when they store them), the layout
     process 0 planned (or the artifacts pinned: every process adopts the same values from the
-    same manifest), the graphs loaded from the artifacts or compiled here."""
+    same manifest), the graphs loaded from the artifacts or from this process's compile cache
+    entry, or compiled here (no collective runs while compiling: a process that compiles while
+    another loads does not hold the group up beyond its compile time)."""
     from maxjax.engine.build import build_core, load, on_devices, replica_mesh
     from maxjax.engine.core import plan_layout
     if model_opts.export_artifacts:
@@ -281,7 +283,8 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
         channel.receive_layout(engine_cfg, bool(artifacts))
     core = build_core(model, engine_cfg, precompiled_artifacts=artifacts,
                       require_compiled=model_opts.require_compiled_artifacts, progress=progress,
-                      compile_cache=False)
+                      compile_cache=model_opts.compile_cache,
+                      compile_cache_max_size=model_opts.compile_cache_max_size)
     if isinstance(channel, Leader):
         core.runner.mirror = channel.mirror
     return core

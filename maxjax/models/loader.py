@@ -94,9 +94,11 @@ def read_chat_template_file(path: str) -> str:
 
 
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
-               progress: bool = True, params_source=None) -> LoadedModel:
+               progress: bool = True, params_source=None,
+               platform: str | None = None) -> LoadedModel:
     """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: int8 for a
-    quantized GGUF, else float32 on CPU, bfloat16 on GPU). params_source(arch, cfg, dtype, path)
+    quantized GGUF, else float32 on CPU, bfloat16 on GPU: `platform`'s, None this machine's,
+    `default_dtype`). params_source(arch, cfg, dtype, path)
     -> (config, params) or None: converted weights stored with precompiled artifacts
     (maxjax/aot/weights.py; on a mesh laid out and placed already), used instead of converting
     the checkpoint."""
@@ -117,7 +119,7 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         reader = hfw.SafetensorsReader(path)
         tokenizer = load_hf_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
-        types, dtype = None, dtype or default_dtype()
+        types, dtype = None, dtype or default_dtype(platform)
     quantize.check_encoding(dtype, types)
     stored = params_source(arch, cfg, dtype, path) if params_source else None
     if stored is not None:
