@@ -413,30 +413,3 @@ def test_export_engine_round_trips(tmp_path, model):
     assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "step_t2_r2", "kv_init"]
     assert all(set(g["files"]) == {"export", "executable"} for g in data["graphs"])
     assert data["engine"]["buckets"] == [[1, 1, 1], [2, 2, 2]]
-
-
-def test_stored_weights_stand_in_for_the_same_gguf_only(tmp_path, model):
-    import dataclasses
-
-    from maxjax.aot import weights as aot_weights
-    src = tmp_path / "m.gguf"
-    src.write_bytes(b"GGUF: stands for the checkpoint the weights were converted from")
-    d = tmp_path / "art"
-    d.mkdir()
-    entry = aot_weights.save(str(d), dataclasses.replace(model, source=str(src)))
-    assert entry["dtype"] == "float32" and entry["source_name"] == "m.gguf"
-    mf.write_manifest(str(d), {"format": mf.FORMAT_NAME, "format_version": mf.FORMAT_VERSION,
-                               "weights": entry, "model": mf.model_fingerprint(model)})
-    load = aot_weights.params_source([str(d)])
-    params = load(model.arch, model.config, "float32", str(src))
-    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), params, model.params)
-    assert all(jax.tree.leaves(same))
-    assert load(model.arch, model.config, "bfloat16", str(src)) is None
-    other = tmp_path / "other.gguf"
-    other.write_bytes(b"another checkpoint")
-    assert load(model.arch, model.config, "float32", str(other)) is None
-    blob = bytearray((d / aot_weights.WEIGHTS_FILE).read_bytes())
-    blob[-5] ^= 1
-    (d / aot_weights.WEIGHTS_FILE).write_bytes(bytes(blob))
-    with pytest.raises(UserError, match="stored weights params.safetensors .* sha256"):
-        load(model.arch, model.config, "float32", str(src))

@@ -3,12 +3,16 @@ from process start to `/v1/health` 200, each start a fresh process:
   cold       an empty compile cache (compiles every graph and stores it)
   second     the same cache again (loads every graph)
   artifacts  --precompiled-artifacts from `maxjax warm-cache --artifacts-dir`
+  artifacts-weights  the same with the converted weights stored (warm-cache --store-weights,
+             orbax): restored instead of converting the checkpoint
   no-cache   --no-compile-cache (compiles, stores nothing)
 and, with --against REV, REV's own `maxjax serve` cold (installed from a worktree into a venv
 of its own, as tools/ab_step.py does), in the same rounds. "compile" is the graph phase the
-server logs (`graphs ready in` / `Engine ready in`: after the weights, to every graph ready).
+server logs (`graphs ready in` / `Engine ready in`: after the weights, to every graph ready),
+"weights" the model load it logs (`Loaded NAME (ENCODING) in S s`).
 
     .venv/bin/python tools/bench_startup.py [--against REV] [--rounds 1] [--jobs 1 2]
+        [--modes artifacts artifacts-weights] [--encoding int8] [--engine-flags '...']
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import statistics
@@ -27,6 +32,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"(?:graphs ready|Engine ready) in ([\d.]+) s")
+WEIGHTS = re.compile(r"Loaded \S+ \(\S+\) in ([\d.]+) s")
 
 
 def free_port() -> int:
@@ -62,8 +68,9 @@ def serve(python: str, flags: list[str], env: dict, cwd: str) -> dict:
         proc.wait(60)
     text = open(log.name).read()
     os.unlink(log.name)
-    m = READY.search(text)
-    return {"total": round(total, 2), "compile": float(m.group(1)) if m else float("nan")}
+    m, w = READY.search(text), WEIGHTS.search(text)
+    return {"total": round(total, 2), "compile": float(m.group(1)) if m else float("nan"),
+            "weights": float(w.group(1)) if w else float("nan")}
 
 
 def _see_all_site_dirs(python: str) -> None:
@@ -86,21 +93,29 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, nargs="+", default=[0],
                     help="MAXJAX_COMPILE_JOBS values for the cold start (0: the default)")
     ap.add_argument("--modes", nargs="+", default=["cold", "second", "artifacts", "no-cache"])
+    ap.add_argument("--encoding", help="--quantization-encoding (default: the model's)")
+    ap.add_argument("--engine-flags", default="",
+                    help="more engine flags for every start, e.g. '--max-batch-size 4' (fewer "
+                         "graphs: quicker warm-cache when the weights are what is timed)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-startup-")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "MAXJAX_"))}
     env.update(TOKENIZERS_PARALLELISM="false", JAX_ENABLE_COMPILATION_CACHE="false")
     flags = ["--num-kv-pages", str(args.num_kv_pages)]
+    flags += ["--quantization-encoding", args.encoding] if args.encoding else []
+    flags += shlex.split(args.engine_flags)
     other = None
     if args.against:
         sys.path.insert(0, os.path.join(ROOT, "tools"))
         from ab_step import install
         other = install(args.against)
         _see_all_site_dirs(other[1])
-    art = os.path.join(tmp, "artifacts")
-    if "artifacts" in args.modes:
-        subprocess.run([sys.executable, "-m", "maxjax.cli", "warm-cache", *flags,
-                        "--artifacts-dir", art], env=env, check=True, capture_output=True)
+    art, art_w = os.path.join(tmp, "artifacts"), os.path.join(tmp, "artifacts-weights")
+    for mode, d, store in (("artifacts", art, "--no-store-weights"),
+                           ("artifacts-weights", art_w, "--store-weights")):
+        if mode in args.modes:
+            subprocess.run([sys.executable, "-m", "maxjax.cli", "warm-cache", *flags, store,
+                            "--artifacts-dir", d], env=env, check=True, capture_output=True)
     times: dict[str, list[dict]] = {}
     try:
         for r in range(args.rounds):
@@ -115,10 +130,12 @@ def main() -> int:
                 tag = f" (jobs {jobs})" if jobs else ""
                 for mode in args.modes:
                     extra = {"artifacts": ["--precompiled-artifacts", art],
+                             "artifacts-weights": ["--precompiled-artifacts", art_w],
                              "no-cache": ["--no-compile-cache"]}.get(mode, [])
                     if mode == "second" and "cold" not in args.modes:
                         serve(sys.executable, flags, e, tmp)
-                    if mode in ("artifacts", "no-cache", "second") and jobs != args.jobs[0]:
+                    if mode in ("artifacts", "artifacts-weights", "no-cache", "second") and \
+                            jobs != args.jobs[0]:
                         continue
                     times.setdefault(mode + tag, []).append(
                         serve(sys.executable, flags + extra, e, tmp))
@@ -131,13 +148,14 @@ def main() -> int:
             shutil.rmtree(os.path.dirname(other[0]), ignore_errors=True)     # and its venv
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"cpus {os.cpu_count()}, load average after {os.getloadavg()[0]:.2f}")
-    print("| start | to /v1/health 200 (s) | graph phase (s) | runs |")
-    print("|---|---|---|---|")
+    print("| start | to /v1/health 200 (s) | weights (s) | graph phase (s) | runs |")
+    print("|---|---|---|---|---|")
     med = {}
     for name, runs in times.items():
-        med[name] = {k: statistics.median(x[k] for x in runs) for k in ("total", "compile")}
-        print(f"| {name} | {med[name]['total']:.1f} | {med[name]['compile']:.1f} | "
-              f"{json.dumps([x['total'] for x in runs])} |")
+        med[name] = {k: statistics.median(x[k] for x in runs) for k in ("total", "weights",
+                                                                          "compile")}
+        print(f"| {name} | {med[name]['total']:.1f} | {med[name]['weights']:.2f} | "
+              f"{med[name]['compile']:.1f} | {json.dumps([x['total'] for x in runs])} |")
     if "cold" in med and "second" in med:
         print(f"second / cold (to health): {med['second']['total'] / med['cold']['total']:.3f}")
     if other and "cold" in med:

@@ -34,7 +34,7 @@ prepare() {
     set -e
     rm -rf "$PREP"; mkdir -p "$PREP/wheels"
     PYTHONPATH=tests "$PY" -c "from tiny_llama import write_tiny_llama; write_tiny_llama('$PREP/tiny-llama')"
-    MAXJAX_ARTIFACT_WEIGHTS=0 JAX_PLATFORMS=cpu "$PY" -m maxjax.cli warm-cache --model-path "$PREP/tiny-llama" \
+    JAX_PLATFORMS=cpu "$PY" -m maxjax.cli warm-cache --no-store-weights --model-path "$PREP/tiny-llama" \
         "${ENGINE[@]}" --target cuda cpu --artifacts-dir "$PREP/cuda-artifacts"
     JAX_PLATFORMS=cpu MAXJAX_NO_COMPILE_CACHE=1 "$PY" -m maxjax.cli "${GEN[@]}" "${PROMPTS[@]}" \
         --model-path "$PREP/tiny-llama" "${ENGINE[@]}" > "$PREP/expected.jsonl"
@@ -129,7 +129,7 @@ EOF
 check_device_executables() {
     local d="$OUT/device-artifacts"
     rm -rf "$d"
-    MAXJAX_ARTIFACT_WEIGHTS=0 "$PY" -m maxjax.cli warm-cache --model-path "$PREP/tiny-llama" "${ENGINE[@]}" \
+    "$PY" -m maxjax.cli warm-cache --no-store-weights --model-path "$PREP/tiny-llama" "${ENGINE[@]}" \
         --artifacts-dir "$d" || return 1
     "$PY" -m maxjax.cli "${GEN[@]}" "${PROMPTS[@]}" --model-path "$PREP/tiny-llama" --quantization-encoding float32 \
         --precompiled-artifacts "$d" > "$OUT/device-exe.jsonl" 2> "$OUT/device-exe.err" || return 1

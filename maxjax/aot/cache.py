@@ -1,8 +1,9 @@
 """The compile cache: the graphs an engine compiles, kept per user, so that the next start with the
 same model, engine configuration, versions and device loads them instead of compiling.
 
-Called by maxjax/engine/build.py (every entry point: serve, generate, maxjax.LLM), by
-`maxjax warm-cache` without --artifacts-dir, and by `maxjax cache list | clear`.
+Called by maxjax/engine/build.py (every entry point: serve, generate, maxjax.LLM; each process
+of a multi-host group with an entry of its own, named by its process too), by `maxjax
+warm-cache` without --artifacts-dir, and by `maxjax cache list | clear`.
 
 An entry is an artifact directory (one format, one loader: maxjax/aot/export.py writes it,
 maxjax/aot/load.py verifies every sha256 and signature before it deserializes anything) named by
@@ -29,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from maxjax.aot import group
 from maxjax.aot import manifest as mf
 from maxjax.errors import UserError
 
@@ -65,9 +67,12 @@ def max_bytes(flag: str | None = None) -> int:
 
 
 def entry_key(model_fp: dict, engine_fp: dict) -> str:
-    return mf.digest({"format_version": mf.FORMAT_VERSION, "model": model_fp["fingerprint"],
-                      "engine": engine_fp["fingerprint"], "versions": mf.versions(),
-                      "code": mf.code_digest(), "device": mf.local_device()})
+    key = {"format_version": mf.FORMAT_VERSION, "model": model_fp["fingerprint"],
+           "engine": engine_fp["fingerprint"], "versions": mf.versions(),
+           "code": mf.code_digest(), "device": mf.local_device()}
+    if group.size() > 1:    # each process of a group keeps an entry of its own executables
+        key["process"] = group.executable_key()
+    return mf.digest(key)
 
 
 def entry_path(model, engine_cfg, layout, root: str | None = None) -> str:
@@ -112,7 +117,7 @@ def fill(path: str, model, engine_cfg, layout, platforms: list[str], jobs: int,
     try:
         data, compiled = export.build_entry(tmp, model, engine_cfg, layout, platforms, jobs,
                                             on_graph)
-        served = [g["name"] for g in data["graphs"] if "executable" not in g["files"]]
+        served = [g["name"] for g in data["graphs"] if group.executable_key() not in g["files"]]
         if served:      # see export.py: such executables do not serialize again
             log.warning("compile cache: not stored: %d graphs came from JAX's persistent "
                         "compilation cache (JAX_COMPILATION_CACHE_DIR), whose executables "

@@ -5,7 +5,9 @@ Each graph (maxjax/aot/graphs.py) is saved as
   - a portable `jax.export` module (StableHLO) for the target platforms (e.g. cpu and cuda), and
   - when the local backend is a target, the compiled executable (`serialize_executable`),
 with a manifest.json of versions, fingerprints, signatures and sha256s (maxjax/aot/manifest.py,
-artifacts/FORMAT.md), written last: the directory is built in a temp dir, then renamed.
+artifacts/FORMAT.md), written last: the directory is built in a temp dir, then renamed; and,
+on a mesh by default, the converted weights (maxjax/aot/weights.py). In a multi-host group
+every process runs warm-cache and they write one directory (maxjax/aot/group.py).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import logging
 import os
 import shlex
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -22,7 +23,8 @@ from typing import Callable
 
 import jax
 
-from maxjax.aot import graphs
+from maxjax.aot import graphs, group
+from maxjax.aot import weights as aot_weights
 from maxjax.aot import manifest as mf
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
@@ -35,16 +37,20 @@ def _safe(s: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in s)
 
 
-def build_graph(spec, platforms: list[str], directory: str, compile_local: bool):
-    """Export one graph (and compile it for this machine); write its files; return its manifest
-    entry and the compiled executable (None when this machine is not a target)."""
+def build_graph(spec, platforms: list[str], directory: str, compile_local: bool,
+                shared: bool = False):
+    """Export one graph (and compile it for this machine); write its files (into a directory
+    the processes of a group share, the export on process 0 only: maxjax/aot/group.py); return
+    its manifest entry and the compiled executable (None when this machine is not a target)."""
     from jax.experimental import serialize_executable
     t0 = time.perf_counter()
     exp, structure = graphs.export(spec, platforms)
     n_out = graphs.spec_leaves(structure)
     num_kv = len(exp.out_avals) - n_out
-    files = {"export": _write(directory, f"{spec.name}.{'-'.join(platforms)}.jaxexport",
-                              bytes(exp.serialize()))}
+    blob = bytes(exp.serialize())
+    name = f"{spec.name}.{'-'.join(platforms)}.jaxexport"
+    files = {"export": _write(directory, name, blob) if group.is_leader() or not shared else
+             {"path": name, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}}
     files["export"]["platforms"] = list(exp.platforms)
     t1 = time.perf_counter()
     compiled = None
@@ -57,8 +63,9 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool)
             # the loader rebuilds exactly these
             raise RuntimeError(f"{spec.name}: unexpected executable pytrees {in_tree} {out_tree}")
         dev = mf.local_device()
-        files["executable"] = _write(
-            directory, f"{spec.name}.{_safe(dev['platform'])}-{_safe(dev['device_kind'])}.xlaexe", blob)
+        files[group.executable_key()] = _write(
+            directory, f"{spec.name}.{_safe(dev['platform'])}-{_safe(dev['device_kind'])}"
+                       f"{group.executable_suffix()}.xlaexe", blob)
     b = spec.bucket
     entry = {"name": spec.name, "bucket": b and [b.num_tokens, b.num_rows, b.num_samples],
              "donate_argnums": list(spec.donate_argnums), "sample_outputs": n_out,
@@ -103,16 +110,19 @@ def compile_order(specs: list) -> list:
 
 def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
                 jobs: int = 1, on_graph: Callable[[int, int, str], None] | None = None,
-                store_weights: bool | None = None) -> tuple[dict, dict]:
+                store_weights: bool = False, shared: bool = False) -> tuple[dict, dict]:
     """Export (and compile locally) every graph of `layout` into the existing, empty `directory`,
-    manifest last. Returns the manifest and {name: (compiled, "compiled", output_structure)} of
-    the executables compiled for this machine (empty when it is not a target)."""
+    with `store_weights` the converted weights (maxjax/aot/weights.py), manifest last. `shared`:
+    every process of a group writes into this one directory (group.py); else each process
+    writes a whole directory of its own (a compile cache entry). Returns the manifest and
+    {name: (compiled, "compiled", output_structure)} of the executables compiled for this
+    machine (empty when it is not a target)."""
     local = jax.export.default_export_platform()
     compile_local = local in platforms
     specs = graphs.graph_specs(model, layout)
     entries, compiled = {}, {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(build_graph, s, platforms, directory, compile_local)
+        futures = [pool.submit(build_graph, s, platforms, directory, compile_local, shared)
                    for s in compile_order(specs)]
         for i, fut in enumerate(as_completed(futures), 1):
             entry, exe = fut.result()
@@ -128,23 +138,29 @@ def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platfor
             "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
             "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
             "graphs": [entries[s.name] for s in specs]}
-    if store_weights is None:   # converted GGUF weights: see maxjax/aot/weights.py
-        store_weights = os.environ.get("MAXJAX_ARTIFACT_WEIGHTS", "0") == "1"
     if store_weights:
-        from maxjax.aot import weights as aot_weights
         data["weights"] = aot_weights.save(directory, model)
-    mf.write_manifest(directory, data)
+    if shared:
+        group.barrier("maxjax-warm-cache-written")
+        group.add_executables(directory, data["graphs"])
+    if group.is_leader() or not shared:
+        mf.write_manifest(directory, data)
     return data, compiled
 
 
 def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
                     jobs: int = 1, progress: bool = True, store_weights: bool | None = None) -> dict:
     """Every graph of `layout` into `directory`, built in a temp dir and renamed into place
-    (replacing an artifact directory that is there)."""
+    (replacing an artifact directory that is there); `store_weights` None: weights.stored's
+    default (on)."""
     from tqdm import tqdm
     parent = os.path.dirname(os.path.abspath(directory)) or "."
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".warm-cache-", dir=parent)
+    if group.is_leader() and os.path.exists(directory) and not os.path.exists(
+            os.path.join(directory, mf.MANIFEST)) and not (
+            os.path.isdir(directory) and not os.listdir(directory)):
+        raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
+    tmp = group.temp_dir(parent, directory)
     try:
         with tqdm(total=len(layout.buckets) + 1, desc="warm-cache", unit="graph",
                   disable=not progress) as bar:
@@ -152,16 +168,15 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                 bar.set_postfix_str(name)
                 bar.update()
             data, _ = build_entry(tmp, model, engine_cfg, layout, platforms, jobs, on_graph,
-                                  store_weights)
-        if os.path.exists(os.path.join(directory, mf.MANIFEST)) or (
-                os.path.isdir(directory) and not os.listdir(directory)):
-            shutil.rmtree(directory)
-        elif os.path.exists(directory):
-            raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
-        os.replace(tmp, directory)
+                                  aot_weights.stored(store_weights), shared=True)
+        if group.is_leader():
+            shutil.rmtree(directory, ignore_errors=True)
+            os.replace(tmp, directory)
+        group.barrier("maxjax-warm-cache-published")
         return data
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if group.is_leader():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---- warm-cache ----------------------------------------------------------------------------------
@@ -210,6 +225,9 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
         parts += ["--enable-lora", "--max-num-loras", str(engine["max_num_loras"]),
                   "--max-lora-rank", str(engine["max_lora_rank"])]
     parts += ["--target", *platforms]
+    if group.size() > 1:        # on every process of the group
+        parts += ["--coordinator-address", "HOST:PORT", "--num-processes", str(group.size()),
+                  "--process-id", "I"]
     if directory:
         parts += ["--artifacts-dir", directory]
     return shlex.join(parts)
@@ -228,13 +246,14 @@ def default_jobs() -> int:
 
 
 def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
-               targets: list[str] | None, jobs: int | None) -> int:
+               targets: list[str] | None, jobs: int | None,
+               store_weights: bool | None = None) -> int:
     """Artifacts into `artifacts_dir`; without one, into the compile cache entry that `serve`,
-    `generate` and maxjax.LLM with the same model and engine flags load (maxjax/aot/cache.py)."""
+    `generate` and maxjax.LLM with the same model and engine flags load (maxjax/aot/cache.py).
+    In a multi-host group every process runs it and they write one directory (group.py)."""
     from maxjax.aot import cache
     from maxjax.engine.build import load, on_devices
     from maxjax.engine.core import plan_layout
-    from maxjax.models.loader import default_dtype
     platforms = normalize_targets(targets)
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
@@ -243,15 +262,21 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     if artifacts_dir is None and local not in platforms:
         raise UserError(f"--target {' '.join(platforms)}: the compile cache holds graphs for this "
                         f"machine ({local}); pass --artifacts-dir for another machine's")
+    if artifacts_dir is None and group.size() > 1:
+        raise UserError("--num-processes: a group's warm-cache writes one artifact directory: "
+                        "pass --artifacts-dir (a directory every process shares)")
     # The first target is the machine the graphs are planned for: its defaults (buckets, dtype)
     # and its attention backend; the other targets get exports of the same graphs.
     engine_cfg.target(platforms[0])
-    dtype = engine_cfg.quantization_encoding or default_dtype(platforms[0])
-    model = load(model_opts.model_path, dtype, model_opts.chat_template, progress=True)
+    model = load(model_opts.model_path, engine_cfg.quantization_encoding,
+                 model_opts.chat_template, progress=True, platform=platforms[0])
     engine_cfg.quantization_encoding = model.dtype
     model = on_devices(model, engine_cfg, platforms=platforms)   # every replica runs the first one's
     layout = plan_layout(engine_cfg, model, platforms[0])
-    engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
+    engine_cfg.num_kv_pages, engine_cfg.max_length = group.from_leader(
+        [layout.num_pages, layout.max_length])
+    if (engine_cfg.num_kv_pages, engine_cfg.max_length) != (layout.num_pages, layout.max_length):
+        layout = plan_layout(engine_cfg, model, platforms[0])
     t0 = time.perf_counter()
     if artifacts_dir is None:
         directory = cache.entry_path(model, engine_cfg, layout)
@@ -259,7 +284,8 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
         cache.evict(cache.max_bytes(model_opts.compile_cache_max_size), keep=directory)
     else:
         directory = os.path.abspath(artifacts_dir)
-        data = write_artifacts(directory, model, engine_cfg, layout, platforms, jobs)
+        data = write_artifacts(directory, model, engine_cfg, layout, platforms, jobs,
+                               progress=group.is_leader(), store_weights=store_weights)
     took = time.perf_counter() - t0
     kinds = "exports + executables" if data["compiled_for"] else "exports"
     print(f"wrote {len(data['graphs'])} graphs ({kinds} for {', '.join(platforms)}) in {took:.1f} s")
@@ -271,6 +297,11 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
              *(["--enable-lora"] if engine_cfg.enable_lora else []),
              *(["--use-experimental-kernels"] if engine_cfg.use_experimental_kernels else [])]
     serve += ["--devices", engine_cfg.devices] if engine_cfg.devices else []
+    if group.size() > 1:
+        serve += ["--coordinator-address", "HOST:PORT", "--num-processes", str(group.size()),
+                  "--process-id", "I"]
+    if data.get("weights"):
+        print(f"converted weights stored ({data['weights']['bytes'] / 1e6:.0f} MB, orbax)")
     print(f"serve with: {shlex.join(serve)}")
     return 0
 

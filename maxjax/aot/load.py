@@ -22,7 +22,7 @@ import time
 
 import jax
 
-from maxjax.aot import graphs
+from maxjax.aot import graphs, group
 from maxjax.aot import manifest as mf
 from maxjax.aot.export import KERNEL_FLAGS, LORA_FLAGS, SPEC_FLAGS, warm_cache_command
 from maxjax.engine.config import EngineConfig, platform_defaults
@@ -127,8 +127,8 @@ def _check_mesh(m: mf.Manifest, model, fix: str) -> None:
     want = m.data.get("engine", {}).get("mesh")
     have = mf.describe_mesh(params_mesh(model.params))
     if want != have:
-        raise UserError(f"{m.path}: engine mesh: artifacts {want}, this run {have} (--devices); "
-                        f"recreate the artifacts with: {fix}")
+        raise UserError(f"{m.path}: engine mesh: artifacts {want}, this run {have} (--devices, "
+                        f"--num-processes); recreate the artifacts with: {fix}")
 
 
 def _read_verified(m: mf.Manifest, name: str, entry: dict) -> bytes:
@@ -170,11 +170,12 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
     for spec in specs:
         name = spec.name
         cands = [(m, g) for m in manifests for g in m.data["graphs"] if g["name"] == name]
-        exe = next(((m, g) for m, g in cands if "executable" in g["files"]
+        key = group.executable_key()     # a group's processes each load their own
+        exe = next(((m, g) for m, g in cands if key in g["files"]
                     and m.data.get("compiled_for") == local), None)
         if exe is not None:
             m, g = exe
-            blob = _read_verified(m, name, g["files"]["executable"])
+            blob = _read_verified(m, name, g["files"][key])
             trees = graphs.executable_trees(spec.args, g["sample_outputs"], len(jax.tree.leaves(kv)))
             loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees,
                                        execution_devices=devices), g["output_structure"])

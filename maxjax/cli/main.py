@@ -32,9 +32,9 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     engine_cfg = build(EngineConfig, args, base)
     from maxjax.engine import devices, distributed
     group = build(distributed.DistributedOptions, args, base).resolved()
-    if group is not None and args.command != "serve":
-        raise UserError(f"--num-processes: multi-host runs `maxjax serve` only (not "
-                        f"{args.command})")
+    if group is not None and args.command not in ("serve", "warm-cache"):
+        raise UserError(f"--num-processes: multi-host runs `maxjax serve` and `maxjax "
+                        f"warm-cache` only (not {args.command})")
     args.group = group
     devices.select_platform(engine_cfg.devices,
                             start=group and (lambda: distributed.initialize(group)))
@@ -165,7 +165,8 @@ def cmd_serve(args) -> int:
 def cmd_warm_cache(args) -> int:
     model_opts, engine_cfg = _setup(args)
     from maxjax.aot import export as aot_export
-    return aot_export.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs)
+    return aot_export.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs,
+                                 args.store_weights)
 
 
 def cmd_cache(args) -> int:
@@ -222,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Platforms to export for: cpu, cuda, rocm, tpu (default: this machine's)")
     sp.add_argument("--jobs", type=int, default=None,
                     help="Parallel compilations (default: 2, or 1 on a one-core machine)")
+    sp.add_argument("--store-weights", action=argparse.BooleanOptionalAction, default=None,
+                    help="Store the converted weights in the artifacts (orbax), so that "
+                    "serving from them converts no checkpoint (default: on; the compile "
+                    "cache never stores them)")
     sp.set_defaults(func=cmd_warm_cache)
 
     sp = sub.add_parser("cache", help="Show or empty the compile cache ($MAXJAX_CACHE_DIR)")

@@ -43,11 +43,12 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
     """The started AsyncEngine, or with --data-parallel-degree D a ReplicatedEngine of D.
     `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py);
     `on_death`: called once every replica's engine thread has died."""
-    from maxjax.engine.build import build_core, load
+    from maxjax.engine.build import build_core, load, replica_mesh
     model = model_opts.model_path
     if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
         model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,
-                     model_opts.precompiled_artifacts, progress)
+                     model_opts.precompiled_artifacts, progress,
+                     replica_mesh(engine_cfg) if model_opts.precompiled_artifacts else None)
     engines = []
     for replica in range(engine_cfg.data_parallel_degree):
         if leader is not None:

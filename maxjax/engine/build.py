@@ -1,6 +1,7 @@
 """Building a ready engine, the one way every entry point does it (`maxjax serve`, maxjax.LLM and so
 `maxjax generate`; `maxjax warm-cache` loads its model with `load`):
-  1. load the model, its converted weights from the precompiled artifacts when they hold them;
+  1. load the model, its converted weights restored from the precompiled artifacts (onto the
+     engine's mesh, maxjax/aot/weights.py) when they store them;
   2. the step executables: loaded from the precompiled artifacts after checking them against the
      engine config (whose unset values take the ones the artifacts pinned); else loaded from the
      compile cache (maxjax/aot/cache.py), or compiled and stored there on a miss; else (the cache
@@ -28,20 +29,23 @@ HEARTBEAT_SECONDS = 15.0
 
 def load(model: str | LoadedModel | None, quantization_encoding: str | None = None,
          chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
-         progress: bool = False) -> LoadedModel:
+         progress: bool = False, mesh=None, platform: str | None = None) -> LoadedModel:
     """A LoadedModel as it is; else `load_model(model, ...)` (a GGUF file, a HF directory or
-    repo id, None for the embedded default). `progress`: a log line (and a loading bar on a
-    terminal)."""
+    repo id, None for the embedded default). With `precompiled_artifacts` that store the
+    converted weights for `mesh` (the engine's, `replica_mesh`), they are restored onto it
+    instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
+    terminal). `platform`: whose default encoding (None: this machine's)."""
     if isinstance(model, LoadedModel):
         return model
     stored = None
     if precompiled_artifacts:
         from maxjax.aot import weights as aot_weights
-        stored = aot_weights.params_source(precompiled_artifacts)
+        stored = aot_weights.params_source(precompiled_artifacts, mesh)
     if progress:
         log.info("Loading weights: %s", model or "the embedded SmolLM2-135M-Instruct")
     loaded = load_model(model, quantization_encoding, chat_template,
-                        progress=progress and sys.stderr.isatty(), params_source=stored)
+                        progress=progress and sys.stderr.isatty(), params_source=stored,
+                        platform=platform)
     if progress:
         log.info("Loaded %s (%s) in %.1f s", loaded.name, loaded.dtype, loaded.load_seconds)
     return loaded
@@ -61,7 +65,7 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
     from maxjax.aot import cache
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
-                 progress)
+                 progress, replica_mesh(engine_cfg, replica) if precompiled_artifacts else None)
     engine_cfg.quantization_encoding = model.dtype
     model = on_devices(model, engine_cfg, replica)
     t0 = time.perf_counter()
@@ -89,13 +93,19 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     return core
 
 
+def replica_mesh(engine_cfg: EngineConfig, replica: int = 0):
+    """Replica `replica`'s mesh of --devices; None on one device."""
+    from maxjax.engine import devices
+    return devices.replica_meshes(engine_cfg.devices, engine_cfg.data_parallel_degree)[replica]
+
+
 def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
                platforms: Sequence[str] | None = None) -> LoadedModel:
     """The model with its params on replica `replica`'s mesh of --devices (as it is on one
     device), laid out for --use-experimental-kernels when given; UserError for what a mesh does
     not support yet. `platforms`: where the graphs run (None: this machine)."""
     from maxjax.engine import devices
-    mesh = devices.replica_meshes(engine_cfg.devices, engine_cfg.data_parallel_degree)[replica]
+    mesh = replica_mesh(engine_cfg, replica)
     if engine_cfg.use_experimental_kernels:
         return experimental_kernels(model, mesh, platforms)
     from maxjax.graphs import cpu_kernels

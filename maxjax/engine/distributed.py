@@ -3,7 +3,9 @@
 
 Every process joins `jax.distributed` (gloo collectives on the CPU, NCCL on GPUs), loads the
 model, places its params on the one mesh over all processes' devices (maxjax/engine/devices.py:
-each process holds only its shards on its devices) and compiles the same graphs. Process 0 runs
+each process holds only its shards on its devices) and compiles the same graphs; or, with
+`--precompiled-artifacts` of the group's warm-cache (maxjax/aot/group.py), restores its shards
+of the stored weights and loads its own executables. Process 0 runs
 the HTTP server and the scheduler; before each call of a step executable (and of the KV
 initializer when a pool is replaced) its ModelRunner sends the call, the bucket and the step's
 input arrays, to every other process, which makes the same call: every process runs every step
@@ -179,9 +181,9 @@ class Leader:
                 except OSError as e:
                     _fatal(f"process {i} of {self.opts.num_processes} left the group ({e})")
 
-    def send_layout(self, engine_cfg) -> None:
+    def send_layout(self, engine_cfg, artifacts: bool = False) -> None:
         self.broadcast({"op": "layout", "num_kv_pages": engine_cfg.num_kv_pages,
-                        "max_length": engine_cfg.max_length})
+                        "max_length": engine_cfg.max_length, "artifacts": artifacts})
 
     def mirror(self, op: str, bucket_index: int | None = None, step=None, samp=None) -> None:
         import jax
@@ -220,10 +222,15 @@ class Follower:
             _fatal(f"process {self.opts.process_id}: process 0 left the group ({e}): stopping")
             raise
 
-    def receive_layout(self, engine_cfg) -> None:
+    def receive_layout(self, engine_cfg, artifacts: bool = False) -> None:
         header, _ = self.recv()
         if header.get("op") != "layout":
             _fatal(f"process {self.opts.process_id}: expected the layout, got {header.get('op')}")
+        if bool(header.get("artifacts")) != artifacts:
+            _fatal(f"process {self.opts.process_id}: --precompiled-artifacts is "
+                   f"{'given' if artifacts else 'not given'} here but "
+                   f"{'is' if header.get('artifacts') else 'is not'} on process 0: every "
+                   "process of a group serves from the same artifacts, or none does")
         engine_cfg.num_kv_pages, engine_cfg.max_length = header["num_kv_pages"], header["max_length"]
 
     def follow(self, runner) -> int:
@@ -249,26 +256,35 @@ class Follower:
 # ---- building the engine of a group --------------------------------------------------------------
 def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progress: bool = True):
     """This process's EngineCore of the group: the model on the mesh over every process's
-    devices, the layout process 0 planned, the graphs compiled here (the compile cache and
-    artifacts hold single-process executables)."""
-    from maxjax.engine.build import build_core, load, on_devices
+    devices (its shards restored from --precompiled-artifacts when they store them), the layout
+    process 0 planned (or the artifacts pinned: every process adopts the same values from the
+    same manifest), the graphs loaded from the artifacts or from this process's compile cache
+    entry, or compiled here (no collective runs while compiling: a process that compiles while
+    another loads does not hold the group up beyond its compile time)."""
+    from maxjax.engine.build import build_core, load, on_devices, replica_mesh
     from maxjax.engine.core import plan_layout
-    if model_opts.precompiled_artifacts or model_opts.export_artifacts:
-        raise UserError("--precompiled-artifacts / --export-artifacts with --num-processes: "
-                        "not supported yet (each process compiles its graphs)")
+    if model_opts.export_artifacts:
+        raise UserError("--export-artifacts with --num-processes: not supported (every process "
+                        "runs `maxjax warm-cache` with the group flags instead)")
     if engine_cfg.data_parallel_degree > 1:
         raise UserError("--data-parallel-degree with --num-processes: not supported yet (run "
                         "one group per replica behind a load balancer)")
+    artifacts = model_opts.precompiled_artifacts
     model = load(model_opts.model_path, engine_cfg.quantization_encoding,
-                 model_opts.chat_template, progress=progress)
+                 model_opts.chat_template, artifacts, progress,
+                 replica_mesh(engine_cfg) if artifacts else None)
     model = on_devices(model, engine_cfg)
     if isinstance(channel, Leader):
-        layout = plan_layout(engine_cfg, model)
-        engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
-        channel.send_layout(engine_cfg)
+        if not artifacts:
+            layout = plan_layout(engine_cfg, model)
+            engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
+        channel.send_layout(engine_cfg, bool(artifacts))
     else:
-        channel.receive_layout(engine_cfg)
-    core = build_core(model, engine_cfg, progress=progress, compile_cache=False)
+        channel.receive_layout(engine_cfg, bool(artifacts))
+    core = build_core(model, engine_cfg, precompiled_artifacts=artifacts,
+                      require_compiled=model_opts.require_compiled_artifacts, progress=progress,
+                      compile_cache=model_opts.compile_cache,
+                      compile_cache_max_size=model_opts.compile_cache_max_size)
     if isinstance(channel, Leader):
         core.runner.mirror = channel.mirror
     return core

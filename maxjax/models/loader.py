@@ -94,11 +94,14 @@ def read_chat_template_file(path: str) -> str:
 
 
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
-               progress: bool = True, params_source=None) -> LoadedModel:
+               progress: bool = True, params_source=None,
+               platform: str | None = None) -> LoadedModel:
     """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: int8 for a
-    quantized GGUF, else float32 on CPU, bfloat16 on GPU). params_source(arch, cfg, dtype, path) -> params or None:
-    converted weights stored with precompiled artifacts (maxjax/aot/weights.py), used instead
-    of converting the checkpoint."""
+    quantized GGUF, else float32 on CPU, bfloat16 on GPU: `platform`'s, None this machine's,
+    `default_dtype`). params_source(arch, cfg, dtype, path)
+    -> (config, params) or None: converted weights stored with precompiled artifacts
+    (maxjax/aot/weights.py; on a mesh laid out and placed already), used instead of converting
+    the checkpoint."""
     if dtype is not None:
         quantize.check_name(dtype)      # before reading anything; whether the file has it below
     path = resolve_model_path(model)
@@ -116,10 +119,14 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         reader = hfw.SafetensorsReader(path)
         tokenizer = load_hf_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
-        types, dtype = None, dtype or default_dtype()
+        types, dtype = None, dtype or default_dtype(platform)
     quantize.check_encoding(dtype, types)
-    params = params_source(arch, cfg, dtype, path) if params_source else None
-    if params is None:
+    stored = params_source(arch, cfg, dtype, path) if params_source else None
+    if stored is not None:
+        cfg, params = stored
+        if hasattr(reader, "close"):
+            reader.close()
+    else:
         params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
     if chat_template:
         template = read_chat_template_file(chat_template)
