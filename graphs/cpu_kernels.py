@@ -4,7 +4,7 @@ fraction of the float32 matrix-vector product's bandwidth at the few rows a deco
 (BENCHMARKS.md, Quantized weights); this one streams weights packed [out/64, in, 64] and keeps
 the activations in float32 (weight-only int8, so no activation digits are rounded).
 
-`pack_model` lays a single-device int8 model's matrices out for it (a `QuantizedWeight` whose `q`
+`pack_params` lays a single-device int8 model's matrices out for it (a `QuantizedWeight` whose `q`
 is 3-D; the tied embedding table stays for the row lookup and gains a packed `lm_head`);
 `graphs/quant.linear` sends such a weight here. The kernel is built once per source and jaxlib
 with g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and needs AVX-512F/BW.
@@ -67,6 +67,7 @@ def unavailable() -> str | None:
                "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp, "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
+            os.unlink(tmp)
             return f"building it failed: {done.stderr.strip().splitlines()[-1:]}"
         os.replace(tmp, lib)
         log.info("built the CPU int8 kernel into %s", lib)

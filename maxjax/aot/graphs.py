@@ -22,6 +22,7 @@ from typing import Callable
 import jax
 
 from maxjax.errors import UserError
+from maxjax.graphs import cpu_kernels
 from maxjax.graphs.attention import backend_named
 from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.lora import lora_specs
@@ -33,10 +34,10 @@ from maxjax.graphs.sharding import abstract
 # call, which jax.export does not guarantee stable across jax versions: allowed here, and an
 # artifact holding one is tied to the jax that wrote it (manifest.check_versions).
 TRITON_CALL = "__gpu$xla.gpu.triton"
-# --use-experimental-kernels' CPU int8 linear (graphs/cpu_kernels.py): registered before an
-# artifact holding it is compiled (maxjax/engine/build.experimental_kernels).
-CPU_INT8_CALL = "maxjax_int8_linear"
-EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c) for c in (TRITON_CALL, CPU_INT8_CALL)]
+# --use-experimental-kernels' CPU int8 linear: registered before an artifact holding it is
+# compiled (maxjax/engine/build.experimental_kernels).
+EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c)
+                 for c in (TRITON_CALL, cpu_kernels.TARGET)]
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:
