@@ -26,8 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 log = logging.getLogger("maxjax.kernels")
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "int8_linear.cc")
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 TARGET = "maxjax_int8_linear"
+# each source under graphs/kernels, and the FFI targets it defines: built into one library
+SOURCES = {"int8_linear.cc": (TARGET,)}
+TARGETS = tuple(t for targets in SOURCES.values() for t in targets)
 INT8_LINEAR = "int8_linear"      # the name artifacts record (model fingerprint `kernels`)
 TILE = 64
 CPU_FLAGS = ("avx512f", "avx512bw")
@@ -46,7 +49,7 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def unavailable() -> str | None:
-    """None once the kernel is built and registered with XLA; else why it cannot be."""
+    """None once the kernels are built and registered with XLA; else why they cannot be."""
     missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
@@ -54,25 +57,30 @@ def unavailable() -> str | None:
     if compiler is None:
         return "no C++ compiler (g++, or $CXX) to build it"
     import jaxlib
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + jaxlib.__version__.encode()).hexdigest()[:16]
+    sources = [os.path.join(KERNEL_DIR, name) for name in SOURCES]
+    key = hashlib.sha256(jaxlib.__version__.encode())
+    for path in sources:
+        with open(path, "rb") as f:
+            key.update(f.read())
     root = os.environ.get("MAXJAX_KERNEL_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "maxjax", "kernels")
-    lib = os.path.join(root, f"int8_linear-{key}.so")
+    lib = os.path.join(root, f"maxjax-kernels-{key.hexdigest()[:16]}.so")
     if not os.path.isfile(lib):
         os.makedirs(root, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
         cmd = [compiler, "-O3", *[f"-m{f}" for f in CPU_FLAGS], "-mfma", "-std=c++17", "-shared",
-               "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp, "-lpthread"]
+               "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp, "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             os.unlink(tmp)
             return f"building it failed: {done.stderr.strip().splitlines()[-1:]}"
         os.replace(tmp, lib)
-        log.info("built the CPU int8 kernel into %s", lib)
+        log.info("built the CPU kernels into %s", lib)
     handle = ctypes.cdll.LoadLibrary(lib)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(handle, TARGET)), platform="cpu")
+    for target in TARGETS:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, target)),
+                                    platform="cpu")
     return None
 
 

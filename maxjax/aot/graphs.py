@@ -34,10 +34,10 @@ from maxjax.graphs.sharding import abstract
 # call, which jax.export does not guarantee stable across jax versions: allowed here, and an
 # artifact holding one is tied to the jax that wrote it (manifest.check_versions).
 TRITON_CALL = "__gpu$xla.gpu.triton"
-# --use-experimental-kernels' CPU int8 linear: registered before an artifact holding it is
+# --use-experimental-kernels' CPU kernels: registered before an artifact holding one is
 # compiled (maxjax/engine/build.experimental_kernels).
 EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c)
-                 for c in (TRITON_CALL, cpu_kernels.TARGET)]
+                 for c in (TRITON_CALL, *cpu_kernels.TARGETS)]
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:
