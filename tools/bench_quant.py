@@ -11,6 +11,7 @@ a step reads and the roofline those bytes give at the copy bandwidth measured in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import maxjax  # noqa: F401  (sets the XLA defaults before JAX starts)
@@ -65,12 +66,20 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--one-digit", action="store_true",
                     help="also time activations in one int8 digit (graphs/quant.py)")
+    ap.add_argument("--kernel", action="store_true",
+                    help="also int8 through --use-experimental-kernels' CPU kernel")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="also trace each case and print its TOP graph functions by op time")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     page = args.page_size
     models = {e: load_model(None, e, progress=False) for e in args.encodings.split(",")}
+    if args.kernel and "int8" in models:         # --use-experimental-kernels' packed weights
+        from maxjax.graphs import cpu_kernels
+        if cpu_kernels.unavailable():
+            raise SystemExit(f"--kernel: {cpu_kernels.unavailable()}")
+        m = models["int8"]
+        models["int8+kernel"] = dataclasses.replace(m, params=cpu_kernels.pack_params(m.params))
     cases = []          # (label, compiled, params, kv holder, step, samp, bytes, tokens)
     for enc, model in models.items():
         for kv_fmt in args.kv.split(","):
