@@ -1,13 +1,14 @@
 """`--use-experimental-kernels`: a hand-written CPU kernel for the int8 linear, an XLA FFI custom
 call (graphs/kernels/int8_linear.cc). XLA:CPU's own int8 dot (YNNPACK) reads int8 weights at a
 fraction of the float32 matrix-vector product's bandwidth at the few rows a decode step has
-(BENCHMARKS.md, Quantized weights); this one streams weights packed [out/64, in, 64] and keeps
-the activations in float32 (weight-only int8, so no activation digits are rounded).
+(BENCHMARKS.md, Quantized weights); this one computes graphs/quant.py's int8 arithmetic (two
+int8 activation digits per row, int32 sums) with AVX-512 VNNI over weights packed
+[out/64, in/4, 64, 4] as unsigned bytes, sharing large calls with XLA's intra-op threads.
 
 `pack_params` lays a single-device int8 model's matrices out for it (a `QuantizedWeight` whose `q`
-is 3-D; the tied embedding table stays for the row lookup and gains a packed `lm_head`);
+is 4-D; the tied embedding table stays for the row lookup and gains a packed `lm_head`);
 `graphs/quant.linear` sends such a weight here. The kernel is built once per source and jaxlib
-with g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and needs AVX-512F/BW.
+with g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and needs AVX-512F/BW/VNNI.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ TARGET = "maxjax_int8_linear"
 SOURCES = {"int8_linear.cc": (TARGET,)}
 TARGETS = tuple(t for targets in SOURCES.values() for t in targets)
 INT8_LINEAR = "int8_linear"      # the name artifacts record (model fingerprint `kernels`)
-TILE = 64
-CPU_FLAGS = ("avx512f", "avx512bw")
+TILE, GROUP, ROW_BLOCK = 64, 4, 16   # output columns per tile, inputs per byte group; in % 16
+CPU_FLAGS = {"avx512f": "avx512f", "avx512bw": "avx512bw", "avx512_vnni": "avx512vnni"}  # -> g++
 
 
 def _cpu_flags() -> set[str]:
@@ -69,7 +70,7 @@ def unavailable() -> str | None:
         os.makedirs(root, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
-        cmd = [compiler, "-O3", *[f"-m{f}" for f in CPU_FLAGS], "-mfma", "-std=c++17", "-shared",
+        cmd = [compiler, "-O3", *[f"-m{f}" for f in CPU_FLAGS.values()], "-mfma", "-std=c++17", "-shared",
                "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp, "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -85,10 +86,10 @@ def unavailable() -> str | None:
 
 
 def int8_linear(x, w):
-    """x [..., in] @ the packed int8 weight `w` (q [out/64, in, 64], scale [out]): float32."""
+    """x [..., in] @ the packed int8 weight `w` (q [out/64, in/4, 64, 4], scale [out]): float32."""
     lead, d_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d_in).astype(jnp.float32)
-    out = w.q.shape[0] * w.q.shape[2]
+    out = w.q.shape[0] * TILE
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32))(
         x2, w.q, w.scale)
     return y.reshape(*lead, out)
@@ -96,19 +97,20 @@ def int8_linear(x, w):
 
 def is_packed(w) -> bool:
     from maxjax.graphs.quant import QuantizedWeight
-    return isinstance(w, QuantizedWeight) and w.q.ndim == 3
+    return isinstance(w, QuantizedWeight) and w.q.ndim == 4
 
 
 def pack_weight(w, transposed: bool = False):
-    """A bits-8 QuantizedWeight ([in, out]; [out, in] when `transposed`) packed for the kernel,
-    or None when its output width is not a multiple of the tile."""
+    """A bits-8 QuantizedWeight ([in, out]; [out, in] when `transposed`) packed for the kernel:
+    q + 128 as bytes, [out/64, in/4, 64, 4]; None when its shape does not tile."""
     q = np.asarray(jax.device_get(w.q))
     q = q.T if transposed else q
     i, o = q.shape
-    if o % TILE:
+    if o % TILE or i % ROW_BLOCK:
         return None
-    packed = np.ascontiguousarray(q.reshape(i, o // TILE, TILE).transpose(1, 0, 2))
-    return dataclasses.replace(w, q=jax.device_put(packed))
+    u = (q.astype(np.int16) + 128).astype(np.uint8)
+    packed = u.reshape(i // GROUP, GROUP, o // TILE, TILE).transpose(2, 0, 3, 1)
+    return dataclasses.replace(w, q=jax.device_put(np.ascontiguousarray(packed)))
 
 
 def pack_params(params: dict) -> dict:

@@ -38,7 +38,7 @@ from maxjax.graphs.sharding import ArraySpec
 @dataclass
 class QuantizedWeight:
     q: jax.Array                 # int8 [in, out] (bits 8) or packed uint8 [in/2, out] (bits 4);
-                                 # int8 [out/64, in, 64]: packed for graphs/cpu_kernels.py
+                                 # uint8 [out/64, in/4, 64, 4]: packed for graphs/cpu_kernels.py
     scale: jax.Array             # float32 [out] (bits 8) or [in/32, out] (bits 4)
     offset: jax.Array | None = None    # float32 [in/32, out] (bits 4, GGUF formats with a min)
     requant: jax.Array | None = None   # float32 [out]: 127 / max|w| per channel (bits 4)
@@ -47,8 +47,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """The [in, out] (or, transposed, [out, in]) shape of the weight it stands for."""
-        if self.q.ndim == 3:                        # packed for the CPU kernel: [in, out]
-            return self.q.shape[1], self.q.shape[0] * self.q.shape[2]
+        if self.q.ndim == 4:                        # packed for the CPU kernel: [in, out]
+            return self.q.shape[1] * self.q.shape[3], self.q.shape[0] * self.q.shape[2]
         rows, cols = self.q.shape
         return (rows * 2, cols) if self.bits == 4 else (rows, cols)
 
@@ -112,8 +112,8 @@ def int8_weight(w: QuantizedWeight):
 
 def linear(x, w: QuantizedWeight, transposed: bool = False, out_dtype=None):
     """x [..., in] @ w ([out, in] stored when `transposed`: the int8 embedding table as LM head;
-    a 3-D `q`: packed for the CPU kernel of graphs/cpu_kernels.py, already in [in, out] order)."""
-    if w.q.ndim == 3:
+    a 4-D `q`: packed for the CPU kernel of graphs/cpu_kernels.py, already in [in, out] order)."""
+    if w.q.ndim == 4:
         from maxjax.graphs import cpu_kernels
         return cpu_kernels.int8_linear(x, w).astype(out_dtype or x.dtype)
     lead, d_in = x.shape[:-1], x.shape[-1]

@@ -59,7 +59,7 @@ def scores():
             assert len(out["tokens"]) == NUM_TOKENS
         out[encoding] = score(model, out["tokens"])
         if encoding == "int8" and cpu_kernels.unavailable() is None:
-            # --use-experimental-kernels: weight-only int8 through the CPU kernel
+            # --use-experimental-kernels: the same arithmetic through the CPU kernel
             packed = dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
             out["int8-kernel"] = score(packed, out["tokens"])
         del model
