@@ -85,13 +85,15 @@ def unavailable() -> str | None:
     return None
 
 
-def int8_linear(x, w):
-    """x [..., in] @ the packed int8 weight `w` (q [out/64, in/4, 64, 4], scale [out]): float32."""
+def int8_linear(x, w, live=None):
+    """x [..., in] @ the packed int8 weight `w` (q [out/64, in/4, 64, 4], scale [out]): float32.
+    `live`: the rows of x (flattened) to compute, a leading count; the others come out 0."""
     lead, d_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d_in).astype(jnp.float32)
     out = w.q.shape[0] * TILE
+    live = jnp.asarray(x2.shape[0] if live is None else live, jnp.int32).reshape(1)
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32))(
-        x2, w.q, w.scale)
+        x2, w.q, w.scale, live)
     return y.reshape(*lead, out)
 
 

@@ -86,9 +86,10 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
     T = h.shape[0]
     eps, plus1 = cfg.rms_norm_eps, cfg.norm_plus_one
     page_size = k_pool.shape[3]
+    live = step.live_tokens()
     with jax.named_scope("attention"):
         x = L.rms_norm(h, p["attn_norm"], eps, plus1)
-        qkv = L.linear(x, p["wqkv"])
+        qkv = L.linear(x, p["wqkv"], live=live)
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v = L.split_fused(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_shards)
@@ -104,13 +105,14 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
         v_pool = L.write_kv(v_pool, layer, step.slot_mapping, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale)
-        out = L.linear(attn.reshape(T, cfg.q_size), p["wo"])
+        out = L.linear(attn.reshape(T, cfg.q_size), p["wo"], live=live)
         if "post_attn_norm" in p:
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
         h = h + out
     with jax.named_scope("mlp"):
         x = L.rms_norm(h, p["mlp_norm"], eps, plus1)
-        out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, cfg.gate_up_shards)
+        out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, cfg.gate_up_shards,
+                          live)
         if "post_mlp_norm" in p:
             out = L.rms_norm(out, p["post_mlp_norm"], eps, plus1)
         h = h + out

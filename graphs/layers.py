@@ -24,10 +24,12 @@ class LowRankDelta:
     slot_onehot: jax.Array  # [T, S]  each token's slot
 
 
-def linear(x, w, transposed: bool = False, out_dtype=None):
+def linear(x, w, transposed: bool = False, out_dtype=None, live=None):
     """x [..., in] through a projection: every matmul with a weight goes through here.
     w: an array [in, out] ([out, in] when `transposed`, e.g. a tied embedding used as the LM
-    head), a QuantizedWeight (graphs/quant.py) or a LowRankDelta around either."""
+    head), a QuantizedWeight (graphs/quant.py) or a LowRankDelta around either. `live`: how many
+    leading rows of a 2-D x are real tokens (the rest: the bucket's padding), for a kernel that
+    skips the others (graphs/cpu_kernels.py); None: all."""
     if isinstance(w, LowRankDelta):
         # The dense one-hot form (every slot's x @ A, masked, then @ B) beat a per-token gather
         # of A and B on CPU (DESIGN.md: 879 vs 1370 us at T=32); as plain matmuls over the
@@ -42,9 +44,9 @@ def linear(x, w, transposed: bool = False, out_dtype=None):
             [jnp.matmul(xa[..., j * r:(j + 1) * r].reshape(*x.shape[:-1], S * r),
                         b.reshape(S * r, -1), preferred_element_type=out_dtype)
              for j, b in enumerate(w.b)], axis=-1)
-        return linear(x, w.weight, transposed, out_dtype) + delta.astype(out_dtype or x.dtype)
+        return linear(x, w.weight, transposed, out_dtype, live) + delta.astype(out_dtype or x.dtype)
     if isinstance(w, quant.QuantizedWeight):
-        return quant.linear(x, w, transposed, out_dtype)
+        return quant.linear(x, w, transposed, out_dtype, live)
     if transposed:
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=out_dtype)
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
@@ -67,11 +69,11 @@ def activation(name: str):
     raise ValueError(f"unsupported activation {name!r} (supported: silu, gelu, gelu_pytorch_tanh)")
 
 
-def gated_mlp(x, w_gate_up, w_down, act: str, shards: int = 1):
-    gate_up = linear(x, w_gate_up)
+def gated_mlp(x, w_gate_up, w_down, act: str, shards: int = 1, live=None):
+    gate_up = linear(x, w_gate_up, live=live)
     F = gate_up.shape[-1] // 2
     gate, up = split_fused(gate_up, (F, F), shards)
-    return linear(activation(act)(gate) * up, w_down)
+    return linear(activation(act)(gate) * up, w_down, live=live)
 
 
 def split_fused(x, sizes, shards: int = 1):

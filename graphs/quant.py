@@ -110,12 +110,13 @@ def int8_weight(w: QuantizedWeight):
     return q.reshape(-1, q.shape[-1]), 1.0 / w.requant
 
 
-def linear(x, w: QuantizedWeight, transposed: bool = False, out_dtype=None):
+def linear(x, w: QuantizedWeight, transposed: bool = False, out_dtype=None, live=None):
     """x [..., in] @ w ([out, in] stored when `transposed`: the int8 embedding table as LM head;
-    a 4-D `q`: packed for the CPU kernel of graphs/cpu_kernels.py, already in [in, out] order)."""
+    a 4-D `q`: packed for the CPU kernel of graphs/cpu_kernels.py, already in [in, out] order,
+    which computes only the first `live` rows)."""
     if w.q.ndim == 4:
         from maxjax.graphs import cpu_kernels
-        return cpu_kernels.int8_linear(x, w).astype(out_dtype or x.dtype)
+        return cpu_kernels.int8_linear(x, w, live).astype(out_dtype or x.dtype)
     lead, d_in = x.shape[:-1], x.shape[-1]
     rest = x.reshape(-1, d_in).astype(jnp.float32)
     rows = rest.shape[0]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from maxjax.graphs.attention import AttentionBackend, backend_for
@@ -42,6 +43,11 @@ class StepInputs:
     @property
     def bucket(self) -> tuple[int, int]:
         return int(self.token_ids.shape[0]), int(self.page_table.shape[0])
+
+    def live_tokens(self):
+        """How many token slots hold real tokens (a traced count): they come first, and only
+        padding writes to the scratch page."""
+        return jnp.sum(self.slot_mapping != SCRATCH_PAGE, dtype=jnp.int32)   # page 0, slot 0
 
 
 @dataclass

@@ -40,17 +40,25 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / min(ts)
 
 
-def decode_case(model, params, r: int, context: int, page: int, kv_fmt):
+def decode_case(model, params, r: int, context: int, page: int, kv_fmt, prefill: int = 0):
     """(compiled step_program, KV pool, step inputs, sampling arrays) of a decode step of `r`
-    rows with `context` tokens cached each, greedy, on `params` (`model`'s, or a variant)."""
+    rows with `context` tokens cached each, greedy, on `params` (`model`'s, or a variant); with
+    `prefill`, one more row prefilling that many prompt tokens (a mixed step, as serving has)."""
     cfg = model.config
     per_row = -(-(context + 1) // page)
     rows = [RowSlice([5], context, list(range(1 + per_row * i, 1 + per_row * (i + 1))))
             for i in range(r)]
-    kv = decoder.init_kv(cfg, 1 + per_row * r, page, kv_fmt)
-    st = build_step_inputs(rows, r, r, 4096 // page, page)   # rows: powers of 2
-    sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * r, r, 4096,
-                                        vocab_size=cfg.vocab_size)
+    pages = 1 + per_row * r
+    if prefill:
+        n = -(-prefill // page)
+        rows.append(RowSlice([7] * prefill, 0, list(range(pages, pages + n))))
+        pages += n
+    pow2 = lambda n: 1 << (n - 1).bit_length()         # noqa: E731
+    tokens, num_rows = pow2(r + prefill), pow2(len(rows))
+    kv = decoder.init_kv(cfg, pages, page, kv_fmt)
+    st = build_step_inputs(rows, tokens, num_rows, 4096 // page, page)
+    sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * num_rows,
+                                        num_rows, 4096, vocab_size=cfg.vocab_size)
     fn = jax.jit(lambda p, kv, s, a: step_program(model.arch, cfg, 20, p, kv, s, a),
                  donate_argnums=(1,))
     return fn.lower(params, kv, st, sa).compile(), kv, st, sa
@@ -66,6 +74,8 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--one-digit", action="store_true",
                     help="also time activations in one int8 digit (graphs/quant.py)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="one more row prefilling N prompt tokens in each step (a mixed step)")
     ap.add_argument("--kernel", action="store_true",
                     help="also int8 through --use-experimental-kernels' CPU kernel")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
@@ -87,7 +97,7 @@ def main():
                 for digits in ([2, 1] if enc != "float32" and args.one_digit else [2]):
                     quant.DIGITS = digits
                     c, kv, st, sa = decode_case(model, model.params, r, args.context, page,
-                                                kv_fmt)
+                                                kv_fmt, args.prefill)
                     label = f"{enc} kv={kv_fmt} R={r}" + (" (1 digit)" if digits == 1 else "")
                     cases.append([label, c, model.params, kv, st, sa,
                                   weight_bytes(model.params), r, []])

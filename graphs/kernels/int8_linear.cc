@@ -127,11 +127,15 @@ struct Shared {        // heap-held: a pool task may start after the call has re
   }
 };
 
+// Only the first `live` rows of x are computed (the rest, a bucket's padding, come out 0).
 static ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
-                             ffi::ResultBuffer<ffi::F32> y) {
+                             ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = q.dimensions();
-  int64_t R = xd[0], in = xd[1], out = qd[0] * qd[2];
+  int64_t rows = xd[0], in = xd[1], out = qd[0] * qd[2];
+  int64_t R = std::clamp<int64_t>(live.typed_data()[0], 0, rows);
+  std::fill(y->typed_data() + R * out, y->typed_data() + rows * out, 0.0f);
+  if (R == 0) return ffi::Error::Success();
   if (qd.size() != 4 || qd[1] * 4 != in || qd[2] != 64 || qd[3] != 4 || in % 16)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "weights not packed [out/64, in/4, 64, 4]");
   int64_t tiles = out / 64;
@@ -159,4 +163,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_int8_linear, Int8Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
