@@ -38,7 +38,7 @@ from maxjax.graphs.sharding import ArraySpec
 @dataclass
 class QuantizedWeight:
     q: jax.Array                 # int8 [in, out] (bits 8) or packed uint8 [in/2, out] (bits 4);
-                                 # uint8 [out/64, in/4, 64, 4]: packed for graphs/cpu_kernels.py
+                                 # 4-D: packed for graphs/cpu_kernels.py
     scale: jax.Array             # float32 [out] (bits 8) or [in/32, out] (bits 4)
     offset: jax.Array | None = None    # float32 [in/32, out] (bits 4, GGUF formats with a min)
     requant: jax.Array | None = None   # float32 [out]: 127 / max|w| per channel (bits 4)
@@ -47,8 +47,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """The [in, out] (or, transposed, [out, in]) shape of the weight it stands for."""
-        if self.q.ndim == 4:                        # packed for the CPU kernel: [in, out]
-            return self.q.shape[1] * self.q.shape[3], self.q.shape[0] * self.q.shape[2]
+        if self.q.ndim == 4:                        # packed for the CPU kernels: [in, out]
+            return self.q.shape[1] * (4 if self.bits == 8 else 8), self.q.shape[0] * 64
         rows, cols = self.q.shape
         return (rows * 2, cols) if self.bits == 4 else (rows, cols)
 
@@ -116,7 +116,7 @@ def linear(x, w: QuantizedWeight, transposed: bool = False, out_dtype=None, live
     which computes only the first `live` rows)."""
     if w.q.ndim == 4:
         from maxjax.graphs import cpu_kernels
-        return cpu_kernels.int8_linear(x, w, live).astype(out_dtype or x.dtype)
+        return cpu_kernels.packed_linear(x, w, live).astype(out_dtype or x.dtype)
     lead, d_in = x.shape[:-1], x.shape[-1]
     rest = x.reshape(-1, d_in).astype(jnp.float32)
     rows = rest.shape[0]

@@ -28,7 +28,7 @@ from maxjax.models.loader import load_model  # noqa: E402
 
 
 def kernel_linear(x, packed, scale):
-    return cpu_kernels.int8_linear(x, quant.QuantizedWeight(packed, scale))
+    return cpu_kernels.packed_linear(x, quant.QuantizedWeight(packed, scale))
 
 
 def pack(q):

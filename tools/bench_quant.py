@@ -40,6 +40,14 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / min(ts)
 
 
+def read_bytes(params) -> int:
+    """Weight bytes a decode step reads: all, less the embedding table when a packed LM head
+    stands beside it (the table is then only gathered)."""
+    if "lm_head" in params and params["lm_head"] is not params["embed"]:
+        return weight_bytes({k: v for k, v in params.items() if k != "embed"})
+    return weight_bytes(params)
+
+
 def decode_case(model, params, r: int, context: int, page: int, kv_fmt, prefill: int = 0):
     """(compiled step_program, KV pool, step inputs, sampling arrays) of a decode step of `r`
     rows with `context` tokens cached each, greedy, on `params` (`model`'s, or a variant); with
@@ -84,12 +92,14 @@ def main():
     rows_list = [int(r) for r in args.rows.split(",")]
     page = args.page_size
     models = {e: load_model(None, e, progress=False) for e in args.encodings.split(",")}
-    if args.kernel and "int8" in models:         # --use-experimental-kernels' packed weights
+    if args.kernel:             # --use-experimental-kernels' packed weights, for each encoding
         from maxjax.graphs import cpu_kernels
         if cpu_kernels.unavailable():
             raise SystemExit(f"--kernel: {cpu_kernels.unavailable()}")
-        m = models["int8"]
-        models["int8+kernel"] = dataclasses.replace(m, params=cpu_kernels.pack_params(m.params))
+        for enc in [e for e in models if e != "float32"]:
+            m = models[enc]
+            models[f"{enc}+kernel"] = dataclasses.replace(
+                m, params=cpu_kernels.pack_params(m.params))
     cases = []          # (label, compiled, params, kv holder, step, samp, bytes, tokens)
     for enc, model in models.items():
         for kv_fmt in args.kv.split(","):
@@ -100,7 +110,7 @@ def main():
                                                 kv_fmt, args.prefill)
                     label = f"{enc} kv={kv_fmt} R={r}" + (" (1 digit)" if digits == 1 else "")
                     cases.append([label, c, model.params, kv, st, sa,
-                                  weight_bytes(model.params), r, []])
+                                  read_bytes(model.params), r, []])
     quant.DIGITS = 2
     for _ in range(args.iters + 1):
         for case in cases:

@@ -123,7 +123,7 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
 
 
 def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | None) -> LoadedModel:
-    """--use-experimental-kernels: the int8 matrices packed for graphs/cpu_kernels.py."""
+    """--use-experimental-kernels: the quantized matrices packed for graphs/cpu_kernels.py."""
     import dataclasses
 
     import jax
@@ -134,8 +134,10 @@ def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | No
            if platforms != ["cpu"] else cpu_kernels.unavailable())
     if why:
         raise UserError(f"--use-experimental-kernels: {why}")
-    if model.dtype != "int8":
-        log.info("--use-experimental-kernels: no kernel for %s weights (only int8)", model.dtype)
+    from maxjax.models.quantize import Q4_TYPES
+    if model.dtype != "int8" and model.dtype not in Q4_TYPES:
+        log.info("--use-experimental-kernels: no kernel for %s weights (only int8 and 4-bit)",
+                 model.dtype)
         return model
     return dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
 
