@@ -269,7 +269,8 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     # and its attention backend; the other targets get exports of the same graphs.
     engine_cfg.target(platforms[0])
     model = load(model_opts.model_path, engine_cfg.quantization_encoding,
-                 model_opts.chat_template, progress=True, platform=platforms[0])
+                 model_opts.chat_template, progress=True, platform=platforms[0],
+                 kernels=engine_cfg.use_experimental_kernels)
     engine_cfg.quantization_encoding = model.dtype
     model = on_devices(model, engine_cfg, platforms=platforms)   # every replica runs the first one's
     layout = plan_layout(engine_cfg, model, platforms[0])

@@ -29,12 +29,14 @@ HEARTBEAT_SECONDS = 15.0
 
 def load(model: str | LoadedModel | None, quantization_encoding: str | None = None,
          chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
-         progress: bool = False, mesh=None, platform: str | None = None) -> LoadedModel:
+         progress: bool = False, mesh=None, platform: str | None = None,
+         kernels: bool = False) -> LoadedModel:
     """A LoadedModel as it is; else `load_model(model, ...)` (a GGUF file, a HF directory or
     repo id, None for the embedded default). With `precompiled_artifacts` that store the
     converted weights for `mesh` (the engine's, `replica_mesh`), they are restored onto it
     instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
-    terminal). `platform`: whose default encoding (None: this machine's)."""
+    terminal). `platform`: whose default encoding (None: this machine's); `kernels`:
+    --use-experimental-kernels (a quantized GGUF's default encoding is then its own)."""
     if isinstance(model, LoadedModel):
         return model
     stored = None
@@ -45,7 +47,7 @@ def load(model: str | LoadedModel | None, quantization_encoding: str | None = No
         log.info("Loading weights: %s", model or "the embedded SmolLM2-135M-Instruct")
     loaded = load_model(model, quantization_encoding, chat_template,
                         progress=progress and sys.stderr.isatty(), params_source=stored,
-                        platform=platform)
+                        platform=platform, kernels=kernels)
     if progress:
         log.info("Loaded %s (%s) in %.1f s", loaded.name, loaded.dtype, loaded.load_seconds)
     return loaded
@@ -65,7 +67,8 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
     from maxjax.aot import cache
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
-                 progress, replica_mesh(engine_cfg, replica) if precompiled_artifacts else None)
+                 progress, replica_mesh(engine_cfg, replica) if precompiled_artifacts else None,
+                 kernels=engine_cfg.use_experimental_kernels)
     engine_cfg.quantization_encoding = model.dtype
     model = on_devices(model, engine_cfg, replica)
     t0 = time.perf_counter()

@@ -51,7 +51,8 @@ class EngineConfig:
     quantization_encoding: str | None = field(default=None, metadata={
         "help": "Weight encoding: float32 | bfloat16 | float16 | int8 (per channel, from any "
                 "checkpoint) | q4_0 | q4_1 | q4_k (a GGUF's 4-bit blocks). Default: int8 for a "
-                "quantized GGUF, else float32 on CPU and bfloat16 on GPU"})
+                "quantized GGUF (its own 4-bit blocks with --use-experimental-kernels), else "
+                "float32 on CPU and bfloat16 on GPU"})
     kv_cache_format: str | None = field(default=None, metadata={
         "choices": ["float32", "bfloat16"],
         "help": "dtype of the KV cache (default: the activations' dtype, float32 on CPU)"})

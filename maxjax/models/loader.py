@@ -95,10 +95,10 @@ def read_chat_template_file(path: str) -> str:
 
 def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
                progress: bool = True, params_source=None,
-               platform: str | None = None) -> LoadedModel:
-    """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: int8 for a
-    quantized GGUF, else float32 on CPU, bfloat16 on GPU: `platform`'s, None this machine's,
-    `default_dtype`). params_source(arch, cfg, dtype, path)
+               platform: str | None = None, kernels: bool = False) -> LoadedModel:
+    """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: for a quantized
+    GGUF int8, or its own 4-bit blocks with --use-experimental-kernels (`kernels`), else float32
+    on CPU, bfloat16 on GPU: `platform`'s, None this machine's, `default_dtype`). params_source(arch, cfg, dtype, path)
     -> (config, params) or None: converted weights stored with precompiled artifacts
     (maxjax/aot/weights.py; on a mesh laid out and placed already), used instead of converting
     the checkpoint."""
@@ -111,7 +111,7 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         hf, reader, tokenizer, template = gguf.open_gguf(path)
         arch, cfg = model_config(hf, path)
         types = reader.matrix_types()
-        dtype = dtype or quantize.gguf_encoding(types)
+        dtype = dtype or quantize.gguf_encoding(types, kernels)
     else:
         from maxjax.models import hf as hfw
         hf = hfw.read_config(path)
