@@ -4,7 +4,9 @@ own int8 W8A8 dot (graphs/quant.py, YNNPACK) and float32, interleaved in one run
 
   1. SmolLM2's projections at 1, 2, 8 and 32 rows (us per call, median; error vs NumPy);
   2. the whole SmolLM2 int8 decode step (real weights), the params as the engine packs them for
-     the kernel, at 1 and 32 rows: step ms and the greedy tokens' agreement.
+     the kernel, at 1 and 32 rows: step ms and the greedy tokens' agreement;
+  3. with --mixed, decode rows plus a prefill chunk: the kernel on the live rows against every
+     row of the padded bucket.
 
     .venv/bin/python tools/bench_int8_kernel.py [--rows 1,2,8,32] [--step-rows 1,32] [--iters 100]
 """
@@ -95,10 +97,40 @@ def whole_step(step_rows: list[int], iters: int) -> None:
               f"{ms['graph'] / ms['kernel']:.2f}x | {100 * same:.0f}% |", flush=True)
 
 
+def mixed_steps(mixes: list[tuple[int, int]], iters: int) -> None:
+    """Steps of `d` decode rows plus one `p`-token prefill chunk, padded to the bucket: the
+    kernel on the live token rows only (as served) against the kernel on every row."""
+    from maxjax.graphs import step as step_mod
+    model = load_model(None, "int8", progress=False)
+    kparams = cpu_kernels.pack_params(model.params)
+    live_tokens = step_mod.StepInputs.live_tokens
+    print("\n| SmolLM2 int8 + kernel, mixed step | bucket tokens | every row ms | live rows ms | "
+          "speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for d, p in mixes:
+        step_mod.StepInputs.live_tokens = lambda self: self.token_ids.shape[0]
+        cases = {"all": decode_case(model, kparams, d, 256, 32, "float32", p)}
+        step_mod.StepInputs.live_tokens = live_tokens
+        cases["live"] = decode_case(model, kparams, d, 256, 32, "float32", p)
+
+        def call(name):
+            c, kv, st, sa = cases[name]
+            out, kv = c(kparams, kv, st, sa)
+            cases[name] = (c, kv, st, sa)
+            return out[0].token_ids
+        ms = {k: v / 1e3 for k, v in timed({k: (lambda k=k: call(k)) for k in cases},
+                                            iters).items()}
+        bucket = cases["live"][2].token_ids.shape[0]
+        print(f"| {d} decode rows + {p} prompt tokens | {bucket} | {ms['all']:.1f} | "
+              f"{ms['live']:.1f} | {ms['all'] / ms['live']:.2f}x |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,8,32")
     ap.add_argument("--step-rows", default="1,32")
+    ap.add_argument("--mixed", default="", metavar="D+P,...",
+                    help="also mixed steps of D decode rows + a P-token prefill chunk, e.g. 31+128")
     ap.add_argument("--iters", type=int, default=100)
     args = ap.parse_args()
     why = cpu_kernels.unavailable()
@@ -106,6 +138,9 @@ def main():
         raise SystemExit(f"the CPU int8 kernel cannot run here: {why}")
     projections([int(r) for r in args.rows.split(",")], args.iters)
     whole_step([int(r) for r in args.step_rows.split(",")], max(5, args.iters // 10))
+    if args.mixed:
+        mixed_steps([tuple(int(v) for v in m.split("+")) for m in args.mixed.split(",")],
+                    max(3, args.iters // 20))
 
 
 if __name__ == "__main__":
