@@ -1,6 +1,6 @@
-"""The CPU int8 kernel of --use-experimental-kernels (graphs/cpu_kernels.py: a weight-only int8 x
-float32 matmul over weights packed [out/64, in, 64], an XLA FFI custom call) against the graph's
-own int8 W8A8 dot (graphs/quant.py, YNNPACK) and float32, interleaved in one run:
+"""The CPU int8 kernel of --use-experimental-kernels (graphs/cpu_kernels.py: the graph's two-digit
+W8A8 arithmetic on AVX-512 VNNI over weights packed [out/64, in/4, 64, 4], an XLA FFI custom
+call) against the graph's own int8 dot (graphs/quant.py, YNNPACK) and float32, interleaved:
 
   1. SmolLM2's projections at 1, 2, 8 and 32 rows (us per call, median; error vs NumPy);
   2. the whole SmolLM2 int8 decode step (real weights), the params as the engine packs them for
@@ -8,7 +8,8 @@ own int8 W8A8 dot (graphs/quant.py, YNNPACK) and float32, interleaved in one run
   3. with --mixed, decode rows plus a prefill chunk: the kernel on the live rows against every
      row of the padded bucket.
 
-    .venv/bin/python tools/bench_int8_kernel.py [--rows 1,2,8,32] [--step-rows 1,32] [--iters 100]
+    .venv/bin/python tools/bench_int8_kernel.py [--rows 1,2,8,32] [--step-rows 1,32]
+        [--mixed 31+128,7+128] [--iters 100]
 """
 from __future__ import annotations
 
