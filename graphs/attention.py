@@ -3,7 +3,8 @@ for tracing, numpy arrays built on the host for each step) plus its `attend` fun
 
 `backend_for(platform)` picks the backend; the step carries its metadata as `StepInputs.attn`,
 and `attend` dispatches on the backend that metadata names, so the decoder never names a kernel.
-The CPU runs the query-block algorithm below (written for XLA:CPU); CUDA runs the Pallas kernel
+The CPU runs the query-block algorithm below (written for XLA:CPU), or with
+--use-experimental-kernels the FFI kernel of graphs/cpu_attention.py; CUDA runs the Pallas kernel
 of graphs/pallas_attention.py over the same kind of blocks.
 
 Query blocks: each block holds up to B consecutive tokens of one row, so a row's K/V pages are
@@ -178,6 +179,9 @@ def backend_named(name: str) -> AttentionBackend:
     if name not in BACKENDS and name == "pallas_paged":
         from maxjax.graphs.pallas_attention import PAGED_KERNEL
         BACKENDS[name] = PAGED_KERNEL
+    if name not in BACKENDS and name == "cpu_paged_kernel":
+        from maxjax.graphs.cpu_attention import CPU_PAGED_KERNEL
+        BACKENDS[name] = CPU_PAGED_KERNEL
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}")
     return BACKENDS[name]
