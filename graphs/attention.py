@@ -32,6 +32,7 @@ class AttentionBackend:
     metadata_specs: Callable[[int, int], Any]                 # (T, R) -> ShapeDtypeStructs
     build_metadata: Callable[[Sequence, int, int], Any]       # (rows, T, R) -> numpy pytree
     attend: Callable    # (q, k_pool, v_pool, layer, step, window, scale, softcap) -> [T, H, hd]
+    write_kv: Callable | None = None    # (pool, layer, slots, new, page_size); None: layers.write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -191,6 +192,14 @@ def backend_for(platform: str | None = None) -> AttentionBackend:
     """The attention backend for a platform ("cpu", "cuda", ...; None: JAX's default)."""
     platform = platform or jax.default_backend()
     return backend_named("pallas_paged" if platform in KERNEL_PLATFORMS else "query_blocks")
+
+
+def write_kv(pool, layer: int, step, new, page_size: int):
+    """pool with this step's K (or V) `new` [T, KV, hd] written at the step's slots, as the
+    backend whose metadata the step holds writes it."""
+    from maxjax.graphs import layers
+    write = backend_named(step.attn.backend).write_kv or layers.write_kv
+    return write(pool, layer, step.slot_mapping, new, page_size)
 
 
 def attend(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):

@@ -20,6 +20,7 @@ import numpy as np
 from maxjax.graphs.attention import AttentionBackend
 
 TARGET = "maxjax_paged_attention"
+WRITE_TARGET = "maxjax_write_kv"
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)      # the kernel's instantiations
 
 
@@ -57,6 +58,14 @@ def paged_attention(q, k_pool, v_pool, layer: int, page_table, token_row, positi
     return out.astype(q.dtype)
 
 
+def write_kv(pool, layer: int, slots, new, page_size: int):
+    """pool [L, N, KV, page, hd] with new [T, KV, hd] at the flat slots, in place: the kernel
+    writes 16-bit pools without XLA:CPU's float32 round trip of the whole pool."""
+    return jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0})(
+        pool, slots, new.astype(jnp.float32), layer=np.int64(layer))
+
+
 def kernel_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: float,
                      softcap=None):
     """The backend's `attend`."""
@@ -65,4 +74,4 @@ def kernel_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: fl
 
 
 CPU_PAGED_KERNEL = AttentionBackend("cpu_paged_kernel", token_row_specs, build_token_rows,
-                                    kernel_attention)
+                                    kernel_attention, write_kv)

@@ -29,7 +29,8 @@ log = logging.getLogger("maxjax.kernels")
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 TARGET = "maxjax_int8_linear"
 # each source under graphs/kernels, and the FFI targets it defines: built into one library
-SOURCES = {"int8_linear.cc": (TARGET,), "paged_attention.cc": ("maxjax_paged_attention",)}
+SOURCES = {"int8_linear.cc": (TARGET,),
+           "paged_attention.cc": ("maxjax_paged_attention", "maxjax_write_kv")}
 TARGETS = tuple(t for targets in SOURCES.values() for t in targets)
 INT8_LINEAR = "int8_linear"      # the name artifacts record (model fingerprint `kernels`)
 TILE = 64

@@ -2,7 +2,8 @@
 NumPy reference (float64 softmax over each row's pages laid end to end) and against the
 query-block algorithm it replaces, on random ragged steps: decodes, prefill chunks longer than a
 tile, mixed buckets with padding tokens, GQA and MHA, sliding windows, softcapping, bfloat16 /
-float16 pools. Every pool slot no row may read holds NaN, so a read of one shows. Then an engine on
+float16 pools. Every pool slot no row may read holds NaN, so a read of one shows. Its K/V write
+gives the bits of XLA's scatter. Then an engine on
 tests/tiny_llama.py with the flag: the layout picks the kernel, greedy tokens equal the query-block
 engine's, nothing compiles while serving, and its artifacts serve again and are refused, naming
 the flag, by a run without it. Skipped where the kernels cannot be built."""
@@ -113,6 +114,22 @@ def test_kernel_equals_numpy_and_query_blocks(case):
     # the query-block algorithm multiplies masked slots by 0, so it needs them finite
     blocks = run(attention.QUERY_BLOCKS, jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool))
     np.testing.assert_allclose(got[:n], blocks[:n], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_write_kv_equals_xla_scatter(dtype):
+    """The kernel's in-place K/V write gives the bits of graphs/layers.py's scatter (XLA's own
+    rounding to 16 bits), slot 0 of the scratch page included."""
+    from maxjax.graphs import cpu_attention, layers
+    rng = np.random.default_rng(3)
+    pool = rng.standard_normal((LAYERS, 9, 3, 8, 32)).astype(np.float32)
+    slots = jnp.asarray(np.r_[rng.permutation(np.arange(8, 72))[:11], 0, 0].astype(np.int32))
+    new = jnp.asarray(rng.standard_normal((13, 3, 32)) * 50, jnp.float32)
+    want = jax.jit(lambda p: layers.write_kv(p, LAYER, slots, new, 8))(jnp.asarray(pool, dtype))
+    got = jax.jit(lambda p: cpu_attention.write_kv(p, LAYER, slots, new, 8),
+                  donate_argnums=0)(jnp.asarray(pool, dtype))
+    assert got.dtype == dtype
+    assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
 def test_metadata():

@@ -119,7 +119,16 @@ void attend_item(const Call& c, const Item& it, float* scratch) {
     const int64_t off = ((c.layer * c.N + pg) * c.KV + it.kvh) * page * hd;
     const T* kp = kbase + off;
     const T* vp = vbase + off;
+    // A page is a few KB at another address: prefetch this page's V and the next page's K
+    // while the scores are computed (the hardware prefetcher stops at each 4 KB boundary).
+    const int64_t pn = pi < last ? pages[pi + 1] : -1;
+    const T* kn = pn >= 0 && pn < c.N ? kbase + ((c.layer * c.N + pn) * c.KV + it.kvh) * page * hd
+                                     : nullptr;
     for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t b = 0; b < hd * int64_t(sizeof(T)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(vp + j * hd) + b, _MM_HINT_T0);
+        if (kn) _mm_prefetch(reinterpret_cast<const char*>(kn + j * hd) + b, _MM_HINT_T0);
+      }
       __m512 kv[HV];
       for (int v = 0; v < HV; ++v) kv[v] = E::load(kp + j * hd + 16 * v);
       for (int64_t m = 0; m < M; ++m) {
@@ -270,7 +279,67 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
+inline uint16_t to_bf16(float x) {     // round to nearest even, as XLA's convert
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((b >> 16) | 0x40);   // NaN stays NaN
+  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+}
+
+// pool[layer, slot / page, :, slot % page] = new[t] for each token t (the pool aliases the
+// result: written in place). XLA:CPU writes 16-bit pools by converting the whole pool to
+// float32 and back, per layer.
+ffi::Error WriteKV(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> fresh,
+                   int64_t layer, ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions(), nd = fresh.dimensions();
+  if (pd.size() != 5 || nd.size() != 3 || nd[1] != pd[2] || nd[2] != pd[4] || pd[4] % 16 ||
+      layer < 0 ||
+      layer >= pd[0] || out->untyped_data() != pool.untyped_data())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "write_kv: shapes or aliasing");
+  const int64_t N = pd[1], KV = pd[2], page = pd[3], hd = pd[4], T = nd[0];
+  const auto type = pool.element_type();
+  const int32_t* sp = slots.typed_data();
+  const float* src = fresh.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t], pg = slot / page, off = slot % page;
+    if (slot < 0 || pg >= N) continue;
+    for (int64_t h = 0; h < KV; ++h) {
+      const int64_t dst = (((layer * N + pg) * KV + h) * page + off) * hd;
+      const float* x = src + (t * KV + h) * hd;
+      switch (type) {
+        case ffi::DataType::F32:
+          std::memcpy(static_cast<float*>(out->untyped_data()) + dst, x, hd * 4);
+          break;
+        case ffi::DataType::BF16: {
+          uint16_t* d = static_cast<uint16_t*>(out->untyped_data()) + dst;
+          for (int64_t i = 0; i < hd; ++i) d[i] = to_bf16(x[i]);
+          break;
+        }
+        case ffi::DataType::F16: {
+          uint16_t* d = static_cast<uint16_t*>(out->untyped_data()) + dst;
+          for (int64_t i = 0; i < hd; i += 16)      // hd % 16 == 0, checked above
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(x + i),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          break;
+        }
+        default:
+          return ffi::Error(ffi::ErrorCode::kInvalidArgument, "write_kv: pool dtype");
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_write_kv, WriteKV,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_paged_attention, PagedAttention,
                               ffi::Ffi::Bind()
