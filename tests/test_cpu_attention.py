@@ -84,7 +84,7 @@ CASES = {   # name: (kind, page, H, KV, head_dim, T, R, pages per row, window, s
     "decode_gqa3": ("decode", 16, 9, 3, 64, 8, 8, 5, 0, None, jnp.float32),
     "prefill_gqa2_page8": ("prefill", 8, 4, 2, 16, 96, 3, 12, 0, None, jnp.float32),
     "mixed_padding_window": ("mixed", 16, 6, 2, 32, 64, 8, 6, 21, None, jnp.float32),
-    "mixed_mha_softcap": ("mixed", 32, 2, 2, 64, 48, 4, 3, 0, 5.0, jnp.float32),
+    "mixed_mha_softcap_hd256": ("mixed", 32, 2, 2, 256, 48, 4, 3, 0, 5.0, jnp.float32),
     "prefill_window_page32": ("prefill", 32, 8, 1, 128, 64, 2, 4, 40, None, jnp.float32),
     "mixed_bf16_pool": ("mixed", 16, 6, 3, 64, 32, 6, 4, 0, None, jnp.bfloat16),
     "mixed_f16_pool_window": ("mixed", 16, 4, 2, 32, 32, 6, 4, 9, None, jnp.float16),

@@ -68,6 +68,25 @@ inline __mmask16 lanes(int64_t lo, int64_t hi, int64_t j) {   // lanes j + i wit
   return __mmask16(below & ~skip);
 }
 
+// lane i: the sum of v[i]'s 16 lanes (pairs, then quads, then 128-bit lanes added up)
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    __m512d c = _mm512_castps_pd(t[2 * k]), d = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 struct Item { int64_t t0, nt, kvh; };
 
 struct Call {
@@ -124,18 +143,23 @@ void attend_item(const Call& c, const Item& it, float* scratch) {
     const int64_t pn = pi < last ? pages[pi + 1] : -1;
     const T* kn = pn >= 0 && pn < c.N ? kbase + ((c.layer * c.N + pn) * c.KV + it.kvh) * page * hd
                                      : nullptr;
-    for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t j = 0; j < nk; ++j)
       for (int64_t b = 0; b < hd * int64_t(sizeof(T)); b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(vp + j * hd) + b, _MM_HINT_T0);
         if (kn) _mm_prefetch(reinterpret_cast<const char*>(kn + j * hd) + b, _MM_HINT_T0);
       }
-      __m512 kv[HV];
-      for (int v = 0; v < HV; ++v) kv[v] = E::load(kp + j * hd + 16 * v);
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {     // 16 keys' scores at once, per query
+      const int64_t n16 = std::min<int64_t>(16, nk - j0);
       for (int64_t m = 0; m < M; ++m) {
-        const float* qm = qs + m * hd;
-        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qm), kv[0]);
-        for (int v = 1; v < HV; ++v) d = _mm512_fmadd_ps(_mm512_loadu_ps(qm + 16 * v), kv[v], d);
-        s[m * page + j] = _mm512_reduce_add_ps(d);
+        __m512 q[HV], d[16];
+        for (int v = 0; v < HV; ++v) q[v] = _mm512_loadu_ps(qs + m * hd + 16 * v);
+        for (int jj = 0; jj < 16; ++jj) {
+          d[jj] = _mm512_setzero_ps();
+          if (jj < n16)
+            for (int v = 0; v < HV; ++v)
+              d[jj] = _mm512_fmadd_ps(q[v], E::load(kp + (j0 + jj) * hd + 16 * v), d[jj]);
+        }
+        _mm512_mask_storeu_ps(s + m * page + j0, lanes(0, n16, 0), sum16(d));
       }
     }
     for (int64_t m = 0; m < M; ++m) {
@@ -275,7 +299,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
       macs >= kThreadedWork ? std::min(pool.num_threads() - 1, n - 1) : 0;
   for (int64_t i = 0; i < tasks; ++i) pool.Schedule([work] { work->run(); });
   work->run();
-  while (work->done.load(std::memory_order_acquire) < n) _mm_pause();
+  // items a pool thread claimed and still runs (yield: on a busy machine it may need this core)
+  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   return ffi::Error::Success();
 }
 

@@ -123,7 +123,8 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
 
 
 def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | None) -> LoadedModel:
-    """--use-experimental-kernels: the int8 matrices packed for graphs/cpu_kernels.py."""
+    """--use-experimental-kernels: the int8 matrices packed for graphs/cpu_kernels.py (its
+    attention kernel is the layout's choice: maxjax/engine/core.py plan_layout)."""
     import dataclasses
 
     import jax
@@ -135,7 +136,8 @@ def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | No
     if why:
         raise UserError(f"--use-experimental-kernels: {why}")
     if model.dtype != "int8":
-        log.info("--use-experimental-kernels: no kernel for %s weights (only int8)", model.dtype)
+        log.info("--use-experimental-kernels: no linear kernel for %s weights (only int8); the "
+                 "attention kernel runs", model.dtype)
         return model
     return dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
 
