@@ -184,6 +184,8 @@ def model_fingerprint(model) -> dict:
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
                  "max_lora_rank", "platform", "attention", "kv_cache_format", "mesh")
+# engine fingerprint fields a flag chooses but does not set (named in a mismatch)
+ENGINE_FLAGS = {"attention": "--use-experimental-kernels"}
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
