@@ -74,8 +74,9 @@ def unavailable() -> str | None:
         os.makedirs(root, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
-        cmd = [compiler, "-O3", *[f"-m{f}" for f in CPU_FLAGS.values()], "-mfma", "-std=c++17", "-shared",
-               "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp, "-lpthread"]
+        cmd = [compiler, "-O3", *[f"-m{f}" for f in CPU_FLAGS.values()], "-mfma", "-std=c++17",
+               "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp,
+               "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             os.unlink(tmp)
