@@ -32,7 +32,7 @@ class AttentionBackend:
     metadata_specs: Callable[[int, int], Any]                 # (T, R) -> ShapeDtypeStructs
     build_metadata: Callable[[Sequence, int, int], Any]       # (rows, T, R) -> numpy pytree
     attend: Callable    # (q, k_pool, v_pool, layer, step, window, scale, softcap) -> [T, H, hd]
-    write_kv: Callable | None = None    # (pool, layer, slots, new, page_size); None: layers.write_kv
+    write_kv: Callable | None = None    # (pool, layer, slots, new, page) -> pool; None: XLA scatter
 
 
 @jax.tree_util.register_dataclass

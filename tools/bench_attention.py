@@ -89,7 +89,8 @@ def int8_steps(rows_list, kv_formats, iters: int) -> None:
     from maxjax.models.loader import load_model
     model = load_model(None, "int8", progress=False)
     params = cpu_kernels.pack_params(model.params)
-    backends = {"query_blocks": attention.QUERY_BLOCKS, "cpu kernel": cpu_attention.CPU_PAGED_KERNEL}
+    backends = {"query_blocks": attention.QUERY_BLOCKS,
+                "cpu kernel": cpu_attention.CPU_PAGED_KERNEL}
     print("| SmolLM2 int8 + int8 kernel decode step, 256 context | KV | query_blocks ms | "
           "cpu kernel ms | speed-up | greedy tokens equal |")
     print("|---|---|---:|---:|---:|---:|")

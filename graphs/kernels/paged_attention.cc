@@ -191,15 +191,16 @@ void attend_item(const Call& c, const Item& it, float* scratch) {
       mx[m] = m_new;
       if (corr != 1.0f) {
         const __m512 cv = _mm512_set1_ps(corr);
-        for (int v = 0; v < HV; ++v)
-          _mm512_storeu_ps(acc + m * hd + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + m * hd + 16 * v), cv));
+        for (float* a = acc + m * hd; a < acc + (m + 1) * hd; a += 16)
+          _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), cv));
       }
     }
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min<int64_t>(MB, M - m0);
       __m512 a[MB][HV];
       for (int b = 0; b < MB; ++b)
-        if (b < mb) for (int v = 0; v < HV; ++v) a[b][v] = _mm512_loadu_ps(acc + (m0 + b) * hd + 16 * v);
+        if (b < mb)
+          for (int v = 0; v < HV; ++v) a[b][v] = _mm512_loadu_ps(acc + (m0 + b) * hd + 16 * v);
       for (int64_t j = 0; j < nk; ++j) {
         __m512 vv[HV];
         for (int v = 0; v < HV; ++v) vv[v] = E::load(vp + j * hd + 16 * v);
@@ -210,7 +211,8 @@ void attend_item(const Call& c, const Item& it, float* scratch) {
         }
       }
       for (int b = 0; b < MB; ++b)
-        if (b < mb) for (int v = 0; v < HV; ++v) _mm512_storeu_ps(acc + (m0 + b) * hd + 16 * v, a[b][v]);
+        if (b < mb)
+          for (int v = 0; v < HV; ++v) _mm512_storeu_ps(acc + (m0 + b) * hd + 16 * v, a[b][v]);
     }
   }
   for (int64_t m = 0; m < M; ++m) {
