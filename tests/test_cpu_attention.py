@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxjax.errors import UserError
 from maxjax.graphs import attention, cpu_kernels
 from maxjax.graphs.cpu_attention import CPU_PAGED_KERNEL, TokenRows, supports_head_dim
 from maxjax.graphs.step import RowSlice, build_step_inputs
+from kernel_checks import kernels_engine_round_trip
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                 reason=f"CPU kernels: {cpu_kernels.unavailable()}")
@@ -158,19 +158,9 @@ def tiny(tmp_path_factory):
 
 
 def test_engine_equals_query_blocks_and_artifacts(tiny, tmp_path):
-    from maxjax.aot.export import export_engine
     from maxjax.engine.types import SamplingParams
     from maxjax.llm import LLM
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in LLM(tiny, **ENGINE).generate(PROMPTS, greedy)]
-    llm = LLM(tiny, use_experimental_kernels=True, **ENGINE)
+    llm = kernels_engine_round_trip(tiny, ENGINE, PROMPTS, greedy, want, tmp_path / "art")
     assert llm.core.layout.attention == CPU_PAGED_KERNEL.name
-    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
-    assert llm.core.step_compiles == 0
-    export_engine(str(tmp_path / "art"), llm.core)
-    again = LLM(tiny, use_experimental_kernels=True, precompiled_artifacts=[str(tmp_path / "art")],
-                **ENGINE)
-    assert [o.token_ids for o in again.generate(PROMPTS, greedy)] == want
-    assert again.core.step_compiles == 0
-    with pytest.raises(UserError, match="--use-experimental-kernels"):
-        LLM(tiny, precompiled_artifacts=[str(tmp_path / "art")], **ENGINE)

@@ -10,6 +10,7 @@ digest reads source files.
 from __future__ import annotations
 
 import ast
+import glob
 import hashlib
 import json
 import logging
@@ -137,6 +138,10 @@ def graph_code(root: str) -> dict[str, str]:
         if path is not None:
             files[name] = path
             todo.extend(_imports(root, name, path))
+    kernels = files.get("maxjax.graphs.cpu_kernels")
+    if kernels:             # the C++ it builds into the graphs' custom calls
+        for src in sorted(glob.glob(os.path.join(os.path.dirname(kernels), "kernels", "*.cc"))):
+            files[f"maxjax.graphs.kernels/{os.path.basename(src)}"] = src
     return files
 
 
