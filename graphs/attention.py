@@ -3,7 +3,8 @@ for tracing, numpy arrays built on the host for each step) plus its `attend` fun
 
 `backend_for(platform)` picks the backend; the step carries its metadata as `StepInputs.attn`,
 and `attend` dispatches on the backend that metadata names, so the decoder never names a kernel.
-The CPU runs the query-block algorithm below (written for XLA:CPU); CUDA runs the Pallas kernel
+The CPU runs the query-block algorithm below (written for XLA:CPU), or with
+--use-experimental-kernels the FFI kernel of graphs/cpu_attention.py; CUDA runs the Pallas kernel
 of graphs/pallas_attention.py over the same kind of blocks.
 
 Query blocks: each block holds up to B consecutive tokens of one row, so a row's K/V pages are
@@ -31,6 +32,7 @@ class AttentionBackend:
     metadata_specs: Callable[[int, int], Any]                 # (T, R) -> ShapeDtypeStructs
     build_metadata: Callable[[Sequence, int, int], Any]       # (rows, T, R) -> numpy pytree
     attend: Callable    # (q, k_pool, v_pool, layer, step, window, scale, softcap) -> [T, H, hd]
+    write_kv: Callable | None = None    # (pool, layer, slots, new, page) -> pool; None: XLA scatter
 
 
 @jax.tree_util.register_dataclass
@@ -178,6 +180,9 @@ def backend_named(name: str) -> AttentionBackend:
     if name not in BACKENDS and name == "pallas_paged":
         from maxjax.graphs.pallas_attention import PAGED_KERNEL
         BACKENDS[name] = PAGED_KERNEL
+    if name not in BACKENDS and name == "cpu_paged_kernel":
+        from maxjax.graphs.cpu_attention import CPU_PAGED_KERNEL
+        BACKENDS[name] = CPU_PAGED_KERNEL
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}")
     return BACKENDS[name]
@@ -187,6 +192,14 @@ def backend_for(platform: str | None = None) -> AttentionBackend:
     """The attention backend for a platform ("cpu", "cuda", ...; None: JAX's default)."""
     platform = platform or jax.default_backend()
     return backend_named("pallas_paged" if platform in KERNEL_PLATFORMS else "query_blocks")
+
+
+def write_kv(pool, layer: int, step, new, page_size: int):
+    """pool with this step's K (or V) `new` [T, KV, hd] written at the step's slots, as the
+    backend whose metadata the step holds writes it."""
+    from maxjax.graphs import layers
+    write = backend_named(step.attn.backend).write_kv or layers.write_kv
+    return write(pool, layer, step.slot_mapping, new, page_size)
 
 
 def attend(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):

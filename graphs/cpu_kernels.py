@@ -32,7 +32,8 @@ log = logging.getLogger("maxjax.kernels")
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 TARGET, TARGET4 = "maxjax_int8_linear", "maxjax_int4_linear"
 # each source under graphs/kernels, and the FFI targets it defines: built into one library
-SOURCES = {"quant_linear.cc": (TARGET, TARGET4)}
+SOURCES = {"quant_linear.cc": (TARGET, TARGET4),
+           "paged_attention.cc": ("maxjax_paged_attention", "maxjax_write_kv")}
 TARGETS = tuple(t for targets in SOURCES.values() for t in targets)
 # the names artifacts record (model fingerprint `kernels`)
 INT8_LINEAR, INT4_LINEAR = "int8_linear", "int4_linear"

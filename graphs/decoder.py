@@ -101,8 +101,8 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
             k = L.rms_norm(k, p["k_norm"], eps, plus1)
         cos, sin = rope[1] if cfg.layer_local_rope[layer] else rope[0]
         q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-        k_pool = L.write_kv(k_pool, layer, step.slot_mapping, k, page_size)
-        v_pool = L.write_kv(v_pool, layer, step.slot_mapping, v, page_size)
+        k_pool = attention.write_kv(k_pool, layer, step, k, page_size)
+        v_pool = attention.write_kv(v_pool, layer, step, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale)
         out = L.linear(attn.reshape(T, cfg.q_size), p["wo"], live=live)

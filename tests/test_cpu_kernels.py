@@ -14,6 +14,7 @@ from maxjax.errors import UserError
 from maxjax.graphs import cpu_kernels, quant
 from maxjax.models.loader import load_model
 from maxjax.models.quantize import pack_q4
+from kernel_checks import kernels_engine_round_trip
 from paged_harness import paged_greedy
 from reference import assert_logits_close
 from tiny_llama import write_tiny_llama
@@ -90,24 +91,13 @@ def test_tiny_model_greedy_equals_reference(tiny):
 
 
 def test_engine_and_artifacts(tiny, tmp_path):
-    from maxjax.aot.export import export_engine
     from maxjax.engine.types import SamplingParams
-    from maxjax.llm import LLM
     engine = dict(max_batch_size=2, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
                   kv_cache_page_size=8, compile_cache=False)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    llm = LLM(tiny, use_experimental_kernels=True, **engine)
+    want = [ref.greedy(tiny.config, tiny.params, p, NEW_TOKENS)[1] for p in PROMPTS]
+    llm = kernels_engine_round_trip(tiny, engine, PROMPTS, greedy, want, tmp_path / "art")
     assert cpu_kernels.kernels_of(llm.core.model.params) == [cpu_kernels.INT8_LINEAR]
-    outs = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
-    assert outs == [ref.greedy(tiny.config, tiny.params, p, NEW_TOKENS)[1] for p in PROMPTS]
-    assert llm.core.step_compiles == 0
-    export_engine(str(tmp_path / "art"), llm.core)
-    again = LLM(tiny, use_experimental_kernels=True, precompiled_artifacts=[str(tmp_path / "art")],
-                **engine)
-    assert [o.token_ids for o in again.generate(PROMPTS, greedy)] == outs
-    assert again.core.step_compiles == 0
-    with pytest.raises(UserError, match="--use-experimental-kernels"):
-        LLM(tiny, precompiled_artifacts=[str(tmp_path / "art")], **engine)
 
 
 def test_refused_where_it_cannot_run(tiny):

@@ -166,8 +166,10 @@ static void run_cols(const Call& c, int64_t c0, int64_t c1) {
 
 // A call shares its column tiles with XLA's intra-op threads when one thread would take at least
 // this long (weights read at ~17 GB/s or ~110 G multiply-adds/s per thread, measured here):
-// shorter calls lose more waiting for a pool thread to wake than they gain.
-static constexpr double kThreadedMicros = 100;
+// shorter calls lose more waiting for a pool thread to wake than they gain. 10 us measured best
+// on a quiet machine (100: the one-row step 1.10x slower); on cores other work keeps busy,
+// threads can lose.
+static constexpr double kThreadedMicros = 10;
 
 template <bool INT4>
 struct Shared {        // heap-held: a pool task may start after the call has returned

@@ -113,8 +113,9 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         run_fp = mf.engine_fingerprint(this, engine_cfg, model.dtype)
         for k in mf.ENGINE_FIELDS:
             if run_fp[k] != pinned.get(k):
-                raise UserError(f"{m.path}: engine {k}: artifacts {pinned.get(k)}, this run "
-                                f"{run_fp[k]}; recreate with: {fix(None)}")
+                flag = f" ({mf.ENGINE_FLAGS[k]})" if k in mf.ENGINE_FLAGS else ""
+                raise UserError(f"{m.path}: engine {k}{flag}: artifacts {pinned.get(k)}, this "
+                                f"run {run_fp[k]}; pass the same, or recreate with: {fix(None)}")
         _check_graphs(m, graphs.graph_specs(model, this), graphs.pool_specs(model, this), fix(None))
         layout = layout or this
         manifests.append(m)

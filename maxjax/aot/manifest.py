@@ -10,6 +10,7 @@ digest reads source files.
 from __future__ import annotations
 
 import ast
+import glob
 import hashlib
 import json
 import logging
@@ -137,6 +138,10 @@ def graph_code(root: str) -> dict[str, str]:
         if path is not None:
             files[name] = path
             todo.extend(_imports(root, name, path))
+    kernels = files.get("maxjax.graphs.cpu_kernels")
+    if kernels:             # the C++ it builds into the graphs' custom calls
+        for src in sorted(glob.glob(os.path.join(os.path.dirname(kernels), "kernels", "*.cc"))):
+            files[f"maxjax.graphs.kernels/{os.path.basename(src)}"] = src
     return files
 
 
@@ -184,6 +189,8 @@ def model_fingerprint(model) -> dict:
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
                  "max_lora_rank", "platform", "attention", "kv_cache_format", "mesh")
+# engine fingerprint fields a flag chooses but does not set (named in a mismatch)
+ENGINE_FLAGS = {"attention": "--use-experimental-kernels"}
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",

@@ -126,7 +126,8 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
 
 
 def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | None) -> LoadedModel:
-    """--use-experimental-kernels: the quantized matrices packed for graphs/cpu_kernels.py."""
+    """--use-experimental-kernels: the quantized matrices packed for graphs/cpu_kernels.py (its
+    attention kernel is the layout's choice: maxjax/engine/core.py plan_layout)."""
     import dataclasses
 
     import jax
@@ -139,8 +140,8 @@ def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | No
         raise UserError(f"--use-experimental-kernels: {why}")
     from maxjax.models.quantize import Q4_TYPES
     if model.dtype != "int8" and model.dtype not in Q4_TYPES:
-        log.info("--use-experimental-kernels: no kernel for %s weights (only int8 and 4-bit)",
-                 model.dtype)
+        log.info("--use-experimental-kernels: no linear kernel for %s weights (only int8 and "
+                 "4-bit); the attention kernel runs", model.dtype)
         return model
     return dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
 

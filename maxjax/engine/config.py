@@ -65,8 +65,9 @@ class EngineConfig:
         "help": "Let JSON grammars accept any whitespace between tokens (default: compact JSON, "
                 "so a model cannot run on with spaces until max_tokens)"})
     use_experimental_kernels: bool = field(default=False, metadata={
-        "help": "Run int8 weights through maxjax's own CPU kernel (AVX-512, built with g++ on "
-                "first use; one device): 2x faster batch-1 decode, weight-only int8 arithmetic"})
+        "help": "Run int8 weights and paged attention through maxjax's own CPU kernels "
+                "(AVX-512, built with g++ on first use; one device): 2x faster batch-1 decode, "
+                "weight-only int8 arithmetic"})
     enable_lora: bool = field(default=False, metadata={
         "help": "Serve LoRA adapters: a request's `model` names one (--lora-paths, or loaded at "
                 "run time with POST /v1/load_lora_adapter)"})

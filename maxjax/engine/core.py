@@ -93,6 +93,8 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
             raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {why}")
         if not kernel.supports_head_dim(mc.head_dim):
             attention = backend_for_platform("cpu")
+    elif cfg.use_experimental_kernels and platform == "cpu":
+        attention = cpu_kernel_attention(mc.head_dim) or attention
     max_length = resolve_max_length(cfg, mc)
     kv_dtype = cfg.kv_cache_format or np.dtype(model.compute_dtype).name
     if kv_dtype not in KV_CACHE_FORMATS:
@@ -122,6 +124,17 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
                         "(raise --device-memory-utilization or set --num-kv-pages)")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
                         attention.name, report, *lora_shape(cfg), kv_dtype, mesh)
+
+
+def cpu_kernel_attention(head_dim: int):
+    """--use-experimental-kernels' attention backend (graphs/cpu_attention.py), or None where it
+    cannot run: the kernels do not build here (the int8 side refuses the flag then, naming
+    why), or a head size it has no instantiation for (the query-block algorithm runs)."""
+    from maxjax.graphs import cpu_attention, cpu_kernels
+    from maxjax.graphs.attention import backend_named
+    if cpu_kernels.unavailable() is not None or not cpu_attention.supports_head_dim(head_dim):
+        return None
+    return backend_named(cpu_attention.CPU_PAGED_KERNEL.name)
 
 
 def lora_shape(cfg: EngineConfig) -> tuple[int, int]:

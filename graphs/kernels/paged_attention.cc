@@ -1,0 +1,384 @@
+// The CPU paged attention of --use-experimental-kernels (graphs/cpu_attention.py): causal
+// attention of each token over its row's KV pages, with GQA, a sliding window and softcapping.
+//   q [T, H, hd] float32; k_pool, v_pool [L, N, KV, page, hd] float32, bfloat16 or float16;
+//   page_table [R, P]; token_row [T] (-1: padding, output zeros, reads nothing); positions [T].
+// A work item is (up to kTileTokens consecutive tokens of one row, one KV head): its
+// tokens x G query heads share every K/V page load. Scores are dot products over hd (keys in
+// the page), the softmax is online over pages in float32, P x V broadcasts each probability
+// over a row of V. AVX-512F. Large calls spread their items over XLA's intra-op thread pool.
+#include <immintrin.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+#include "xla/ffi/api/ffi.h"
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTileTokens = 16;
+// Below this many multiply-adds a call stays on the calling thread (tools/bench_attention.py).
+constexpr int64_t kThreadedWork = int64_t(1) << 20;
+
+struct F32 {
+  using T = float;
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+};
+struct BF16 {
+  using T = uint16_t;
+  static __m512 load(const uint16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+};
+struct F16 {
+  using T = uint16_t;
+  static __m512 load(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+
+// exp(x) for x <= 0: 2^n exp(r), r = x - n ln2 (Cody-Waite), exp(r) by its degree-7 Taylor
+// polynomial (|r| <= ln2 / 2: relative error < 1e-7).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 lanes(int64_t lo, int64_t hi, int64_t j) {   // lanes j + i with lo <= j + i < hi
+  uint32_t below = hi - j >= 16 ? 0xFFFFu : hi - j <= 0 ? 0u : (1u << (hi - j)) - 1;
+  uint32_t skip = lo - j <= 0 ? 0u : lo - j >= 16 ? 0xFFFFu : (1u << (lo - j)) - 1;
+  return __mmask16(below & ~skip);
+}
+
+// lane i: the sum of v[i]'s 16 lanes (pairs, then quads, then 128-bit lanes added up)
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    __m512d c = _mm512_castps_pd(t[2 * k]), d = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+struct Item { int64_t t0, nt, kvh; };
+
+struct Call {
+  const float* q; const void* k; const void* v; const int32_t* page_table;
+  const int32_t* token_row; const int32_t* pos; float* out;
+  int64_t T, H, KV, hd, N, page, R, P, layer, window;
+  float scale, softcap;
+  std::vector<Item> items;
+  int64_t scratch_floats() const {
+    int64_t M = kTileTokens * (H / KV);
+    return 2 * M * hd + M * page + 2 * M + 16;
+  }
+};
+
+// One work item: M = nt x G queries against the row's visible pages of KV head `kvh`.
+template <class E, int HV>
+void attend_item(const Call& c, const Item& it, float* scratch) {
+  using T = typename E::T;
+  constexpr int hd = 16 * HV;
+  constexpr int MB = std::max(1, std::min(8, 24 / HV));     // P x V rows held in registers
+  const int64_t G = c.H / c.KV, M = it.nt * G, page = c.page;
+  float* qs = scratch;              // [M, hd] scaled queries
+  float* acc = qs + M * hd;         // [M, hd]
+  float* s = acc + M * hd;          // [M, page] scores, then probabilities
+  float* mx = s + M * page;         // [M] running max
+  float* l = mx + M;                // [M] running sum
+  int64_t lo_pos = std::numeric_limits<int64_t>::max(), hi_pos = -1;
+  for (int64_t i = 0; i < it.nt; ++i) {
+    int64_t p = c.pos[it.t0 + i];
+    lo_pos = std::min(lo_pos, p);
+    hi_pos = std::max(hi_pos, p);
+    const float* src = c.q + ((it.t0 + i) * c.H + it.kvh * G) * hd;
+    for (int64_t x = 0; x < G * hd; ++x) qs[i * G * hd + x] = src[x] * c.scale;
+  }
+  std::fill(acc, acc + M * hd, 0.0f);
+  std::fill(l, l + M, 0.0f);
+  std::fill(mx, mx + M, -std::numeric_limits<float>::infinity());
+  const int64_t row = c.token_row[it.t0];
+  const int32_t* pages = c.page_table + row * c.P;
+  int64_t first = c.window ? std::max<int64_t>(0, lo_pos - c.window + 1) / page : 0;
+  int64_t last = std::min(hi_pos / page, c.P - 1);
+  const T* kbase = static_cast<const T*>(c.k);
+  const T* vbase = static_cast<const T*>(c.v);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t pi = first; pi <= last; ++pi) {
+    int64_t pg = pages[pi];
+    if (pg < 0 || pg >= c.N) continue;
+    const int64_t k0 = pi * page, nk = std::min(page, hi_pos - k0 + 1);
+    const int64_t off = ((c.layer * c.N + pg) * c.KV + it.kvh) * page * hd;
+    const T* kp = kbase + off;
+    const T* vp = vbase + off;
+    // A page is a few KB at another address: prefetch this page's V and the next page's K
+    // while the scores are computed (the hardware prefetcher stops at each 4 KB boundary).
+    const int64_t pn = pi < last ? pages[pi + 1] : -1;
+    const T* kn = pn >= 0 && pn < c.N ? kbase + ((c.layer * c.N + pn) * c.KV + it.kvh) * page * hd
+                                     : nullptr;
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t b = 0; b < hd * int64_t(sizeof(T)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(vp + j * hd) + b, _MM_HINT_T0);
+        if (kn) _mm_prefetch(reinterpret_cast<const char*>(kn + j * hd) + b, _MM_HINT_T0);
+      }
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {     // 16 keys' scores at once, per query
+      const int64_t n16 = std::min<int64_t>(16, nk - j0);
+      for (int64_t m = 0; m < M; ++m) {
+        __m512 q[HV], d[16];
+        for (int v = 0; v < HV; ++v) q[v] = _mm512_loadu_ps(qs + m * hd + 16 * v);
+        for (int jj = 0; jj < 16; ++jj) {
+          d[jj] = _mm512_setzero_ps();
+          if (jj < n16)
+            for (int v = 0; v < HV; ++v)
+              d[jj] = _mm512_fmadd_ps(q[v], E::load(kp + (j0 + jj) * hd + 16 * v), d[jj]);
+        }
+        _mm512_mask_storeu_ps(s + m * page + j0, lanes(0, n16, 0), sum16(d));
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float* sr = s + m * page;
+      const int64_t qp = c.pos[it.t0 + m / G];
+      const int64_t hi = std::min(nk, qp - k0 + 1);
+      const int64_t lo = c.window ? std::max<int64_t>(0, qp - c.window + 1 - k0) : 0;
+      if (hi <= lo) {                // no key of this page is visible to this query
+        std::fill(sr, sr + nk, 0.0f);
+        continue;
+      }
+      if (c.softcap > 0)
+        for (int64_t j = lo; j < hi; ++j) sr[j] = c.softcap * std::tanh(sr[j] / c.softcap);
+      __m512 vmax = neg_inf;
+      for (int64_t j = 0; j < nk; j += 16)
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, lanes(lo, hi, j), sr + j));
+      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax));
+      const float corr = std::exp(mx[m] - m_new);
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nk; j += 16) {
+        __mmask16 keep = lanes(lo, hi, j);
+        __m512 p = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(
+            _mm512_maskz_loadu_ps(keep, sr + j), mv)));
+        sum = _mm512_add_ps(sum, p);
+        _mm512_mask_storeu_ps(sr + j, lanes(0, nk, j), p);
+      }
+      l[m] = l[m] * corr + _mm512_reduce_add_ps(sum);
+      mx[m] = m_new;
+      if (corr != 1.0f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (float* a = acc + m * hd; a < acc + (m + 1) * hd; a += 16)
+          _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), cv));
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = std::min<int64_t>(MB, M - m0);
+      __m512 a[MB][HV];
+      for (int b = 0; b < MB; ++b)
+        if (b < mb)
+          for (int v = 0; v < HV; ++v) a[b][v] = _mm512_loadu_ps(acc + (m0 + b) * hd + 16 * v);
+      for (int64_t j = 0; j < nk; ++j) {
+        __m512 vv[HV];
+        for (int v = 0; v < HV; ++v) vv[v] = E::load(vp + j * hd + 16 * v);
+        for (int b = 0; b < MB; ++b) {
+          if (b >= mb) break;
+          const __m512 p = _mm512_set1_ps(s[(m0 + b) * page + j]);
+          for (int v = 0; v < HV; ++v) a[b][v] = _mm512_fmadd_ps(p, vv[v], a[b][v]);
+        }
+      }
+      for (int b = 0; b < MB; ++b)
+        if (b < mb)
+          for (int v = 0; v < HV; ++v) _mm512_storeu_ps(acc + (m0 + b) * hd + 16 * v, a[b][v]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float inv = l[m] > 0 ? 1.0f / l[m] : 0.0f;      // no visible key: zeros
+    float* dst = c.out + ((it.t0 + m / G) * c.H + it.kvh * G + m % G) * hd;
+    for (int64_t d = 0; d < hd; ++d) dst[d] = acc[m * hd + d] * inv;
+  }
+}
+
+using ItemFn = void (*)(const Call&, const Item&, float*);
+
+template <class E>
+ItemFn item_fn(int64_t hd) {
+  switch (hd / 16) {
+    case 1: return attend_item<E, 1>;
+    case 2: return attend_item<E, 2>;
+    case 4: return attend_item<E, 4>;
+    case 6: return attend_item<E, 6>;
+    case 8: return attend_item<E, 8>;
+    case 16: return attend_item<E, 16>;
+    default: return nullptr;
+  }
+}
+
+// Shared by the caller and the pool's tasks; a task that starts after every item is claimed
+// (or never starts) touches nothing but this.
+struct Work {
+  Call call;
+  ItemFn fn;
+  std::atomic<int64_t> next{0}, done{0};
+  void run() {
+    std::vector<float> scratch;
+    const int64_t n = static_cast<int64_t>(call.items.size());
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      if (scratch.empty()) scratch.resize(call.scratch_floats());
+      fn(call, call.items[i], scratch.data());
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> page_table,
+                          ffi::Buffer<ffi::S32> token_row, ffi::Buffer<ffi::S32> positions,
+                          int64_t layer, int64_t window, float scale, float softcap,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), pd = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "paged attention: ranks");
+  auto work = std::make_shared<Work>();
+  Call& c = work->call;
+  c.T = qd[0]; c.H = qd[1]; c.hd = qd[2];
+  c.N = kd[1]; c.KV = kd[2]; c.page = kd[3]; c.R = pd[0]; c.P = pd[1];
+  c.layer = layer; c.window = window; c.scale = scale; c.softcap = softcap;
+  if (kd[4] != c.hd || c.H % c.KV || layer < 0 || layer >= kd[0] ||
+      k.element_type() != v.element_type())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "paged attention: shapes");
+  switch (k.element_type()) {
+    case ffi::DataType::F32: work->fn = item_fn<F32>(c.hd); break;
+    case ffi::DataType::BF16: work->fn = item_fn<BF16>(c.hd); break;
+    case ffi::DataType::F16: work->fn = item_fn<F16>(c.hd); break;
+    default: work->fn = nullptr;
+  }
+  if (work->fn == nullptr)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "paged attention: pool dtype or head_dim");
+  c.q = q.typed_data(); c.k = k.untyped_data(); c.v = v.untyped_data();
+  c.page_table = page_table.typed_data(); c.token_row = token_row.typed_data();
+  c.pos = positions.typed_data(); c.out = out->typed_data();
+  int64_t macs = 0;
+  for (int64_t t = 0; t < c.T;) {
+    const int64_t row = c.token_row[t];
+    if (row < 0 || row >= c.R) {       // padding: zeros
+      std::fill(c.out + t * c.H * c.hd, c.out + (t + 1) * c.H * c.hd, 0.0f);
+      ++t;
+      continue;
+    }
+    int64_t nt = 1;
+    while (nt < kTileTokens && t + nt < c.T && c.token_row[t + nt] == row) ++nt;
+    const int64_t keys = c.pos[t + nt - 1] + 1;
+    for (int64_t h = 0; h < c.KV; ++h) c.items.push_back({t, nt, h});
+    macs += 2 * keys * nt * c.H * c.hd;
+    t += nt;
+  }
+  const int64_t n = static_cast<int64_t>(c.items.size());
+  const int64_t tasks =
+      macs >= kThreadedWork ? std::min(pool.num_threads() - 1, n - 1) : 0;
+  for (int64_t i = 0; i < tasks; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  // items a pool thread claimed and still runs (yield: on a busy machine it may need this core)
+  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+inline uint16_t to_bf16(float x) {     // round to nearest even, as XLA's convert
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((b >> 16) | 0x40);   // NaN stays NaN
+  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+}
+
+// pool[layer, slot / page, :, slot % page] = new[t] for each token t (the pool aliases the
+// result: written in place). XLA:CPU writes 16-bit pools by converting the whole pool to
+// float32 and back, per layer.
+ffi::Error WriteKV(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> fresh,
+                   int64_t layer, ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions(), nd = fresh.dimensions();
+  if (pd.size() != 5 || nd.size() != 3 || nd[1] != pd[2] || nd[2] != pd[4] || pd[4] % 16 ||
+      layer < 0 ||
+      layer >= pd[0] || out->untyped_data() != pool.untyped_data())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "write_kv: shapes or aliasing");
+  const int64_t N = pd[1], KV = pd[2], page = pd[3], hd = pd[4], T = nd[0];
+  const auto type = pool.element_type();
+  const int32_t* sp = slots.typed_data();
+  const float* src = fresh.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t], pg = slot / page, off = slot % page;
+    if (slot < 0 || pg >= N) continue;
+    for (int64_t h = 0; h < KV; ++h) {
+      const int64_t dst = (((layer * N + pg) * KV + h) * page + off) * hd;
+      const float* x = src + (t * KV + h) * hd;
+      switch (type) {
+        case ffi::DataType::F32:
+          std::memcpy(static_cast<float*>(out->untyped_data()) + dst, x, hd * 4);
+          break;
+        case ffi::DataType::BF16: {
+          uint16_t* d = static_cast<uint16_t*>(out->untyped_data()) + dst;
+          for (int64_t i = 0; i < hd; ++i) d[i] = to_bf16(x[i]);
+          break;
+        }
+        case ffi::DataType::F16: {
+          uint16_t* d = static_cast<uint16_t*>(out->untyped_data()) + dst;
+          for (int64_t i = 0; i < hd; i += 16)      // hd % 16 == 0, checked above
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(x + i),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          break;
+        }
+        default:
+          return ffi::Error(ffi::ErrorCode::kInvalidArgument, "write_kv: pool dtype");
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_write_kv, WriteKV,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_paged_attention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
