@@ -48,10 +48,12 @@ def read_bytes(params) -> int:
     return weight_bytes(params)
 
 
-def decode_case(model, params, r: int, context: int, page: int, kv_fmt, prefill: int = 0):
+def decode_case(model, params, r: int, context: int, page: int, kv_fmt, prefill: int = 0,
+                backend=None):
     """(compiled step_program, KV pool, step inputs, sampling arrays) of a decode step of `r`
     rows with `context` tokens cached each, greedy, on `params` (`model`'s, or a variant); with
-    `prefill`, one more row prefilling that many prompt tokens (a mixed step, as serving has)."""
+    `prefill`, one more row prefilling that many prompt tokens (a mixed step, as serving has).
+    `backend`: the attention backend (None: this platform's)."""
     cfg = model.config
     per_row = -(-(context + 1) // page)
     rows = [RowSlice([5], context, list(range(1 + per_row * i, 1 + per_row * (i + 1))))
@@ -64,7 +66,7 @@ def decode_case(model, params, r: int, context: int, page: int, kv_fmt, prefill:
     pow2 = lambda n: 1 << (n - 1).bit_length()         # noqa: E731
     tokens, num_rows = pow2(r + prefill), pow2(len(rows))
     kv = decoder.init_kv(cfg, pages, page, kv_fmt)
-    st = build_step_inputs(rows, tokens, num_rows, 4096 // page, page)
+    st = build_step_inputs(rows, tokens, num_rows, 4096 // page, page, backend=backend)
     sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * num_rows,
                                         num_rows, 4096, vocab_size=cfg.vocab_size)
     fn = jax.jit(lambda p, kv, s, a: step_program(model.arch, cfg, 20, p, kv, s, a),
@@ -85,15 +87,18 @@ def main():
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="one more row prefilling N prompt tokens in each step (a mixed step)")
     ap.add_argument("--kernel", action="store_true",
-                    help="also int8 through --use-experimental-kernels' CPU kernel")
+                    help="also each quantized encoding through --use-experimental-kernels' CPU "
+                         "kernels (the linears' and attention's)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="also trace each case and print its TOP graph functions by op time")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     page = args.page_size
     models = {e: load_model(None, e, progress=False) for e in args.encodings.split(",")}
-    if args.kernel:             # --use-experimental-kernels' packed weights, for each encoding
+    kernel_attention = None
+    if args.kernel:             # --use-experimental-kernels: packed weights, attention kernel
         from maxjax.graphs import cpu_kernels
+        from maxjax.graphs.cpu_attention import CPU_PAGED_KERNEL as kernel_attention
         if cpu_kernels.unavailable():
             raise SystemExit(f"--kernel: {cpu_kernels.unavailable()}")
         for enc in [e for e in models if e != "float32"]:
@@ -107,7 +112,8 @@ def main():
                 for digits in ([2, 1] if enc != "float32" and args.one_digit else [2]):
                     quant.DIGITS = digits
                     c, kv, st, sa = decode_case(model, model.params, r, args.context, page,
-                                                kv_fmt, args.prefill)
+                                                kv_fmt, args.prefill,
+                                                kernel_attention if "+kernel" in enc else None)
                     label = f"{enc} kv={kv_fmt} R={r}" + (" (1 digit)" if digits == 1 else "")
                     cases.append([label, c, model.params, kv, st, sa,
                                   read_bytes(model.params), r, []])
