@@ -28,7 +28,7 @@ class ChatOutput:
         self._in_calls = False
         self._sent_calls = 0
 
-    def feed(self, text: str, final: bool = False) -> list[dict]:
+    def feed(self, text: str, final: bool = False, truncated: bool = False) -> list[dict]:
         deltas = []
         if self.reasoning is not None:
             r, text = self.reasoning.feed(text, final)
@@ -46,11 +46,13 @@ class ChatOutput:
             self.content += out
             deltas.append({"content": out})
         if self._in_calls:
-            deltas += self._call_deltas(final)
+            deltas += self._call_deltas(final, truncated)
         return deltas
 
-    def finish(self) -> list[dict]:
-        return self.feed("", final=True)
+    def finish(self, truncated: bool = False) -> list[dict]:
+        """The rest; `truncated`: the output was cut (max_tokens), so an unfinished call at its
+        end is dropped, never sent as content."""
+        return self.feed("", final=True, truncated=truncated)
 
     def message(self) -> dict:
         msg = {"content": self.content or (None if self.tool_calls else "")}
@@ -87,21 +89,21 @@ class ChatOutput:
         self._pending = self._pending[len(out):]
         return out
 
-    def _call_deltas(self, final: bool) -> list[dict]:
+    def _call_deltas(self, final: bool, truncated: bool = False) -> list[dict]:
         if not final and self.tool_parser != "hermes":
             return []                 # whole-output formats are parsed at the end
         text = self._pending
-        if not final:                 # hermes: the calls closed so far
+        if not final or (truncated and self.tool_parser == "hermes"):   # the calls closed so far
             end = text.rfind("</tool_call>")
-            if end < 0:
-                return []
-            text = text[:end + len("</tool_call>")]
-        calls = parse_calls(self.tool_parser, text)
+            text = text[:end + len("</tool_call>")] if end >= 0 else ""
+        calls = parse_calls(self.tool_parser, text) if text else None
         if calls is None:
-            if final:                 # not calls after all: it was content
+            if final and not truncated:   # not calls after all: it was content
                 self.content += self._pending
                 out, self._pending = self._pending, ""
                 return [{"content": out}] if out else []
+            if final:
+                self._pending = ""
             return []
         deltas = []
         for i, call in enumerate(calls[self._sent_calls:], self._sent_calls):

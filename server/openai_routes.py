@@ -1,6 +1,7 @@
 """POST /v1/chat/completions and POST /v1/completions: request -> prompt token ids (chat
-template in the tokenizer thread) -> SamplingParams -> Generation -> JSON or SSE chunks.
-Registered by server/app.py."""
+template in the tokenizer thread) -> SamplingParams -> Generation -> JSON or SSE chunks; a chat
+turn runs in server/chat_run.py, as it does under the Responses and Messages routes. Also the SSE
+writer and the request acceptance every generation route shares. Registered by server/app.py."""
 from __future__ import annotations
 
 import asyncio
@@ -10,21 +11,18 @@ import uuid
 
 from aiohttp import web
 
-from maxjax.engine.types import SamplingParams, TokenLogprob, param_specs
+from maxjax.engine.types import TokenLogprob
 
-from .chat_output import ChatOutput
-from .chat_prompt import chat_prompt
-from .config import ServeConfig
+from .chat_run import ChatTurn
 from .generation import Generation
 from .openapi import describe
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_choice,
                        chat_chunk, chat_chunk_choice, chat_response, completion_choice,
                        completion_response, error_body, now, usage)
 from .responses import ChatCompletion, ChatCompletionChunk, Completion
+from .sampling_request import (COMPLETION_ERROR_NAMES, default_max_tokens, per_choice,
+                               sampling_params)
 from .state import STATE, ServerState, parse_request, read_json
-from .reasoning import grammar_start
-from .structured import grammar_spec
-from .tools import tool_setup
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -48,65 +46,6 @@ async def completion_prompts(st: ServerState, prompt) -> tuple[list[list[int]], 
     else:
         ids, texts = [list(p) for p in prompt], [None] * len(prompt)
     return ids, texts
-
-
-# ---- sampling parameters -------------------------------------------------------------------------
-
-def default_max_tokens(st: ServerState, prompts: list[list[int]], max_tokens: int | None) -> int:
-    """max_tokens, or what the longest prompt leaves of the maximum length (at least 1, so a
-    prompt that does not fit is the error the engine reports)."""
-    if max_tokens is not None:
-        return max_tokens
-    return max(st.engine.max_length - max(map(len, prompts)), 1)
-
-
-def sampling_params(cfg: ServeConfig, req, max_new: int, logprobs: bool, top_logprobs: int,
-                    prompt_logprobs: bool = False) -> SamplingParams:
-    """The request's fields as SamplingParams, with the server's defaults; the engine validates
-    them at admission."""
-    temperature = req.temperature if req.temperature is not None else (
-        cfg.temperature if cfg.temperature is not None else 1.0)
-    top_k = req.top_k if req.top_k is not None else (cfg.top_k or 0)
-    bias = {}
-    for k, v in (req.logit_bias or {}).items():
-        try:
-            bias[int(k)] = float(v)
-        except ValueError:
-            raise APIError(400, f"logit_bias: key {k!r} is not a token id",
-                           param="logit_bias") from None
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
-        max_new_tokens=max_new, temperature=temperature, top_k=max(top_k, 0),
-        top_p=req.top_p if req.top_p is not None else 1.0,
-        min_p=req.min_p or 0.0, seed=req.seed,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
-        logit_bias=bias, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-        stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
-        logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens, structured_output=grammar_spec(req))
-
-
-def error_names(route: str, prompt_field: str) -> dict[str, str]:
-    """SamplingParams field (and "prompt") -> the request field an engine error names, from the
-    declaration; route is "chat" or "completions"."""
-    return {"prompt": prompt_field, **{name: getattr(spec, route)[0]
-                                       for name, spec in param_specs().items()
-                                       if getattr(spec, route)}}
-
-
-CHAT_ERROR_NAMES = error_names("chat", "messages")
-COMPLETION_ERROR_NAMES = error_names("completions", "prompt")
-
-
-def per_choice(params: SamplingParams, count: int, n: int) -> list[SamplingParams]:
-    """One SamplingParams per choice; with a seed, choice j of each prompt uses seed + j so the
-    n samples differ but stay reproducible."""
-    from dataclasses import replace
-    if params.seed is None:
-        return [replace(params) for _ in range(count)]   # copies: an engine may annotate them
-    return [replace(params, seed=(params.seed + i % n) % 2**63) for i in range(count)]
 
 
 # ---- logprobs -----------------------------------------------------------------------------------
@@ -198,95 +137,43 @@ async def _accept(request: web.Request, model_cls):
     return st, req, lora
 
 
-def chat_constraint(st: ServerState, req, params: SamplingParams, tools, prompt_text: str):
-    """The grammar of a chat request: a forced tool call's, else the request's own, applied
-    after the reasoning block when a reasoning parser is on."""
-    spec = params.structured_output
-    if tools and tools.forced and st.cfg.enable_tool_call_constrained_decode:
-        if spec is not None:
-            raise APIError(400, f"{spec.param}: cannot be combined with tool_choice "
-                                f"{tools.choice!r}", param=spec.param)
-        spec = tools.grammar(st.engine.tokenizer)
-    if spec is not None:
-        spec = spec.after(grammar_start(st.reasoning_parser, prompt_text))
-    return spec
-
-
-def chat_finish(c, out: ChatOutput) -> str:
-    return "tool_calls" if out.tool_calls else c.finish_reason
-
-
 @describe(request=ChatCompletionRequest, response=ChatCompletion, stream=ChatCompletionChunk)
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completions (streamed as SSE with stream: true)."""
     t0 = time.perf_counter()
     st, req, lora = await _accept(request, ChatCompletionRequest)
-    tools = tool_setup(req, st.tool_parser)
-    prompt, prompt_text = await chat_prompt(st, req, tools)
-    max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens)
-    top_n = req.top_logprobs or 0
-    params = sampling_params(st.cfg, req, max_new, bool(req.logprobs), top_n)
-    params.structured_output = chat_constraint(st, req, params, tools, prompt_text)
-    if tools and tools.parser == "mistral":
-        params.skip_special_tokens = False      # [TOOL_CALLS] is a special token
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = now()
+    top_n = req.top_logprobs or 0
+    turn = await ChatTurn.prepare(st, req, rid, t0, lora)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def parser():
-        return ChatOutput(st.reasoning_parser, tools.parser if tools else None, prompt_text,
-                          st.cfg.reasoning_fields())
-    async with Generation(st.engine, st.admission, st.metrics, rid, [prompt], req.n,
-                          per_choice(params, req.n, req.n), req.cache_salt, t0,
-                          CHAT_ERROR_NAMES, lora) as gen:
-        st.metrics.prompt_tokens.inc(len(prompt))
-        outs = {c.index: parser() for c in gen.choices}
+    async with turn:
         if not req.stream:
-            async for _ in gen.events():
-                pass
-            choices = []
-            for c in gen.choices:
-                o = outs[c.index]
-                o.feed(_strip_eos(st, tools, "".join(c.text)))
-                o.finish()
-                choices.append(chat_choice(c.index, o.message(), chat_finish(c, o),
-                                           chat_logprobs(st, c.logprobs, top_n)
-                                           if req.logprobs else None))
-            return web.json_response(chat_response(rid, st.model_id, created, choices,
-                                                   usage(*gen.usage_counts())))
+            choices = [chat_choice(f.index, f.message, f.finish_reason,
+                                   chat_logprobs(st, f.logprobs, top_n) if req.logprobs else None)
+                       for f in await turn.collect()]
+            return web.json_response(chat_response(rid, st.model_id, turn.created, choices,
+                                                   usage(*turn.usage_counts())))
         sse = await SSE(request).start()
 
         def chunk(choices, use=None):
-            return chat_chunk(rid, st.model_id, created, choices, use, include_usage)
-        for c in gen.choices:
+            return chat_chunk(rid, st.model_id, turn.created, choices, use, include_usage)
+        for c in turn.choices:
             await sse.send(chunk([chat_chunk_choice(
                 c.index, {"role": "assistant", "content": ""})]))
         try:
-            async for c, out in gen.events():
-                o = outs[c.index]
-                deltas = o.feed(_strip_eos(st, tools, out.new_text) if out.new_text else "")
-                if out.finished:
-                    deltas += o.finish()
-                lp = chat_logprobs(st, out.new_logprobs, top_n) if req.logprobs else None
-                if not (deltas or out.finished or (req.logprobs and out.new_logprobs)):
-                    continue
-                deltas = deltas or [{}]
+            async for ev in turn.events():
+                lp = chat_logprobs(st, ev.logprobs, top_n) if ev.logprobs else None
+                deltas = ev.deltas or [{}]
                 for j, delta in enumerate(deltas):
                     last = j == len(deltas) - 1
                     await sse.send(chunk([chat_chunk_choice(
-                        c.index, delta, chat_finish(c, o) if out.finished and last else None,
+                        ev.index, delta, ev.finish_reason if last else None,
                         lp if j == 0 else None)]))
         except APIError as e:
             return await sse.error(e)
         if include_usage:
-            await sse.send(chunk([], usage(*gen.usage_counts())))
+            await sse.send(chunk([], usage(*turn.usage_counts())))
         return await sse.done()
-
-
-def _strip_eos(st: ServerState, tools, text: str) -> str:
-    """With special tokens kept in the text (the mistral parser), EOS is not content."""
-    eos = getattr(st.engine.tokenizer, "eos_token", None)
-    return text.replace(eos, "") if tools and tools.parser == "mistral" and eos else text
 
 
 @describe(request=CompletionRequest, response=Completion, stream=Completion)

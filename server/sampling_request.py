@@ -1,0 +1,68 @@
+"""A request's sampling fields -> SamplingParams (with the server's defaults), the request
+field an engine error names, and the per-choice seeds; shared by every generation route."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from maxjax.engine.types import SamplingParams, param_specs
+
+from .config import ServeConfig
+from .protocol import APIError
+from .state import ServerState
+from .structured import grammar_spec
+
+
+def default_max_tokens(st: ServerState, prompts: list[list[int]], max_tokens: int | None) -> int:
+    """max_tokens, or what the longest prompt leaves of the maximum length (at least 1, so a
+    prompt that does not fit is the error the engine reports)."""
+    if max_tokens is not None:
+        return max_tokens
+    return max(st.engine.max_length - max(map(len, prompts)), 1)
+
+
+def sampling_params(cfg: ServeConfig, req, max_new: int, logprobs: bool, top_logprobs: int,
+                    prompt_logprobs: bool = False) -> SamplingParams:
+    """The request's fields as SamplingParams, with the server's defaults; the engine validates
+    them at admission."""
+    temperature = req.temperature if req.temperature is not None else (
+        cfg.temperature if cfg.temperature is not None else 1.0)
+    top_k = req.top_k if req.top_k is not None else (cfg.top_k or 0)
+    bias = {}
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            bias[int(k)] = float(v)
+        except ValueError:
+            raise APIError(400, f"logit_bias: key {k!r} is not a token id",
+                           param="logit_bias") from None
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_new_tokens=max_new, temperature=temperature, top_k=max(top_k, 0),
+        top_p=req.top_p if req.top_p is not None else 1.0,
+        min_p=req.min_p or 0.0, seed=req.seed,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        logit_bias=bias, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+        stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
+        logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens, structured_output=grammar_spec(req))
+
+
+def error_names(route: str, prompt_field: str) -> dict[str, str]:
+    """SamplingParams field (and "prompt") -> the request field an engine error names, from the
+    declaration; route is "chat" or "completions"."""
+    return {"prompt": prompt_field, **{name: getattr(spec, route)[0]
+                                       for name, spec in param_specs().items()
+                                       if getattr(spec, route)}}
+
+
+CHAT_ERROR_NAMES = error_names("chat", "messages")
+COMPLETION_ERROR_NAMES = error_names("completions", "prompt")
+
+
+def per_choice(params: SamplingParams, count: int, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice j of each prompt uses seed + j so the
+    n samples differ but stay reproducible."""
+    if params.seed is None:
+        return [replace(params) for _ in range(count)]   # copies: an engine may annotate them
+    return [replace(params, seed=(params.seed + i % n) % 2**63) for i in range(count)]
