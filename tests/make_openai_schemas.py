@@ -8,7 +8,8 @@ import sys
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
          "CreateChatCompletionRequest", "CreateCompletionRequest",
-         "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse"]
+         "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse",
+         "CreateEmbeddingResponse"]
 DROP = {"description", "example", "examples", "x-oaiMeta", "x-oaiTypeLabel", "x-stainless-const",
         "discriminator", "deprecated", "title", "x-oaiExpandable"}
 
