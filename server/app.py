@@ -19,6 +19,8 @@ from .generation import AdmissionState
 from .metrics import ServerMetrics
 from .chat_prompt import render_chat, template_ignores_tools, template_messages
 from .openai_routes import chat_completions, completions
+from .anthropic_api import count_tokens, is_anthropic, json_error as anthropic_json_error
+from .anthropic_api import messages as anthropic_messages
 from .openapi import describe, openapi_json
 from .protocol import (APIError, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
                        UnloadLoraRequest, error_body, model_card, now)
@@ -41,34 +43,36 @@ async def _middleware(request: web.Request, handler):
     route = request.match_info.route.resource
     endpoint = route.canonical if route is not None else "unmatched"
     status = 500
+    json_error = anthropic_json_error if is_anthropic(request.path) else _json_error
     try:
         open_path = request.path in _OPEN_PATHS or request.path.startswith(OPEN_PREFIXES)
         if key and not open_path:
             auth = request.headers.get("Authorization", "")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            given = auth[7:] if auth[:7].lower() == "bearer " else \
+                request.headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), key.encode()):
-                raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                               code="invalid_api_key")
+                raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY "
+                                    "or x-api-key: KEY)", code="invalid_api_key")
         resp = await handler(request)
         status = resp.status
         return resp
     except APIError as e:
         status = e.status
-        return _json_error(e.status, e.message, e.param, e.code, e.headers)
+        return json_error(e.status, e.message, e.param, e.code, e.headers)
     except web.HTTPException as e:   # aiohttp's own: 404 route, 405 method, 413 body too large
         status = e.status
         msg = {404: f"no route {request.method} {request.path}",
                405: f"method {request.method} is not allowed on {request.path}",
                413: f"the request body is over the limit of {st.cfg.max_request_body_bytes} "
                     "bytes"}.get(e.status, e.reason)
-        return _json_error(e.status, msg, headers={k: v for k, v in e.headers.items()
-                                                   if k == "Allow"})
+        return json_error(e.status, msg, headers={k: v for k, v in e.headers.items()
+                                                  if k == "Allow"})
     except (ConnectionResetError, asyncio.CancelledError):
         status = 499   # client went away; the Generation's cleanup has aborted its requests
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json_error(500, "internal server error")
+        return json_error(500, "internal server error")
     finally:
         st.metrics.requests.labels(endpoint, str(status)).inc()
 
@@ -199,6 +203,10 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    from .responses_api import add_routes as add_responses_routes     # the Responses API
+    add_responses_routes(app)
+    app.router.add_post("/v1/messages", anthropic_messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
