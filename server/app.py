@@ -203,6 +203,8 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    from .responses_api import add_routes as add_responses_routes     # the Responses API
+    add_responses_routes(app)
     app.router.add_post("/v1/messages", anthropic_messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)

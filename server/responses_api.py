@@ -1,0 +1,180 @@
+"""The OpenAI Responses API: POST /v1/responses (whole, or streamed as typed SSE events),
+GET and DELETE /v1/responses/{id}. A request is translated into a ChatCompletionRequest
+(server/responses_request.py) and runs as any chat turn (server/chat_run.py); ChatOutput's
+deltas become output items and events. Stored responses (`store`, `previous_response_id`) live
+in a bounded in-memory ResponseStore (server/response_store.py). Registered by server/app.py
+through add_routes()."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import ValidationError
+from typing_extensions import NotRequired, TypedDict
+
+from .chat_run import ChatTurn
+from .openai_routes import SSE, _accept
+from .openapi import describe
+from .protocol import APIError, validation_error
+from .response_store import ResponseStore
+from .responses_request import (OutputItems, ResponsesRequest, _id, input_items,
+                                message_deltas, renamed, response_object, response_usage,
+                                to_chat)
+
+RESPONSES = web.AppKey("maxjax_responses", ResponseStore)
+
+
+class ResponseObject(TypedDict):
+    """The spec's `Response` (its required fields, and the ones this server fills)."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    instructions: str | None
+    model: str
+    output: list[dict[str, Any]]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    text: dict[str, Any]
+    temperature: float | None
+    top_p: float | None
+    metadata: dict[str, str]
+    usage: NotRequired[dict[str, Any]]
+
+
+class ResponseStreamEvent(TypedDict):
+    """One `event: TYPE` / `data: {...}` of a streamed response (the spec's
+    ResponseStreamEvent family)."""
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(TypedDict):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
+
+
+def add_routes(app: web.Application, store: ResponseStore | None = None) -> None:
+    app[RESPONSES] = store if store is not None else ResponseStore()
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+
+
+def _stored(request: web.Request, rid: str, param: str) -> tuple[dict, list[dict]]:
+    hit = request.app[RESPONSES].get(rid)
+    if hit is None:
+        raise APIError(404, f"{param}: no stored response {rid!r} (never stored, store: false, "
+                            "deleted, or evicted)", param=param, code="not_found")
+    return hit
+
+
+def _drop_none_user(resp: dict) -> dict:
+    if resp.get("user") is None:
+        resp.pop("user", None)
+    if resp.get("usage") is None:
+        resp.pop("usage", None)
+    return resp
+
+
+@describe(request=ResponsesRequest, response=ResponseObject, stream=ResponseStreamEvent)
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """OpenAI Responses API (streamed as typed SSE events with stream: true)."""
+    t0 = time.perf_counter()
+    st, req, lora = await _accept(request, ResponsesRequest)
+    store = request.app[RESPONSES]
+    prior: list[dict] = []
+    if req.previous_response_id is not None:
+        prev, prev_items = _stored(request, req.previous_response_id, "previous_response_id")
+        prior = prev_items + prev["output"]
+    conversation = prior + input_items(req)
+    rid = _id("resp")
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            try:
+                chat = to_chat(req, prior)
+            except ValidationError as e:
+                raise validation_error(e) from None
+            turn = await ChatTurn.prepare(st, chat, rid, t0, lora)
+            await stack.enter_async_context(turn)
+        except APIError as e:
+            raise renamed(e) from None
+        headers = getattr(turn, "headers", None)     # the chat turn's warnings, if any
+
+        def response(status: str, items: list[dict], usage: dict | None = None) -> dict:
+            return _drop_none_user(response_object(req, rid, turn.created, st.model_id, status,
+                                                   items, usage))
+
+        def done(finish: str, out: OutputItems) -> dict:
+            status = "incomplete" if finish == "length" else "completed"
+            resp = response(status, out.items, response_usage(*turn.usage_counts()))
+            if req.store is not False:
+                store.put(resp, conversation)
+            return resp
+
+        if not req.stream:
+            final = (await turn.collect())[0]
+            out = OutputItems()
+            for d in message_deltas(final.message):
+                out.feed(d)
+            out.finish(truncated=final.finish_reason == "length")
+            return web.json_response(done(final.finish_reason, out), headers=headers or None)
+
+        sse = SSE(request)
+        sse.resp.headers.update(headers or {})
+        await sse.start()
+        seq = itertools.count()
+
+        async def emit(ev: dict) -> None:
+            ev["sequence_number"] = next(seq)
+            await sse.write(b"event: " + ev["type"].encode() + b"\ndata: " +
+                            json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
+
+        await emit({"type": "response.created", "response": response("in_progress", [])})
+        await emit({"type": "response.in_progress", "response": response("in_progress", [])})
+        out, finish = OutputItems(), "stop"
+        try:
+            async for ev in turn.events():
+                for d in ev.deltas:
+                    for e in out.feed(d):
+                        await emit(e)
+                finish = ev.finish_reason or finish
+        except APIError as e:
+            await emit({"type": "error", "code": e.code, "message": e.message,
+                        "param": e.param})
+            failed = response("failed", out.items)
+            failed["error"] = {"code": "server_error" if e.status >= 500 else "invalid_prompt",
+                               "message": e.message}
+            await emit({"type": "response.failed", "response": failed})
+            return sse.resp
+        for e in out.finish(truncated=finish == "length"):
+            await emit(e)
+        resp = done(finish, out)
+        await emit({"type": f"response.{resp['status']}", "response": resp})
+        return sse.resp
+
+
+@describe(response=ResponseObject)
+async def get_response(request: web.Request) -> web.Response:
+    """A stored response (404 when unknown, not stored or evicted)."""
+    rid = request.match_info["response_id"]
+    return web.json_response(_stored(request, rid, "response_id")[0])
+
+
+@describe(response=ResponseDeleted)
+async def delete_response(request: web.Request) -> web.Response:
+    """Forget a stored response."""
+    rid = request.match_info["response_id"]
+    if not request.app[RESPONSES].delete(rid):
+        _stored(request, rid, "response_id")
+    return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
