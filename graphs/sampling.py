@@ -16,7 +16,7 @@ Order of processing, per slot ("row" below):
   2. logprobs are `log_softmax` of these processed logits, before temperature/top-k/top-p/min-p
      (vLLM's "processed" convention: what the model, with the user's penalties, thinks of the token).
   3. temperature, then top-k, then top-p on the top-k-renormalized distribution, then min-p
-     (keep p >= min_p * p_max), then inverse-CDF sampling with one uniform per row.
+     (keep p >= min_p * p_max), then a two-level Gumbel-max draw (block, then token).
 
 Costs measured on the 2-core dev CPU at R=32, V=49152 (XLA:CPU): a full-vocab sort is ~350 ms,
 `lax.top_k(256)` ~6 ms, Gumbel noise for every logit ~100 ms, `jnp.cumsum` over V ~24 ms. Hence:
@@ -25,12 +25,14 @@ Costs measured on the 2-core dev CPU at R=32, V=49152 (XLA:CPU): a full-vocab so
     top_k <= 256 and the top-p mass is reached within them; otherwise (rare: very flat rows with top_p
     near 1, or top_k > 256) a lax.cond takes an exact bisection on the float bits of the probabilities
     (~80 ms for the batch, 32 passes over R x V). Either way the result is exact up to ties (a token tied with the threshold is kept).
-  - sampling is inverse-CDF in two levels (blocks of 256 tokens, then within the block) with one
-    uniform per row, instead of Gumbel noise over the vocab; short cumsums are triangular matmuls
-    (compile time: the whole function compiles in ~2x less time than with jnp.cumsum and threefry).
-Randomness: one uniform per row from a counter-based hash of (the request's 64-bit seed, number of
-tokens generated so far), so a request's samples depend only on its seed and position, never on its
-batch neighbours or row (threefry would do too, but compiles ~8x slower on XLA:CPU for one number).
+  - sampling is Gumbel-max in two levels (blocks of 256 tokens, then within the block): noise for
+    2 x 256 values per row instead of the vocab (an inverse CDF with one uniform was cheaper still,
+    but its pick in a long tail moved with the last bits of the logits: a seeded request gave
+    other text with the prefix cache warm, 1 prompt in 4); short cumsums are triangular matmuls.
+Randomness: a key per row from a counter-based hash of (the request's 64-bit seed, number of
+tokens generated so far), hashed with each index for the noise, so a request's samples depend only
+on its seed and position, never on its batch neighbours or row (threefry would do too, but
+compiles ~8x slower on XLA:CPU).
 
 History bucket H: penalties need the prompt+output ids of each row as i32[R, H] (-1 padded), with
 `output_start[R]` marking where generated tokens begin. The runner should pass H = the engine's
@@ -286,28 +288,33 @@ def _cumsum(x: jax.Array) -> jax.Array:
     return jnp.dot(x, tri, precision=jax.lax.Precision.HIGHEST)
 
 
-def _first_above(cum: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
-    """Per row, the first index with cum > target and weight > 0; the last positive weight when
-    rounding leaves none."""
-    hit = (cum > target[:, None]) & (weight > 0)
-    last_positive = weight.shape[-1] - 1 - jnp.argmax((weight > 0)[:, ::-1], axis=-1)
-    return jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), last_positive)
+def _uniforms(key: jax.Array, n: int) -> jax.Array:
+    """f32[R, n] uniforms in (0, 1) from each row's key: a hash of (key, index)."""
+    idx = jnp.arange(n, dtype=jnp.uint32)[None, :] * jnp.uint32(0x9E3779B9)
+    h = _mix32(idx ^ key[:, None])
+    return ((h >> 8).astype(jnp.float32) + 0.5) * jnp.float32(1.0 / (1 << 24))
 
 
-def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Index i of each row with probability weights[i] / sum(weights), from uniforms u in [0, 1),
-    in two levels (block, then token in the block) so no cumsum runs over the whole vocab."""
+def _gumbel_argmax(weights: jax.Array, key: jax.Array) -> jax.Array:
+    """argmax(log w + Gumbel noise) per row: index i with probability w[i] / sum(w)."""
+    g = -jnp.log(-jnp.log(_uniforms(key, weights.shape[-1])))
+    return jnp.argmax(jnp.where(weights > 0, jnp.log(weights), -jnp.inf) + g, -1)
+
+
+def _sample_weights(weights: jax.Array, key: jax.Array) -> jax.Array:
+    """Index i of each row with probability weights[i] / sum(weights), in two levels: a block of
+    _BLOCK tokens by its total weight, then a token of that block, each a Gumbel-max draw (the
+    max of a block's noisy log-weights is its log-total plus Gumbel noise, so the two levels are
+    exact). Gumbel-max, unlike an inverse CDF, changes its pick only when two noisy scores are
+    within rounding of each other: logits that differ in the last bits (another bucket, batch or
+    prefix-cache state) give the same seeded token, where a CDF over a 49k-token tail would
+    move its boundaries past the uniform. Noise for 2 x 256 draws per row, not the vocab."""
     R, V = weights.shape
     nb = -(-V // _BLOCK)
     w = jnp.pad(weights, ((0, 0), (0, nb * _BLOCK - V))).reshape(R, nb, _BLOCK)
-    bsum = jnp.sum(w, -1)
-    bcum = _cumsum(bsum)
-    target = u * jnp.sum(bsum, -1)
-    b = _first_above(bcum, bsum, target)
-    rest = target - jnp.take_along_axis(bcum, b[:, None], 1)[:, 0] \
-        + jnp.take_along_axis(bsum, b[:, None], 1)[:, 0]
+    b = _gumbel_argmax(jnp.sum(w, -1), key)
     inner = jnp.take_along_axis(w, b[:, None, None], 1)[:, 0]      # [R, BLOCK]
-    i = _first_above(_cumsum(inner), inner, rest)
+    i = _gumbel_argmax(inner, _mix32(key ^ jnp.uint32(0x5BD1E995)))
     return (b * _BLOCK + i).astype(jnp.int32)
 
 
@@ -320,13 +327,12 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _row_uniforms(a: SamplingArrays) -> jax.Array:
-    """One uniform in [0, 1) per row from (seed, step) alone: a counter-based hash. Threefry gives
-    the same guarantee but costs ~0.9 s of XLA:CPU compile per bucket against ~0.1 s for this."""
+def _row_keys(a: SamplingArrays) -> jax.Array:
+    """One u32 key per row from (seed, step) alone: a counter-based hash. Threefry gives the
+    same guarantee but costs ~0.9 s of XLA:CPU compile per bucket against ~0.1 s for this."""
     x = _mix32(a.step.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x85EBCA6B))
     x = _mix32(x ^ a.seed[:, 1])
-    x = _mix32(x ^ a.seed[:, 0])
-    return (x >> 8).astype(jnp.float32) * jnp.float32(1.0 / (1 << 24))
+    return _mix32(x ^ a.seed[:, 0])
 
 
 def _sample_rows(logits: jax.Array, a: SamplingArrays) -> jax.Array:
@@ -338,7 +344,7 @@ def _sample_rows(logits: jax.Array, a: SamplingArrays) -> jax.Array:
                        lambda p, _: jnp.zeros(p.shape[:1], p.dtype), probs, a)
     thr = jnp.maximum(thr, a.min_p * jnp.max(probs, -1))
     weights = jnp.where(probs >= thr[:, None], probs, 0.0)
-    sampled = _inverse_cdf(weights, _row_uniforms(a))
+    sampled = _sample_weights(weights, _row_keys(a))
     return jnp.where(a.temperature > 0, sampled, greedy_ids)
 
 

@@ -18,6 +18,7 @@ from .engine_client import EngineClient
 from .generation import AdmissionState
 from .metrics import ServerMetrics
 from .chat_prompt import render_chat, template_ignores_tools, template_messages
+from .embeddings_api import embeddings
 from .openai_routes import chat_completions, completions
 from .anthropic_api import count_tokens, is_anthropic, json_error as anthropic_json_error
 from .anthropic_api import messages as anthropic_messages
@@ -203,6 +204,7 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     from .responses_api import add_routes as add_responses_routes     # the Responses API
     add_responses_routes(app)
     app.router.add_post("/v1/messages", anthropic_messages)

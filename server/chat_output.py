@@ -18,10 +18,12 @@ from .tools import marker, parse_calls, starts_anywhere
 
 class ChatOutput:
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
-                 prompt_text: str = "", reasoning_fields=("reasoning_content", "reasoning")):
+                 prompt_text: str = "", reasoning_fields=("reasoning_content", "reasoning"),
+                 tool_names: set[str] | None = None):
         self.reasoning = ReasoningStream(reasoning_parser, prompt_text) if reasoning_parser \
             else None
         self.tool_parser = tool_parser
+        self.tool_names = tool_names      # calls naming another function are not calls
         self.reasoning_fields = reasoning_fields
         self.content, self.reasoning_text, self.tool_calls = "", "", []
         self._pending = ""          # content not yet sent: a possible marker, or the calls
@@ -97,6 +99,9 @@ class ChatOutput:
             end = text.rfind("</tool_call>")
             text = text[:end + len("</tool_call>")] if end >= 0 else ""
         calls = parse_calls(self.tool_parser, text) if text else None
+        if calls and self.tool_names is not None and any(
+                c["function"]["name"] not in self.tool_names for c in calls):
+            calls = None
         if calls is None:
             if final and not truncated:   # not calls after all: it was content
                 self.content += self._pending

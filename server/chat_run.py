@@ -18,6 +18,7 @@ from .protocol import APIError, ChatCompletionRequest
 from .reasoning import grammar_start
 from .sampling_request import CHAT_ERROR_NAMES, default_max_tokens, per_choice, sampling_params
 from .state import ServerState
+from .structured import unenforced_notes, warning_headers
 from .tools import ToolSetup, tool_setup
 
 
@@ -39,6 +40,12 @@ class FinalChoice:
     logprobs: list[TokenLogprob]
 
 
+def _own_spec(params: SamplingParams):
+    """The request's own grammar (not a tool call's)."""
+    spec = params.structured_output
+    return spec if spec is not None and spec.param != "tools" else None
+
+
 def finish_reason(c: Choice, out: ChatOutput) -> str:
     """A cut-off output is "length" even when it holds complete calls before the cut."""
     return "tool_calls" if out.tool_calls and c.finish_reason != "length" else c.finish_reason
@@ -54,7 +61,8 @@ def chat_constraint(st: ServerState, params: SamplingParams, tools: ToolSetup | 
         if spec is not None and tools.forced:
             raise APIError(400, f"{spec.param}: cannot be combined with tool_choice "
                                 f"{tools.choice!r}", param=spec.param)
-        if spec is None:
+        # auto's grammar only where the engine has one (else its calls are parsed unheld)
+        if spec is None and (tools.forced or st.engine.info().get("structured_output")):
             spec = tools.grammar(st.engine.tokenizer)
     if spec is not None:
         spec = spec.after(grammar_start(st.reasoning_parser, prompt_text))
@@ -73,6 +81,8 @@ class ChatTurn:
         self.created = int(time.time())
         self.gen: Generation | None = None
         self.outputs: dict[int, ChatOutput] = {}
+        # What the schemas ask that the grammar does not enforce: for the response's headers.
+        self.headers = warning_headers(unenforced_notes(_own_spec(params), tools))
 
     @classmethod
     async def prepare(cls, st: ServerState, req: ChatCompletionRequest, rid: str, t0: float,
@@ -103,7 +113,8 @@ class ChatTurn:
 
     def _parser(self) -> ChatOutput:
         return ChatOutput(self.st.reasoning_parser, self.tools.parser if self.tools else None,
-                          self.prompt_text, self.st.cfg.reasoning_fields())
+                          self.prompt_text, self.st.cfg.reasoning_fields(),
+                          {f["name"] for f in self.tools.functions} if self.tools else None)
 
     @property
     def choices(self) -> list[Choice]:

@@ -30,6 +30,15 @@ class EngineClient(Protocol):
         last output must abort the request (free its pages). `lora`: a loaded adapter's name."""
         ...
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int],
+                    pooling_type: str | None = None, lora: str | None = None) -> list[float]:
+        """The prompt's embedding: its final hidden states pooled by `pooling_type` ("last" |
+        "mean"; None: the engine's --pooling-type), normalized as --pool-embeddings says,
+        prefilled beside the generation requests and sampling nothing. RequestError naming the
+        field ("prompt", "pooling_type") or QueueFullError; cancelling the call aborts the
+        request (frees its pages)."""
+        ...
+
     def lora_adapters(self) -> dict[str, str]:
         """The LoRA adapters served: name -> the path it was loaded from."""
         ...
@@ -54,5 +63,6 @@ class EngineClient(Protocol):
 
     def info(self) -> dict:
         """What does not change while serving, for the dashboard: model, max_length, page_size,
-        num_pages, buckets (names), structured_output (bool), engine_config (flat dict)."""
+        num_pages, buckets (names), structured_output (bool), engine_config (flat dict),
+        hidden_size (the embeddings' width)."""
         ...

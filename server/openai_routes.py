@@ -23,6 +23,7 @@ from .responses import ChatCompletion, ChatCompletionChunk, Completion
 from .sampling_request import (COMPLETION_ERROR_NAMES, default_max_tokens, per_choice,
                                sampling_params)
 from .state import STATE, ServerState, parse_request, read_json
+from .structured import unenforced_notes, warning_headers
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -92,11 +93,11 @@ class SSE:
     seconds (its socket buffer full) is cut with ConnectionResetError, as when it goes away,
     so the handler's generation aborts its requests."""
 
-    def __init__(self, request: web.Request):
+    def __init__(self, request: web.Request, headers: dict | None = None):
         self.request, self.timeout = request, request.app[STATE].cfg.http_write_timeout
         self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                 "Cache-Control": "no-cache",
-                                                "X-Accel-Buffering": "no"})
+                                                "X-Accel-Buffering": "no", **(headers or {})})
 
     async def start(self) -> "SSE":
         await self.resp.prepare(self.request)
@@ -152,8 +153,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                    chat_logprobs(st, f.logprobs, top_n) if req.logprobs else None)
                        for f in await turn.collect()]
             return web.json_response(chat_response(rid, st.model_id, turn.created, choices,
-                                                   usage(*turn.usage_counts())))
-        sse = await SSE(request).start()
+                                                   usage(*turn.usage_counts())),
+                                     headers=turn.headers)
+        sse = await SSE(request, turn.headers).start()
 
         def chunk(choices, use=None):
             return chat_chunk(rid, st.model_id, turn.created, choices, use, include_usage)
@@ -190,6 +192,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = now()
     n = req.n
+    headers = warning_headers(unenforced_notes(params.structured_output))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     async with Generation(st.engine, st.admission, st.metrics, rid, prompts, n,
                           per_choice(params, len(prompts) * n, n), req.cache_salt, t0,
@@ -222,8 +225,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     text = echo_texts[c.prompt_index] + text
                 choices.append(completion_choice(c.index, text, c.finish_reason, lp))
             return web.json_response(completion_response(rid, st.model_id, created, choices,
-                                                         usage(*gen.usage_counts())))
-        sse = await SSE(request).start()
+                                                         usage(*gen.usage_counts())),
+                                     headers=headers)
+        sse = await SSE(request, headers).start()
 
         def chunk(choice):
             return completion_response(rid, st.model_id, created, [choice], None, False)

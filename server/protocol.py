@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from maxjax.engine.types import MAX_TOP_LOGPROBS
 
@@ -135,11 +135,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)    # null is the default too (OpenAI's: 16)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_default(cls, v):
+        return 16 if v is None else v
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:

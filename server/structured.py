@@ -2,10 +2,13 @@
 chat and completions alike: OpenAI `response_format` (text, json_object, json_schema with
 `strict`), vLLM `structured_outputs` {json, regex, choice, grammar, json_object} and the older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. A request may use one form;
-the spec's `param` is the request field an error names."""
+the spec's `param` is the request field an error names. A schema that is not `strict` is served
+with what the grammar cannot enforce let go, and named in the response's
+X-Structured-Output-Warnings header; a strict one that asks for it is a 400 naming the keyword."""
 from __future__ import annotations
 
 from maxjax.errors import RequestError
+from maxjax.structured.backend import unenforced
 from maxjax.structured.spec import GrammarSpec
 
 from .protocol import APIError
@@ -27,7 +30,8 @@ def _response_format(rf: dict) -> GrammarSpec | None:
                                                               "(an object with a 'schema')")
         if "schema" not in js:
             raise RequestError("response_format.json_schema.schema", "required")
-        return GrammarSpec.json_schema(js["schema"], "response_format.json_schema.schema")
+        return GrammarSpec.json_schema(js["schema"], "response_format.json_schema.schema",
+                                       strict=js.get("strict") is True)
     raise RequestError("response_format.type", f"{kind!r} is not supported (text, json_object, "
                                                "json_schema)")
 
@@ -68,3 +72,24 @@ def grammar_spec(req) -> GrammarSpec | None:
     except RequestError as e:
         raise APIError(400, str(e), param=e.param) from None
     return forms[0][1] if forms else None
+
+
+WARNINGS_HEADER = "X-Structured-Output-Warnings"
+
+
+def unenforced_notes(spec: GrammarSpec | None, tools=None) -> list[str]:
+    """What the request's schemas (response format, non-strict tool parameters) ask that the
+    grammar does not enforce, each prefixed with the field."""
+    notes = []
+    if spec is not None and spec.kind == "json_schema":
+        notes += [f"{spec.param}: {n}" for n in unenforced(spec.source)]
+    for i, t in enumerate(tools.tools if tools else []):
+        fn = t["function"]
+        if "parameters" in fn and not fn.get("strict"):
+            notes += [f"tools[{i}].function.parameters: {n}" for n in unenforced(fn["parameters"])]
+    return notes
+
+
+def warning_headers(notes: list[str]) -> dict[str, str]:
+    text = "; ".join(notes).encode("ascii", "replace").decode()
+    return {WARNINGS_HEADER: text} if notes else {}

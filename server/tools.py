@@ -55,10 +55,16 @@ class ToolSetup:
     def forced(self) -> bool:
         return self.choice != "auto"
 
-    def grammar(self, tokenizer=None) -> GrammarSpec:
-        return GrammarSpec.lark(tool_grammar(self.parser, self.functions,
-                                             self.parallel and self.choice == "required",
-                                             single_tokens(tokenizer)), "tools")
+    def grammar(self, tokenizer=None) -> GrammarSpec | None:
+        """The call's grammar: forced (required, named) or triggered by the format's opening
+        tag (auto); None where the format has no tag to trigger on."""
+        tokens = single_tokens(tokenizer)
+        if self.forced:
+            return GrammarSpec.lark(tool_grammar(self.parser, self.functions,
+                                                 self.parallel and self.choice == "required",
+                                                 tokens), "tools")
+        lazy = lazy_tool_grammar(self.parser, self.functions, self.parallel, tokens)
+        return GrammarSpec.lark(lazy, "tools") if lazy else None
 
 
 def _check_schema(schema, param: str) -> None:
@@ -167,15 +173,36 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
         c["function"].get("arguments"))}} for c in calls]
 
 
-# ---- the forcing grammar ---------------------------------------------------------------------
+# ---- the tool-call grammar ------------------------------------------------------------------
 
-def _closed(params) -> dict:
-    """The tool's parameters schema; an object with properties but no additionalProperties is
-    closed (its outputs still validate against the open one) so a model cannot add keys forever."""
-    schema = dict(params or {"type": "object"})
+def _params(fn: dict) -> dict:
+    """The tool's parameters schema. No `parameters`: the function takes none (OpenAI's meaning),
+    so its arguments are `{}`. An object with properties but no additionalProperties is closed
+    (its outputs still validate against the open one) so a model cannot add keys forever."""
+    if "parameters" not in fn:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    schema = dict(fn["parameters"])
     if "properties" in schema and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return schema
+
+
+def rebase_refs(schema, prefix: str):
+    """The schema with its local `$ref`s ("#/$defs/X") pointing under `prefix` ("/properties/
+    arguments"): nested inside another schema, its pointers must name the same places."""
+    if isinstance(schema, list):
+        return [rebase_refs(s, prefix) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: ("#" + prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else rebase_refs(v, prefix)) for k, v in schema.items()}
+
+
+def json_options(strict: bool) -> dict:
+    """llguidance's JSON options: compact separators; unless strict, keywords it cannot enforce
+    (uniqueItems, dependencies, unknown formats) are ignored and oneOf is matched as anyOf
+    (server/structured.py reports what was not enforced)."""
+    return {**_COMPACT, **({} if strict else {"lenient": True, "coerce_one_of": True})}
 
 
 TAGS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
@@ -194,39 +221,83 @@ def _lit(text: str, tokens: dict[str, int]) -> str:
     return f"<[{tokens[text]}]>" if text in tokens else json.dumps(text)
 
 
-def tool_grammar(parser: str, functions: list[dict], parallel: bool,
-                 tokens: dict[str, int] | None = None) -> str:
-    """A Lark grammar (llguidance, with %json) accepting only calls of `functions`, in the
-    parser's format, one or (parallel) up to MAX_PARALLEL_CALLS. `tokens`: single_tokens()."""
-    tokens = tokens or {}
+def _call_rules(parser: str, functions: list[dict]) -> tuple[list[str], str]:
+    """(rules, the alternative of one call's body) for `functions` in the parser's format."""
     rules, alts = [], []
     key = "parameters" if parser == "llama3_json" else "arguments"
     for i, fn in enumerate(functions):
-        params = _closed(fn.get("parameters"))
+        params = _params(fn)
+        opts = json_options(bool(fn.get("strict")))
         if parser == "pythonic":
-            props = params.get("properties", {})
-            args = [f'"{k}=" v{i}_{j}' for j, k in enumerate(props) if k in
-                    params.get("required", [])]
-            rules += [f"v{i}_{j}: %json " + json.dumps({**(props[k] if isinstance(props[k], dict)
-                                                          else {}), "x-guidance": _COMPACT})
-                      for j, k in enumerate(props) if k in params.get("required", [])]
+            props, defs = params.get("properties", {}), {
+                k: params[k] for k in ("$defs", "definitions") if k in params}
+            req = [k for k in props if k in params.get("required", [])]
+            rules += [f"v{i}_{j}: %json " + json.dumps({
+                **(props[k] if isinstance(props[k], dict) else {}), **defs, "x-guidance": opts})
+                for j, k in enumerate(req)]
+            args = [f'"{k}=" v{i}_{j}' for j, k in enumerate(req)]
             rules.append(f'f{i}: "{fn["name"]}(" ' + ' ", " '.join(args or ['""']) + ' ")"')
         else:
-            schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                      key: params},
-                      "required": ["name", key], "additionalProperties": False,
-                      "x-guidance": _COMPACT}
+            schema = {"type": "object", "properties": {
+                "name": {"const": fn["name"]}, key: rebase_refs(params, f"/properties/{key}")},
+                "required": ["name", key], "additionalProperties": False, "x-guidance": opts}
             rules.append(f"f{i}: %json " + json.dumps(schema))
         alts.append(f"f{i}")
-    sep = {"hermes": '"\\n"', "llama3_json": '"; "'}.get(parser, '", "')
+    return rules, "(" + " | ".join(alts) + ")"
+
+
+def tool_grammar(parser: str, functions: list[dict], parallel: bool,
+                 tokens: dict[str, int] | None = None) -> str:
+    """A Lark grammar (llguidance, with %json) accepting only calls of `functions`, in the
+    parser's format, one or (parallel) up to MAX_PARALLEL_CALLS. `tokens`: single_tokens().
+    Between calls only the format's separator goes, and after the last call whitespace may
+    follow: a model ends a call with a newline before its end-of-turn token, and a separator
+    that commits to another call turns that newline into a repeat of the call."""
+    tokens = tokens or {}
+    rules, call = _call_rules(parser, functions)
+    sep = {"hermes": 'WS', "llama3_json": '"; "'}.get(parser, '", "')
     calls = f"call ({sep} call)~0..{MAX_PARALLEL_CALLS - 1}" if parallel else "call"
-    call = "(" + " | ".join(alts) + ")"
     open_, close = _lit("<tool_call>", tokens), _lit("</tool_call>", tokens)
-    head = {"hermes": f'start: {calls}\ncall: {open_} "\\n" {call} "\\n" {close}',
-            "llama3_json": f"start: {calls}\ncall: {call}",
-            "mistral": f'start: {_lit("[TOOL_CALLS]", tokens)} "[" {calls} "]"\ncall: {call}',
-            "pythonic": f'start: "[" {calls} "]"\ncall: {call}'}[parser]
-    return head + "\n" + "\n".join(rules)
+    head = {"hermes": f'start: {calls} WS?\ncall: {open_} "\\n" {call} "\\n" {close}',
+            "llama3_json": f"start: {calls} WS?\ncall: {call}",
+            "mistral": f'start: {_lit("[TOOL_CALLS]", tokens)} "[" {calls} "]" WS?\n'
+                       f'call: {call}',
+            "pythonic": f'start: "[" {calls} "]" WS?\ncall: {call}'}[parser]
+    return head + "\nWS: /[ \\t\\n]{1,2}/\n" + "\n".join(rules)
+
+
+def lazy_tool_grammar(parser: str, functions: list[dict], parallel: bool,
+                      tokens: dict[str, int] | None = None) -> str | None:
+    """`tool_choice: auto`: text is free until the format's opening tag; from there the call is
+    held to `functions` and their schemas, so a model cannot name an unknown tool or write
+    arguments that do not match. None for formats without an opening tag (pythonic)."""
+    tokens = tokens or {}
+    trigger = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]",
+               "llama3_json": '{"name": '}.get(parser)
+    if trigger is None:
+        return None
+    rules, call = _call_rules(parser, functions)
+    if parser == "llama3_json":      # the rest of {"name": N, "parameters": {...}}
+        rules = []
+        for i, fn in enumerate(functions):
+            rest = json.dumps(fn["name"]) + ', "parameters": '
+            opts = json_options(bool(fn.get("strict")))
+            rules += [f'f{i}: {json.dumps(rest)} p{i} "}}"',
+                      f"p{i}: %json " + json.dumps({**_params(fn), "x-guidance": opts})]
+        body = call
+    elif parser == "hermes":
+        body = f'"\\n" {call} "\\n" {_lit("</tool_call>", tokens)}'
+    else:
+        body = f'"[" {call} ("," " "? {call})~0..{MAX_PARALLEL_CALLS - 1} "]"' if parallel \
+            else f'"[" {call} "]"'
+    if trigger in tokens:
+        head = f"tagged: TEXT {_lit(trigger, tokens)} {body}"
+    else:
+        head = f"tagged: opened {body}\nopened[lazy]: TEXT {json.dumps(trigger)}"
+    # One call: nothing but whitespace after it (free text there could open another, unheld).
+    start = "tagged* TEXT" if parallel else "TEXT | tagged WS?"
+    return ("%llguidance {}\n" f"start: {start}\n{head}\nTEXT: /(.|\\n)*/\n"
+            "WS: /[ \\t\\n]{1,2}/\n" + "\n".join(rules))
 
 
 # ---- parsing the output ------------------------------------------------------------------------

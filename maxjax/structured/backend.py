@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,22 @@ BACKENDS = ("llguidance",)
 def _one_line(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def unenforced(schema: str | dict) -> list[str]:
+    """What a JSON schema asks that the grammar does not enforce (llguidance's warnings, e.g.
+    'Unimplemented keys: ["uniqueItems"]'), plus oneOf where it is matched as anyOf. Needs no
+    tokenizer; an invalid schema gives [] (compiling it reports the error)."""
+    import llguidance
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+        _, notes = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except ValueError:
+        return []
+    if '"oneOf"' in text:
+        notes.append("oneOf matched as anyOf")
+    return [_one_line(n) for n in notes]
 
 
 class GrammarState:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from maxjax.errors import RequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+LENIENT = {"lenient": True, "coerce_one_of": True}    # llguidance's JSON options
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,11 @@ class GrammarSpec:
         return replace(self, start_after=marker)
 
     @classmethod
-    def json_schema(cls, schema, param: str = "structured_output") -> "GrammarSpec":
+    def json_schema(cls, schema, param: str = "structured_output",
+                    strict: bool = False) -> "GrammarSpec":
+        """Unless `strict`, keywords the grammar engine cannot enforce (uniqueItems,
+        dependencies, an unknown format) are ignored and oneOf is matched as anyOf, so a
+        real-world schema is served; `unenforced()` (backend.py) lists what was let go."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -43,6 +48,8 @@ class GrammarSpec:
         if not isinstance(schema, dict):
             raise RequestError(param, f"a JSON schema must be an object (got "
                                       f"{type(schema).__name__})")
+        if not strict:
+            schema = {**schema, "x-guidance": {**LENIENT, **schema.get("x-guidance", {})}}
         return cls("json_schema", json.dumps(schema), param)
 
     @classmethod
