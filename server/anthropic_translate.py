@@ -261,15 +261,15 @@ _RENAMES = [(r"^tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"
 def anthropic_names(e: APIError) -> APIError:
     """`e` with the field it names (and its message's leading name) as the Anthropic request
     calls it."""
-    if not e.param:
-        return e
     new = e.param
     for pat, rep in _RENAMES:
-        new = re.sub(pat, rep, new)
-    if new == e.param:
+        new = re.sub(pat, rep, new or "")
+    msg = new + e.message[len(e.param):] if e.param and e.message.startswith(e.param) \
+        else e.message
+    msg = msg.replace("tool_choice 'required'", "tool_choice 'any'")
+    if (new or None, msg) == (e.param, e.message):
         return e
-    msg = new + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-    return APIError(e.status, msg, new, e.code, e.headers)
+    return APIError(e.status, msg, new or None, e.code, e.headers)
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",

@@ -114,7 +114,7 @@ def test_stream_equals_the_whole_answer(client, server):
     with client.messages.stream(**kw) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
-    assert text == whole.content[0].text == final.content[0].text == "The quick brown fox jumps"[:24]
+    assert text == whole.content[0].text == final.content[0].text == expected_text(24)[0]
     assert final.stop_reason == whole.stop_reason == "max_tokens"
     assert final.usage.output_tokens == whole.usage.output_tokens == 24
     assert final.usage.input_tokens == whole.usage.input_tokens
@@ -155,12 +155,15 @@ def test_tool_use_then_tool_result(client, engine):
                   {"role": "user", "content": [
                       {"type": "tool_result", "tool_use_id": use.id,
                        "content": [{"type": "text", "text": "RESULT-1234: 18C, sunny"}]},
+                      {"type": "tool_result", "tool_use_id": "toolu_x", "is_error": True,
+                       "content": "timed out"},
                       {"type": "text", "text": "Thanks"}]}]
     r2 = client.messages.create(model=MODEL, max_tokens=200, messages=turn, tools=[WEATHER])
     assert r2.content[0].text == "It is sunny in Paris." and r2.stop_reason == "end_turn"
     prompt = last_prompt(engine)
     assert "<|im_start|>tool\nRESULT-1234: 18C, sunny<|im_end|>" in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<|im_start|>tool\nError: timed out<|im_end|>" in prompt
     assert prompt.index("RESULT-1234") < prompt.index("user\nThanks")
 
 
@@ -197,6 +200,19 @@ def test_tool_choice(client, engine):
         client.messages.create(model=MODEL, max_tokens=5, messages=HI, tools=[WEATHER],
                                tool_choice={"type": "tool", "name": "nope"})
     assert e.value.body["error"]["param"] == "tool_choice" and "nope" in e.value.message
+
+
+def test_output_format_json_schema(client, engine):
+    engine.script = '{"city": "Paris"}'
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    r = client.messages.create(model=MODEL, max_tokens=50, messages=HI, output_config={
+        "format": {"type": "json_schema", "schema": schema}})
+    assert json.loads(r.content[0].text) == {"city": "Paris"}
+    grammar = engine.requests[-1][2].structured_output
+    assert grammar.kind == "json_schema" and json.loads(grammar.source)["required"] == ["city"]
+    e = bad_request(client, output_config={"format": {"type": "json_schema", "schema": 5}})
+    assert e.body["error"]["param"].startswith("output_config.format"), e.body
 
 
 # ---- thinking ----------------------------------------------------------------------------------
@@ -277,6 +293,8 @@ def test_errors_in_anthropic_shape(client, server, engine):
     assert e.body["error"]["param"] == "messages[1].role" and "prefill" in e.message
     e = bad_request(client, stop_sequences=[f"s{i}" for i in range(17)])   # the engine's limit
     assert e.body["error"]["param"] == "stop_sequences", e.body
+    e = bad_request(client, tool_choice={"type": "any"})
+    assert e.body["error"]["param"] == "tools" and "'any'" in e.message
     assert "thinking.type" in bad_request(client, thinking={"type": "sometimes"}).message
     assert "max_tokens" in bad_request(client, max_tokens=0).message
     with pytest.raises(anthropic.NotFoundError) as e:
@@ -365,8 +383,8 @@ def real_server():
 
 def test_smollm2_answers(real_server):
     c = anthropic.Anthropic(base_url=real_server.url, api_key="k", max_retries=0)
-    kw = dict(model="smollm2", max_tokens=12, extra_body={"temperature": 0}, system="You are a geography tutor.",
-              messages=[{"role": "user", "content": "What is the capital of France?"}])
+    kw = dict(model="smollm2", max_tokens=12, extra_body={"temperature": 0},
+              system="You are a geography tutor.", messages=[{"role": "user", "content": "What is the capital of France?"}])
     whole = c.messages.create(**kw)
     assert whole.content[0].type == "text" and whole.content[0].text.strip()
     assert whole.stop_reason in ("end_turn", "max_tokens")
