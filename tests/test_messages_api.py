@@ -336,7 +336,7 @@ def test_an_error_mid_stream_is_an_error_event(client, server, monkeypatch):
 
 # ---- auth --------------------------------------------------------------------------------------
 
-def test_x_api_key(tmp_path):
+def test_x_api_key():
     s = ServerThread(MockEngine(), ServeConfig(api_key="sekret"))
     try:
         body = {"model": MODEL, "max_tokens": 3, "messages": HI}
