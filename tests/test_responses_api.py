@@ -28,13 +28,25 @@ EVENT_SCHEMAS = {_SCHEMAS["$defs"][r["$ref"].rsplit("/", 1)[1]]["properties"]["t
 
 
 class ScriptedEngine(MockEngine):
-    """A mock whose script may depend on the prompt (`script_for(prompt_text)`)."""
+    """A mock whose script may depend on the prompt (`script_for(prompt_text)`), and which can
+    fail after `fail_after` outputs."""
     script_for = None
+    fail_after = None
 
     def generate(self, request_id, prompt_token_ids, params, cache_salt=None, lora=None):
         if self.script_for is not None:
             self.script = self.script_for(self.tokenizer.decode(prompt_token_ids))
-        return super().generate(request_id, prompt_token_ids, params, cache_salt, lora)
+        gen = super().generate(request_id, prompt_token_ids, params, cache_salt, lora)
+        return gen if self.fail_after is None else self._failing(gen, self.fail_after)
+
+    @staticmethod
+    async def _failing(gen, n: int):
+        async for out in gen:
+            if n == 0:
+                await gen.aclose()
+                raise RuntimeError("mock engine failure mid-stream")
+            n -= 1
+            yield out
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +68,7 @@ def client(server):
 
 @pytest.fixture(autouse=True)
 def reset(engine):
-    engine.script, engine.script_for = "Hello there.", None
+    engine.script, engine.script_for, engine.fail_after = "Hello there.", None, None
     yield
     assert engine.pages_used == 0 and not engine.running
 
@@ -340,16 +352,35 @@ def test_store_bounds():
 
 
 def test_server_store_evicts(engine):
-    from maxjax.server.app import build_app        # noqa: F401  (the route's own store)
+    from maxjax.server.responses_api import RESPONSES
     s = ServerThread(engine)
     try:
-        from maxjax.server.responses_api import RESPONSES
         s.app[RESPONSES].max_count = 2
         ids = [post(s, {"input": f"Hi {i}"}).json()["id"] for i in range(3)]
         assert [http("GET", f"{s.url}/v1/responses/{i}").status_code for i in ids] == \
             [404, 200, 200]
     finally:
         s.close()
+
+
+def test_engine_failure(server, engine):
+    engine.fail_after = 3
+    try:
+        r = http("POST", server.url + "/v1/responses", {"model": "mock-model", "input": "Hi",
+                                                        "stream": True})
+        events = events_of(r.text)
+        assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert failed["output"][0]["content"][0]["text"] == "Hel"   # what had been sent
+        assert http("GET", f"{server.url}/v1/responses/{failed['id']}").status_code == 404
+        whole = post(server, {"input": "Hi"})
+        assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error"
+        engine.fail_after = 0                   # before the first token: an HTTP error
+        r = post(server, {"input": "Hi", "stream": True})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    finally:
+        engine.fail_after = None
 
 
 # ---- bad requests -------------------------------------------------------------------------------
@@ -455,3 +486,64 @@ def test_openai_agents_runs_a_tool(server, engine):
     # The second turn carried the call and its result back in its input items.
     prompt = prompt_of(engine)
     assert "Answer with the tool." in prompt and "22 degrees in Paris" in prompt
+
+
+def test_openai_agents_streamed(server, engine):
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"22 degrees in {city}"
+
+    engine.script_for = lambda prompt: ("The weather in Paris is 22 degrees."
+                                        if "22 degrees in Paris" in prompt else CALL)
+    model = agents.OpenAIResponsesModel("mock-model", openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="x", max_retries=0))
+    agents.set_tracing_disabled(True)
+    agent = agents.Agent(name="weather", model=model, tools=[get_weather])
+
+    async def run():
+        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?")
+        kinds = [e.type async for e in result.stream_events()]
+        return result, kinds
+    result, kinds = asyncio.run(run())
+    assert result.final_output == "The weather in Paris is 22 degrees."
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+
+
+# ---- the real model ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from maxjax.engine.async_engine import AsyncEngine
+    from maxjax.engine.build import build_core
+    from maxjax.engine.config import EngineConfig
+    # tests/test_tool_calling.py's engine config: its graphs come from the compile cache
+    core = build_core(None, EngineConfig(max_length=512, max_batch_size=16,
+                                         max_batch_input_tokens=128, kv_cache_page_size=16,
+                                         num_kv_pages=300))
+    eng = AsyncEngine(core, core.model.tokenizer, "smollm2", core.model.chat_template)
+    eng.start()
+    s = ServerThread(eng)
+    yield eng, s
+    s.close()
+    eng.shutdown()
+
+
+def test_smollm2_whole_and_streamed(smollm2):
+    eng, s = smollm2
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model="smollm2", input="What is the capital of France?", max_output_tokens=12,
+              temperature=0, instructions="Answer in one short sentence.")
+    whole = client.responses.create(**kw)
+    validate(whole.model_dump(exclude_unset=True), "Response")
+    assert whole.output_text.strip() and whole.status in ("completed", "incomplete")
+    assert whole.usage.output_tokens <= 12
+    r = http("POST", s.url + "/v1/responses", {**kw, "stream": True}, timeout=120)
+    final = check_order(events_of(r.text))
+    assert final["output"][0]["content"][0]["text"] == whole.output_text
+    assert final["status"] == whole.status
+    st = eng.core.stats()
+    assert st["pages_used"] == 0 and st["running"] == 0
