@@ -7,9 +7,10 @@ the zero KV pool on the device (so a server from artifacts compiles nothing, not
 Every graph returns (outputs, kv). The engine's ModelRunner compiles these specs (or loads
 them from artifacts, maxjax/aot/), and AOT export reads them from here and nowhere else.
 
-Inputs: (params, kv, step: StepInputs, samp: SamplingArrays) -> ((SampleOutput, PromptLogprobs), kv)
-with the KV pool donated. Logits never leave the device: only the sample slots' token ids and
-logprobs (and, in steps that ask, prompt logprobs) come back.
+Inputs: (params, kv, step: StepInputs, samp: SamplingArrays) ->
+((SampleOutput, PromptLogprobs, PooledHidden), kv) with the KV pool donated. Logits never leave
+the device: only the sample slots' token ids and logprobs (and, in steps that ask, prompt logprobs
+and the rows' pooled hidden states) come back.
 """
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ class PromptLogprobs(NamedTuple):
     top_logprobs: jax.Array   # f32[T, K]
 
 
+class PooledHidden(NamedTuple):
+    """Per request row, of this step's tokens of that row: what embedding requests are made of
+    (the host sums `total` over a prompt's chunks for mean pooling, keeps `last` of its last
+    chunk for last-token pooling). Final-normed hidden states, f32[R, hidden] each: the same
+    few KB whatever the token bucket, so no [T, hidden] array leaves the device."""
+    total: jax.Array      # f32[R, H] sum over the row's tokens in this step
+    last: jax.Array       # f32[R, H] at the row's last token in this step (0: no tokens)
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     """Everything needed to trace, export or compile one graph, without running it."""
@@ -49,10 +59,12 @@ class GraphSpec:
 def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, samp):
     """The compiled step: model, sampling of the sample slots, and (only in steps that ask)
     prompt logprobs of every token slot."""
-    if arch.hidden_states is None:
+    if arch.hidden_states is None:     # an architecture without hidden states: no embeddings
         logits, kv = arch.forward(cfg, params, kv, step)
         out = sampling.sample_logits(logits, samp, num_top_logprobs)
-        return (out, _no_prompt_logprobs(step, num_top_logprobs)), kv
+        R, H = step.page_table.shape[0], cfg.hidden_size
+        zeros = jnp.zeros((R, H), jnp.float32)
+        return (out, _no_prompt_logprobs(step, num_top_logprobs), PooledHidden(zeros, zeros)), kv
     h, kv = arch.hidden_states(cfg, params, kv, step)
     logits = arch.lm_logits(cfg, params, h[step.sample_idx])
     out = sampling.sample_logits(logits, samp, num_top_logprobs)
@@ -64,7 +76,20 @@ def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, samp):
 
     plp = jax.lax.cond(jnp.any(step.next_token >= 0), prompt_lps,
                        lambda h: _no_prompt_logprobs(step, num_top_logprobs), h)
-    return (out, plp), kv
+    return (out, plp, pool_rows(h, step)), kv
+
+
+def pool_rows(h, step) -> PooledHidden:
+    """Each row's sum and last hidden state over its token slots (`step.token_row`). The sum is
+    a one-hot [R, T] x [T, H] matmul at full f32 precision (a GPU would otherwise take it in
+    TF32); padding slots (row -1) are in no row."""
+    T, R = h.shape[0], step.page_table.shape[0]
+    in_row = step.token_row[None, :] == jnp.arange(R, dtype=jnp.int32)[:, None]     # [R, T]
+    hf = h.astype(jnp.float32)
+    total = jnp.dot(in_row.astype(jnp.float32), hf, precision=jax.lax.Precision.HIGHEST)
+    last_slot = jnp.max(jnp.where(in_row, jnp.arange(T, dtype=jnp.int32)[None, :], -1), axis=1)
+    last = jnp.where((last_slot >= 0)[:, None], hf[jnp.maximum(last_slot, 0)], 0.0)
+    return PooledHidden(total, last)
 
 
 def _no_prompt_logprobs(step, k: int) -> PromptLogprobs:

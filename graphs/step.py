@@ -11,6 +11,10 @@ slot's token slot, and unused slots point at token 0 (their samples are ignored)
 
 Padding tokens write their K/V into page 0, which the block manager never hands out.
 
+Every step also returns, per row, the sum of its tokens' final-normed hidden states in this step
+and the hidden state at its last token (`token_row` says which row each token slot is in): the
+engine accumulates them over an embedding request's prefill chunks (graphs/program.py).
+
 What the attention kernel needs beyond the page table (e.g. query blocks) is the attention
 backend's own metadata, `attn` (graphs/attention.py), built with the rest of the step.
 """
@@ -38,6 +42,7 @@ class StepInputs:
     attn: Any                 # the attention backend's metadata (graphs/attention.py)
     sample_idx: jax.Array     # int32[S]  token slot whose next token each sample slot samples
     next_token: jax.Array     # int32[T]  prompt token after each slot, for prompt logprobs; -1: none
+    token_row: jax.Array      # int32[T]  request row of each token slot; -1: padding
     lora_slot: Any = None     # int32[T]  each token's adapter slot (0: none); None: LoRA off
 
     @property
@@ -74,6 +79,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
         attn=backend.metadata_specs(num_tokens, num_rows),
         sample_idx=jax.ShapeDtypeStruct((num_samples or num_rows,), i32),
         next_token=jax.ShapeDtypeStruct((num_tokens,), i32),
+        token_row=jax.ShapeDtypeStruct((num_tokens,), i32),
         lora_slot=jax.ShapeDtypeStruct((num_tokens,), i32) if lora else None,
     )
 
@@ -96,6 +102,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     sample_idx = np.zeros(num_samples, np.int32)
     s = 0
     next_token = np.full(num_tokens, -1, np.int32)
+    token_row = np.full(num_tokens, -1, np.int32)
     lora_slot = np.zeros(num_tokens, np.int32) if lora else None
     t = 0
     for r, row in enumerate(rows):
@@ -106,6 +113,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         pos = np.arange(row.start_pos, row.start_pos + k, dtype=np.int32)
         token_ids[t:t + k] = row.token_ids
         positions[t:t + k] = pos
+        token_row[t:t + k] = r
         slots[t:t + k] = pages[pos // page_size] * page_size + pos % page_size
         page_table[r, :len(pages)] = pages
         if not 0 <= row.num_samples <= k:
@@ -119,4 +127,4 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
         t += k
     attn = (backend or backend_for()).build_metadata(rows, num_tokens, num_rows)
     return StepInputs(token_ids, positions, slots, page_table, attn, sample_idx, next_token,
-                      lora_slot)
+                      token_row, lora_slot)

@@ -1,7 +1,8 @@
 """The offline Python API: `maxjax.LLM(model=...).generate(prompts, SamplingParams(...))`.
 
 It drives EngineCore synchronously on the calling thread (the server uses AsyncEngine instead)
-and gathers each request's RequestOutputs into one CompletionOutput.
+and gathers each request's RequestOutputs into one CompletionOutput; `embed` returns the pooled
+embeddings of prompts through the same engine.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from maxjax.engine import speculative
 from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.engine.types import PoolingParams, SamplingParams, TokenLogprob
 from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel
 
@@ -101,6 +102,39 @@ class LLM:
                 self.core.abort(rid)
             raise
         return [outs[rid] for rid in pending]
+
+    def embed(self, prompts, pooling_type: str | None = None,
+              normalize: bool = True) -> list[list[float]]:
+        """One embedding per prompt (a string, a list of strings or of token-id lists): the
+        final hidden states pooled by `pooling_type` ("last" or "mean"; None: the engine's
+        --pooling-type) and L2-normalized unless `normalize` is off."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = self.core.default_pooling(pooling_type)
+        if not normalize:
+            pooling = PoolingParams(pooling.pooling_type, normalize=False)
+        vectors, pending = {}, []
+        try:
+            for prompt in prompts:
+                ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                rid = f"llm-{next(_ids)}"
+                self.core.add_embedding(rid, ids, pooling)
+                pending.append(rid)
+            live = set(pending)
+            while live:
+                for out in self.core.step():
+                    if out.request_id in live and out.finished:
+                        if out.embedding is None:
+                            raise RuntimeError(f"embedding {out.request_id} failed: {out.error}")
+                        vectors[out.request_id] = out.embedding
+                        live.discard(out.request_id)
+                if live and not self.core.has_unfinished():
+                    raise RuntimeError(f"requests {sorted(live)} vanished from the engine")
+        except BaseException:
+            for rid in pending:
+                self.core.abort(rid)
+            raise
+        return [vectors[rid] for rid in pending]
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter in `path` as `name` (needs enable_lora=True); compiles nothing."""

@@ -5,6 +5,8 @@ with `delay` seconds between tokens (or, with `script`, exactly that text, finis
 three special tokens (BOS/EOS/IM_START..). Logprobs: token t has logprob -(t % 10) / 10 and its
 top list is [(t, lp), (t+1, lp-1), (t+2, lp-2), ...]. KV pages: PAGE_SIZE tokens per page, held
 from the first output to the last (or to abort), so tests can assert they return to zero.
+Embeddings (`embed`): `mock_embedding`, EMBED_DIM floats from the token ids, after `delay`
+seconds per prompt token, pages held meanwhile.
 Requests go through the engine's validator (maxjax/engine/validate.py), so the server tests see
 the engine's 400s."""
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import math
 
+import numpy as np
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from maxjax.engine.types import RequestOutput, SamplingParams, TokenLogprob
-from maxjax.engine.validate import EngineLimits, check_request
+from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams, TokenLogprob
+from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError
 from maxjax.server.engine_client import QueueFullError
 
@@ -27,6 +31,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 256, 257, 258
 EOS_ID = 256
+EMBED_DIM = 8        # the mock's "hidden size": width of its embeddings
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -70,6 +75,14 @@ def expected_text(max_tokens: int, seed: int | None = None,
     return (full[:cut], "stop") if cut >= 0 else (full, "length")
 
 
+def mock_embedding(token_ids: list[int], pooling_type: str = "last") -> list[float]:
+    """The mock's embedding: token t's "hidden state" is cos(t * (j + 1)) over j < EMBED_DIM;
+    pooled (the last one, or the mean) and L2-normalized."""
+    h = np.cos(np.outer(np.asarray(token_ids, np.float64), np.arange(1, EMBED_DIM + 1)))
+    v = h.mean(0) if pooling_type == "mean" else h[-1]
+    return (v / np.linalg.norm(v)).astype(np.float32).tolist()
+
+
 class MockEngine:
     def __init__(self, model_name: str = "mock-model", max_length: int = 512, delay: float = 0.0,
                  chat_template: str | None = CHAT_TEMPLATE, max_queue: int | None = None,
@@ -109,6 +122,27 @@ class MockEngine:
         self.running.add(request_id)
         return self._run(request_id, list(prompt_token_ids), params)
 
+    async def embed(self, request_id, prompt_token_ids, pooling_type=None, lora=None):
+        pooling = PoolingParams(pooling_type or "last")
+        check_embedding_input(prompt_token_ids, pooling,
+                              EngineLimits(len(self.tokenizer), self.max_length, (EOS_ID,)))
+        if self.max_queue is not None and len(self.running) >= self.max_queue:
+            raise QueueFullError(f"engine queue full ({self.max_queue})")
+        self.requests.append((request_id, list(prompt_token_ids), pooling, None))
+        self.running.add(request_id)
+        self.pages[request_id] = math.ceil(len(prompt_token_ids) / PAGE_SIZE)
+        try:
+            await asyncio.sleep(self.delay * len(prompt_token_ids))
+            if self.fail_on and self.fail_on in self.tokenizer.decode(prompt_token_ids):
+                raise RuntimeError("mock engine failure")
+            self.finished.append(request_id)
+            return mock_embedding(prompt_token_ids, pooling.pooling_type)
+        finally:
+            if request_id not in self.finished:
+                self.aborted.append(request_id)
+            self.running.discard(request_id)
+            self.pages.pop(request_id, None)
+
     def abort(self, request_id):
         if request_id in self.running:
             self.running.discard(request_id)
@@ -126,7 +160,8 @@ class MockEngine:
     def info(self):
         return {"model": self.model_name, "max_length": self.max_length, "page_size": PAGE_SIZE,
                 "num_pages": 1000, "buckets": ["step_t1_r1", "step_t8_r4"],
-                "structured_output": False, "engine_config": {"max_batch_size": 4}}
+                "structured_output": False, "engine_config": {"max_batch_size": 4},
+                "hidden_size": EMBED_DIM}
 
     # -- helpers ----------------------------------------------------------------------------------
     @property

@@ -36,7 +36,7 @@ def run(model):
         slots = [(SamplingParams(temperature=0.0, logprobs=True), PROMPT, [], 0, j)
                  for j in range(S)]
         samp = sampling.build_sampling_arrays(slots, S, HISTORY, vocab_size=V)
-        (out, _), kv = fn(params or model.params, kv, step, samp)
+        (out, *_), kv = fn(params or model.params, kv, step, samp)
         return jax.tree.map(np.asarray, out), kv
     return go
 

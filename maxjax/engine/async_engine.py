@@ -3,7 +3,7 @@
 Thread design: the engine thread alone touches EngineCore. Callers (the aiohttp server, on its
 event loop) send commands (add, abort) through a thread-safe queue and receive RequestOutputs
 through per-request asyncio queues fed with `loop.call_soon_threadsafe`; `generate` merges the
-outputs that queued up since its last yield. The RequestOutputs are complete when they leave the
+outputs that queued up since its last yield; `embed` awaits an embedding request's one output. The RequestOutputs are complete when they leave the
 engine thread (EngineCore.step runs the output processor: text, stop strings, logprobs), so a stop
 string ends its request in the step that found it, and a model step never blocks the event loop.
 A request with a grammar waits for its compilation here, on the caller's side (the grammar
@@ -139,6 +139,9 @@ class AsyncEngine:
         if kind == "add":
             _, rid, prompt, params, salt, grammar, lora, fut = cmd
             _settle(fut, self.core.add_request, rid, prompt, params, salt, grammar, lora)
+        elif kind == "embed":
+            _, rid, prompt, pooling, lora, fut = cmd
+            _settle(fut, self.core.add_embedding, rid, prompt, pooling, lora)
         elif kind == "lora":
             _, fn, args, fut = cmd
             _settle(fut, fn, *args)
@@ -185,7 +188,8 @@ class AsyncEngine:
         return {"model": self.model_name, "max_length": lay.max_length,
                 "page_size": lay.page_size, "num_pages": lay.num_pages,
                 "buckets": [b.name for b in lay.buckets],
-                "structured_output": core.grammars is not None, "engine_config": cfg}
+                "structured_output": core.grammars is not None, "engine_config": cfg,
+                "hidden_size": core.model.config.hidden_size}
 
     def lora_adapters(self) -> dict[str, str]:
         return {} if self.core.lora is None else self.core.lora.paths()
@@ -213,9 +217,8 @@ class AsyncEngine:
         self._commands.put(("lora", fn, args, fut))
         return await asyncio.wrap_future(fut)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None,
-                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        """Check the engine takes requests, and register the request's output queue."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread died ({type(self.dead).__name__}); the "
                                   "server is shutting down")
@@ -229,6 +232,34 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, q)
+        return q
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int],
+                    pooling_type: str | None = None, lora: str | None = None) -> list[float]:
+        """The prompt's embedding (EngineCore.add_embedding); RequestError naming the field.
+        Cancelled (client gone): the request is aborted, its pages freed."""
+        q = self._open_stream(request_id)
+        out = None
+        try:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._commands.put(("embed", request_id, list(prompt_token_ids), pooling_type, lora,
+                                fut))
+            await asyncio.wrap_future(fut)
+            out = await q.get()
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if out is None:
+                self.abort(request_id)
+        if out.embedding is None:
+            raise RuntimeError(f"embedding request ended without a vector: {out.finish_reason} "
+                               f"({out.error or 'no error'})")
+        return out.embedding
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+        q = self._open_stream(request_id)
         finished = False
         try:
             grammar = await self._compile(params)

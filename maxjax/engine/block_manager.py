@@ -154,8 +154,8 @@ class BlockManager:
     def match_prefix(self, req: Request) -> PrefixMatch:
         """The longest run of cached pages equal to req's leading full pages. Never covers the
         sequence's last token: its logits must be computed. No side effects."""
-        if not self.enable_prefix_caching or req.sampling.prompt_logprobs:
-            return _NO_MATCH   # prompt logprobs need every prompt position computed
+        if not self.enable_prefix_caching or req.sampling.prompt_logprobs or req.is_embedding:
+            return _NO_MATCH   # prompt logprobs (and mean pooling) need every position computed
         ps, toks = self.page_size, req.all_token_ids
         pages, uids = [], []
         parent = _ROOT_UID
@@ -173,8 +173,10 @@ class BlockManager:
         return PrefixMatch(pages, uids)
 
     def cache_full_pages(self, req: Request) -> None:
-        """Register req's computed full pages not yet in the cache (call after each step)."""
-        if not self.enable_prefix_caching:
+        """Register req's computed full pages not yet in the cache (call after each step).
+        An embedding request's pages are never cached: its K/V is thrown away at its end, and
+        nothing is likely to continue its prompt."""
+        if not self.enable_prefix_caching or req.is_embedding:
             return
         uids, ps = req.page_uids, self.page_size
         n_full = req.num_computed_tokens // ps
@@ -244,7 +246,7 @@ class BlockManager:
             return True       # the common decode step: the last page has room
         if self._pages_short(req, num_new_tokens, prefix) > 0:
             return False
-        if admitting and self.enable_prefix_caching:
+        if admitting and self.enable_prefix_caching and not req.is_embedding:
             self.prefix_queries += 1
             self.prefix_query_tokens += req.num_tokens
             self.prefix_query_pages += (req.num_tokens - 1) // self.page_size

@@ -86,6 +86,21 @@ class EngineConfig:
     structured_output_compile_timeout: float = field(default=10.0, metadata={
         "help": "Seconds a grammar may take to compile; a request whose grammar takes longer "
                 "gets a 400"})
+    # Embeddings (POST /v1/embeddings): prefill-only requests through the same steps.
+    task: str = field(default="text_generation", metadata={
+        "choices": ["text_generation", "embeddings_generation"],
+        "help": "The pipeline task: text_generation serves generation and /v1/embeddings; "
+                "embeddings_generation serves /v1/embeddings only (generation requests get a "
+                "400 naming `model`). The compiled graphs are the same"})
+    pool_embeddings: bool = field(default=True, metadata={
+        "help": "Pool an embedding input's final hidden states (--pooling-type) and "
+                "L2-normalize the vector (--no-pool-embeddings: the last token's hidden state, "
+                "not normalized)"})
+    pooling_type: str = field(default="last", metadata={
+        "choices": ["last", "mean"],
+        "help": "Embedding pooling over the input's tokens: last (the last token's final "
+                "hidden state, as vLLM does for decoder LMs) or mean; a request may choose "
+                "with its `pooling_type` field"})
     # Speculative decoding (maxjax/engine/speculative.py).
     speculative_method: str | None = field(default=None, metadata={
         "choices": ["ngram", "draft"],

@@ -1,6 +1,8 @@
 """EngineCore: the synchronous engine. One `step()` = Scheduler.schedule -> ModelRunner.run ->
 Scheduler.update -> OutputProcessor.process, and returns the step's RequestOutputs. Not
-thread-safe: the AsyncEngine's loop thread (or LLM.generate) owns it.
+thread-safe: the AsyncEngine's loop thread (or LLM.generate) owns it. Embedding requests
+(`add_embedding`) ride the same steps as prompts that sample nothing: the runner hands back their
+rows' pooled hidden states, folded into the Request after each step.
 
 A fault in a step fails only the requests it can be traced to, and the engine goes on:
   - an exception while building one row's inputs (host side) fails that row's request;
@@ -30,8 +32,8 @@ from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logp
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
-from maxjax.engine.types import RequestOutput, SamplingParams
-from maxjax.engine.validate import EngineLimits, check_request
+from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams
+from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError, UserError
 from maxjax.graphs.attention import backend_for as backend_for_platform
 from maxjax.graphs.step import RowSlice
@@ -39,6 +41,8 @@ from maxjax.structured.backend import backend_for
 
 log = logging.getLogger("maxjax.engine")
 DEFAULT_MAX_LENGTH_CAP = 4096
+# An embedding request's SamplingParams: never sampled (its rows have no sample slot).
+EMBEDDING_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)
 KV_CACHE_FORMATS = ("float32", "bfloat16", "float16")
 
 
@@ -234,14 +238,12 @@ class EngineCore:
         """Queue a request; RequestError (naming the field) if it breaks a limit. `grammar`:
         its structured_output compiled by `self.grammars` (the server awaits that off the engine
         thread); None: compiled here, blocking. `lora`: the name of a loaded adapter."""
-        check_request(prompt_token_ids, params,
-                      EngineLimits(self.model.config.vocab_size, self.max_length,
-                                   self.eos_token_ids))
-        adapter_id = None
-        if lora is not None:
-            adapter_id = self._lora_manager("model").resolve(lora)
+        if self.cfg.task == "embeddings_generation":
+            raise RequestError("model", "this server runs --task embeddings_generation: it "
+                                        "serves /v1/embeddings only")
+        check_request(prompt_token_ids, params, self._limits())
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
-                      adapter_id=adapter_id)
+                      adapter_id=self._adapter(lora))
         spec = params.structured_output
         if spec is not None:
             if self.grammars is None:
@@ -249,6 +251,32 @@ class EngineCore:
                                                "(--no-enable-structured-output)")
             req.grammar = self.grammars.new_state(grammar or self.grammars.compiled(spec), spec)
         self.scheduler.add(req)
+
+    def add_embedding(self, request_id: str, prompt_token_ids: list[int],
+                      pooling: PoolingParams | str | None = None, lora: str | None = None) -> None:
+        """Queue an embedding request: its prompt is prefilled (in chunks, batched with
+        everything else) and its one output carries `embedding`, its pooled final hidden
+        states. `pooling`: PoolingParams, or a pooling type with the engine's normalization
+        (None: --pooling-type / --pool-embeddings). RequestError naming the field."""
+        if not isinstance(pooling, PoolingParams):
+            pooling = self.default_pooling(pooling)
+        check_embedding_input(prompt_token_ids, pooling, self._limits())
+        req = Request(request_id, list(prompt_token_ids), EMBEDDING_SAMPLING,
+                      adapter_id=self._adapter(lora), pooling=pooling)
+        self.scheduler.add(req)
+
+    def default_pooling(self, pooling_type: str | None = None) -> PoolingParams:
+        """`pooling_type` (None: --pooling-type, or last with --no-pool-embeddings), normalized
+        unless --no-pool-embeddings."""
+        if not self.cfg.pool_embeddings:
+            return PoolingParams(pooling_type or "last", normalize=False)
+        return PoolingParams(pooling_type or self.cfg.pooling_type)
+
+    def _limits(self) -> EngineLimits:
+        return EngineLimits(self.model.config.vocab_size, self.max_length, self.eos_token_ids)
+
+    def _adapter(self, lora: str | None) -> str | None:
+        return None if lora is None else self._lora_manager("model").resolve(lora)
 
     # ---- LoRA adapters (no compilation: loading writes host memory, swapping a device slot) ----
     def load_lora(self, name: str, path: str) -> None:
@@ -303,6 +331,8 @@ class EngineCore:
             if res is not None and res.prompt_logprobs is not None:
                 keep_prompt_logprobs(row.request, row.start_pos, len(row.token_ids),
                                      res.prompt_logprobs)
+            if res is not None and res.pooled is not None:
+                row.request.add_pooled(row.start_pos, *res.pooled)
         updates = self.scheduler.update(plan, [None if res is None else res.token_ids
                                                 for res in results])
         self._advance_grammars(updates)
@@ -329,7 +359,8 @@ class EngineCore:
         req = row.request
         return RowRequest(RowSlice(row.token_ids, row.start_pos, row.pages, self._next_tokens(row),
                                    row.num_samples, req.lora_slot),
-                          req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed)
+                          req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed,
+                          pool=req.is_embedding)
 
     def _grammar_masks(self, rows: list[ScheduledRow]) -> dict[int, np.ndarray]:
         """id(row) -> the allow-bits of its next token, for the sampling rows under a grammar

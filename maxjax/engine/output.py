@@ -6,7 +6,8 @@ scheduler, which frees its pages).
 It works on each Request's own state: its TextStream (incremental detokenization and stop strings,
 created with the request's first output) and the prompt logprobs gathered over its prefill chunks
 (`keep_prompt_logprobs`), sent with the first output. `final_output` is the last output of a
-request ended outside its updates (abort, failure); `merge_outputs` folds outputs that queued up
+request ended outside its updates (abort, failure); `embedding_output` the one output of an
+embedding request, its pooled vector; `merge_outputs` folds outputs that queued up
 for one consumer into one.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from typing import Sequence
+
+import numpy as np
 
 from maxjax.engine.detokenizer import TextStream
 from maxjax.engine.request import Request
@@ -47,6 +50,24 @@ def final_output(req: Request, reason: str, error: str | None = None) -> Request
                          cached_tokens=req.num_cached_tokens, error=error)
 
 
+def pooled_embedding(req: Request) -> np.ndarray:
+    """The request's embedding from its pooled hidden states: the last token's or the mean over
+    its prompt, L2-normalized unless its PoolingParams say not (float32)."""
+    p = req.pooling
+    v = req.pool_sum / req.num_prompt_tokens if p.pooling_type == "mean" else req.pool_last
+    v = np.asarray(v, np.float64)
+    if p.normalize:
+        v = v / max(float(np.linalg.norm(v)), 1e-12)
+    return v.astype(np.float32)
+
+
+def embedding_output(req: Request) -> RequestOutput:
+    """The one output of a finished embedding request."""
+    return RequestOutput(req.request_id, [], finished=True, finish_reason=req.finish_reason,
+                         prompt_tokens=req.num_prompt_tokens,
+                         embedding=pooled_embedding(req).tolist())
+
+
 def merge_outputs(outs: Sequence[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: tokens, text and logprobs joined; counts and the
     finish from the last."""
@@ -76,6 +97,9 @@ class OutputProcessor:
         for u in updates:
             req = u.request
             try:
+                if req.is_embedding:
+                    outs.append(embedding_output(req))
+                    continue
                 outs.append(self._output(req, u.token_ids, samples[req.request_id]))
             except Exception as e:
                 log.exception("output processing failed for %s", req.request_id)

@@ -18,6 +18,7 @@ import logging
 from typing import AsyncIterator
 
 from maxjax.engine.async_engine import AsyncEngine
+from maxjax.engine.core import EMBEDDING_SAMPLING
 from maxjax.engine.request import Request
 from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.errors import RequestError
@@ -105,6 +106,19 @@ class ReplicatedEngine:
             self._owner.pop(request_id, None)
 
     stream = generate
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int],
+                    pooling_type: str | None = None, lora: str | None = None) -> list[float]:
+        if lora is not None:
+            raise RequestError("model", "LoRA is off on this server (--enable-lora)")
+        i = self.route(prompt_token_ids, EMBEDDING_SAMPLING, None)
+        self._owner[request_id] = i
+        self.in_flight[i] += 1
+        try:
+            return await self.replicas[i].embed(request_id, prompt_token_ids, pooling_type)
+        finally:
+            self.in_flight[i] -= 1
+            self._owner.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         i = self._owner.get(request_id)

@@ -5,7 +5,9 @@ keyed by request id.
 
 A request's token sequence is its prompt followed by the tokens it has generated. The KV cache holds
 the first `num_computed_tokens` of them; the rest (the whole prompt at admission, one sampled token
-while decoding, everything after a preemption) is what the next steps compute.
+while decoding, everything after a preemption) is what the next steps compute. An embedding
+request's sequence is its prompt alone: it is computed in chunks and ends, pages freed, with its
+last chunk (its pooled hidden states gathered here meanwhile).
 """
 from __future__ import annotations
 
@@ -46,6 +48,11 @@ class Request:
     adapter_id: str | None = None         # LoRA adapter (a load's id, maxjax/lora/); None: base
     lora_slot: int = 0                    # the device slot of its adapter while running (0: none)
     grammar: Any = None                   # structured-output matcher; None: unconstrained
+    # An embedding request (PoolingParams): prefill only, no token sampled, no prefix cache;
+    # None: generation. The pooled hidden states of its chunks so far:
+    pooling: Any = None
+    pool_sum: np.ndarray | None = None    # f64[H] sum over its computed prompt tokens
+    pool_last: np.ndarray | None = None   # f32[H] at its last computed token
 
     output_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)   # proposed next tokens, unverified
@@ -108,6 +115,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.pooling is not None
+
+    def add_pooled(self, start_pos: int, total: np.ndarray, last: np.ndarray) -> None:
+        """Fold in one step's pooled hidden states of its tokens from `start_pos`; a chunk from
+        position 0 starts over (the first chunk, or a recompute after preemption)."""
+        if start_pos == 0 or self.pool_sum is None:
+            self.pool_sum = np.zeros(total.shape, np.float64)
+        self.pool_sum += total
+        self.pool_last = np.asarray(last, np.float32)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

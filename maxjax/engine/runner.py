@@ -2,7 +2,8 @@
 
 Each bucket's executable is graphs/program.py's step_program (the model step fused with on-device
 sampling of the step's sample slots), so logits never leave the device: only token ids and
-logprobs come back, in one transfer. The KV pool is donated to
+logprobs come back, in one transfer (and, in a step with an embedding row, the rows' pooled
+hidden states, f32[R, hidden] x 2). The KV pool is donated to
 every call and updated in place; it is made by the program's KV initializer graph. Executables
 (steps and initializer) come from precompiled artifacts (maxjax/aot/) given to the constructor,
 or are compiled here (`compile_all`, and the initializer at construction); `run` never compiles.
@@ -37,6 +38,7 @@ class RowRequest:
     output_ids: Sequence[int]
     seed: int
     token_masks: Sequence[np.ndarray | None] | None = None
+    pool: bool = False        # an embedding row: return its pooled hidden states
 
 
 @dataclass
@@ -52,6 +54,8 @@ class RowResult:
     samples: list[Sample]     # one per sample slot of the row, in position order
     # Per token of the row with a next prompt token: (logprob, top ids, top logprobs) arrays.
     prompt_logprobs: tuple | None = None
+    # For a pooling row: (sum, last) of its tokens' final hidden states in this step, f32[H] each.
+    pooled: tuple | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -169,18 +173,20 @@ class ModelRunner:
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()
-        out, plp = self._step(bucket, step, samp)
+        out, plp, pooled = self._step(bucket, step, samp)
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None
+        pooled = jax.device_get(tuple(pooled)) if any(r.pool for r in rows) else None
         self.last_timing = {"build_inputs": t1 - t0, "device_step": time.perf_counter() - t1}
         results, t, s = [], 0, 0
-        for r in rows:
+        for j, r in enumerate(rows):
             n, k = len(r.slice.token_ids), r.slice.num_samples
             prompt = None
             if plp is not None and r.slice.next_tokens is not None:
                 prompt = tuple(a[t:t + n] for a in plp)
             results.append(RowResult([Sample(int(token_ids[i]), float(logprobs[i]), top_ids[i],
-                                             top_lps[i]) for i in range(s, s + k)], prompt))
+                                             top_lps[i]) for i in range(s, s + k)], prompt,
+                                     (pooled[0][j], pooled[1][j]) if r.pool else None))
             t, s = t + n, s + k
         return results

@@ -25,6 +25,10 @@ before it; the first differing sample, or the one after the last draft, is the b
 rolls the rest back: the rejected positions leave num_computed_tokens, pages past the final tokens
 go back to the pool, and only pages whose tokens are all final are offered to the prefix cache.
 
+Embedding requests (`Request.pooling`) are prompts only: chunked and batched like any prefill,
+they get no sample slot, no drafts and no prefix-cache pages, and they finish (pages freed, an
+update with no tokens) in the update of their last chunk.
+
 Not thread-safe: call abort()/finish() from the loop, between schedule() and the next schedule().
 """
 from __future__ import annotations
@@ -116,8 +120,9 @@ class Scheduler:
                                          f"{self.cfg.max_batch_input_tokens}, and chunked "
                                          "prefill is off")
         final = min(n + req.sampling.max_new_tokens - req.num_output_tokens, self.max_length)
-        # The last sampled token is never fed back, so the cache holds at most final - 1 tokens.
-        need = self.bm.pages_for(final - 1)
+        # The last sampled token is never fed back, so the cache holds at most final - 1 tokens
+        # (an embedding request samples none: its prompt is all it holds).
+        need = self.bm.pages_for(n if req.is_embedding else final - 1)
         if need > self.bm.num_usable_pages:
             too_long = self.bm.pages_for(n) > self.bm.num_usable_pages
             raise RequestError("prompt" if too_long else "max_new_tokens",
@@ -186,11 +191,13 @@ class Scheduler:
     def _row(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledRow:
         s = req.num_computed_tokens
         return ScheduledRow(req, s, req.all_token_ids[s:s + n] + list(drafts), list(req.pages),
-                            s + n == req.num_tokens, list(drafts))
+                            s + n == req.num_tokens and not req.is_embedding, list(drafts))
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The request's draft tokens that fit: the step's budget, the model's length (the
         last draft's position must fit a page row) and what the request may still generate."""
+        if req.is_embedding:
+            return []
         room = min(self.max_draft_tokens, budget - 1, self.max_length - 1 - req.num_tokens,
                    req.sampling.max_new_tokens - req.num_output_tokens - 1)
         return list(req.draft_token_ids[:max(0, room)])
@@ -328,6 +335,10 @@ class Scheduler:
             if not row.sample:
                 req.num_computed_tokens += len(row.token_ids)
                 self.bm.cache_full_pages(req)
+                if req.is_embedding and req.num_computed_tokens == req.num_tokens:
+                    updates.append(StepUpdate(req, []))   # its last chunk: done, pages freed
+                    self.running.remove(req)
+                    self._finish(req, "stop")
                 continue
             tokens = [int(tokens)] if isinstance(tokens, (int, np.integer)) else [int(t) for t in tokens]
             if len(tokens) != row.num_samples:

@@ -87,8 +87,9 @@ def build(cfg, layout, model=None) -> "Speculator | None":
 
 def may_speculate(req: Request, greedy_only: bool) -> bool:
     """The one check of whether a request may get drafts this step. A grammar's matcher would
-    have to validate every draft first (llguidance `validate_tokens`): until then, none."""
-    if req.grammar is not None:
+    have to validate every draft first (llguidance `validate_tokens`): until then, none. An
+    embedding request generates nothing."""
+    if req.grammar is not None or req.is_embedding:
         return False
     return not greedy_only or req.sampling.greedy
 

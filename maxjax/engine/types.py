@@ -128,6 +128,18 @@ def param_specs() -> dict[str, ParamSpec]:
     return out
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How an embedding request's vector is made from its prompt's final-normed hidden states:
+    the last token's (as vLLM does for causal LMs) or their mean, then L2-normalized unless
+    `normalize` is off (--no-pool-embeddings: the last token's state as the model computes it)."""
+    pooling_type: str = "last"
+    normalize: bool = True
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -149,3 +161,4 @@ class RequestOutput:
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+    embedding: list[float] | None = None   # an embedding request's vector (its last output)

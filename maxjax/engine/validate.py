@@ -15,6 +15,8 @@ bounds for early 400s; tests/test_sampling_params.py keeps them equal to the dec
   - stop_token_ids: in the vocabulary and, with min_tokens > 0, at most MAX_SUPPRESS together with
     the model's EOS ids (they are suppressed on the device until min_tokens is reached);
   - prompt: not empty, token ids in the vocabulary, and prompt + max_new_tokens within max_length;
+  - an embedding request (`check_embedding_input`): a prompt as above, of at most max_length
+    tokens, and a known pooling type;
   - structured_output: a GrammarSpec. Whether the grammar compiles is the grammar backend's
     check (maxjax/structured/backend.py), made before the request reaches the scheduler.
 Limits of the engine's resources (KV pool size, a whole prompt per step without chunked prefill)
@@ -30,8 +32,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from maxjax.engine.types import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams,
-                                 param_specs)
+from maxjax.engine.types import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, POOLING_TYPES,
+                                 PoolingParams, SamplingParams, param_specs)
 from maxjax.errors import RequestError
 from maxjax.graphs.sampling import MAX_LOGIT_BIAS, MAX_SUPPRESS
 from maxjax.structured.spec import KINDS, GrammarSpec
@@ -72,6 +74,21 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams,
             raise RequestError("stop_token_ids", f"at most {MAX_SUPPRESS - len(eos)} ids besides "
                                                  f"EOS with min_tokens (got "
                                                  f"{len(set(params.stop_token_ids) - eos)})")
+
+
+def check_embedding_input(prompt_token_ids: Sequence[int], pooling: PoolingParams,
+                          limits: EngineLimits) -> None:
+    """An embedding request's limits: a prompt that is not empty, token ids in the vocabulary,
+    at most max_length tokens (nothing is generated after it), a known pooling type."""
+    if not prompt_token_ids:
+        raise RequestError("prompt", "must not be empty")
+    _check_token_ids("prompt", prompt_token_ids, limits.vocab_size)
+    if len(prompt_token_ids) > limits.max_length:
+        raise RequestError("prompt", f"{len(prompt_token_ids)} tokens, more than the maximum "
+                                     f"length {limits.max_length}")
+    if pooling.pooling_type not in POOLING_TYPES:
+        raise RequestError("pooling_type", f"{pooling.pooling_type!r} is not one of "
+                                           f"{', '.join(POOLING_TYPES)}")
 
 
 def check_params(params: SamplingParams) -> None:
