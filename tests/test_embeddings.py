@@ -46,6 +46,55 @@ def hf_embedding(model, ids, pooling: str):
     return unit(h[-1] if pooling == "last" else h.mean(0))
 
 
+# ---- the scheduler's side, no model ----------------------------------------------------------
+
+def test_scheduler_runs_an_embedding_as_a_prompt_that_samples_nothing():
+    from maxjax.engine.block_manager import BlockManager
+    from maxjax.engine.core import EMBEDDING_SAMPLING
+    from maxjax.engine.request import Request
+    from maxjax.engine.scheduler import Scheduler
+    from maxjax.engine.types import PoolingParams, SamplingParams
+    from pool_check import check_pool
+    bm = BlockManager(32, 4, enable_prefix_caching=True)
+    sch = Scheduler(EngineConfig(max_batch_size=4, max_batch_input_tokens=8), bm, 64)
+    emb = Request("e", list(range(3, 20)), EMBEDDING_SAMPLING, pooling=PoolingParams())
+    gen = Request("g", [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    sch.add(gen)
+    sch.add(emb)                  # 17 tokens: chunks beside the decodes, the last of 1 token
+    chunks, mixed = [], False
+    while sch.has_unfinished():
+        plan = sch.schedule()
+        rows = {r.request.request_id: r for r in plan.rows}
+        mixed |= len(rows) == 2
+        if "e" in rows:
+            assert not rows["e"].sample and rows["e"].num_samples == 0
+            chunks.append(len(rows["e"].token_ids))
+        updates = sch.update(plan, [7 if r.sample else None for r in plan.rows])
+        if "e" in rows and emb.is_finished:
+            assert [u.token_ids for u in updates if u.request is emb] == [[]]
+        check_pool(bm, sch.running)
+    assert sum(chunks) == 17 and len(chunks) >= 3 and mixed, chunks
+    assert emb.finish_reason == "stop" and emb.num_output_tokens == 0 and not emb.pages
+    assert gen.num_output_tokens == 4
+    # only gen's full pages (8 of its 9 tokens computed) are cached
+    assert bm.num_used_pages == 0 and bm.num_cached_pages == 2
+
+
+def test_pooled_states_start_over_with_a_chunk_from_position_0():
+    from maxjax.engine.output import pooled_embedding
+    from maxjax.engine.request import Request
+    from maxjax.engine.types import PoolingParams
+    req = Request("e", [1, 2, 3, 4], pooling=PoolingParams("mean"))
+    req.add_pooled(0, np.full(2, 100.0), np.ones(2))         # then preempted: recomputed
+    req.add_pooled(0, np.array([1.0, 2.0]), np.array([0.0, 1.0]))
+    req.add_pooled(2, np.array([3.0, 2.0]), np.array([3.0, 4.0]))
+    np.testing.assert_allclose(pooled_embedding(req), unit([4.0, 4.0]), rtol=1e-6)
+    req.pooling = PoolingParams("last")
+    np.testing.assert_allclose(pooled_embedding(req), [0.6, 0.8], rtol=1e-6)
+    req.pooling = PoolingParams("last", normalize=False)
+    np.testing.assert_allclose(pooled_embedding(req), [3.0, 4.0])
+
+
 # ---- the route, on the mock engine ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
