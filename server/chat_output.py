@@ -111,9 +111,12 @@ class ChatOutput:
                 self._pending = ""
             return []
         deltas = []
-        for i, call in enumerate(calls[self._sent_calls:], self._sent_calls):
-            self.tool_calls.append(call)
+        for call in calls[self._sent_calls:]:
             fn = call["function"]
+            if any(c["function"] == fn for c in self.tool_calls):
+                continue      # the same call again in one turn (small models repeat) adds nothing
+            i = len(self.tool_calls)
+            self.tool_calls.append(call)
             deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                            "function": {"name": fn["name"], "arguments": ""}}]})
             deltas.append({"tool_calls": [{"index": i, "function": {

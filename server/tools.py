@@ -177,14 +177,30 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
 
 def _params(fn: dict) -> dict:
     """The tool's parameters schema. No `parameters`: the function takes none (OpenAI's meaning),
-    so its arguments are `{}`. An object with properties but no additionalProperties is closed
-    (its outputs still validate against the open one) so a model cannot add keys forever."""
+    so its arguments are `{}`."""
     if "parameters" not in fn:
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    schema = dict(fn["parameters"])
-    if "properties" in schema and "additionalProperties" not in schema:
-        schema["additionalProperties"] = False
-    return schema
+    return closed(fn["parameters"])
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_VALUES = ("enum", "const", "default", "examples")      # JSON data, not schemas
+
+
+def closed(schema):
+    """The schema with every object that lists properties but says nothing of others closed
+    (additionalProperties false, nested ones and $defs too): its outputs still validate against
+    the open schema, and a small model cannot add keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: sub if k in _VALUES else {n: closed(v) for n, v in sub.items()}
+           if k in _SCHEMA_MAPS and isinstance(sub, dict) else closed(sub)
+           for k, sub in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def rebase_refs(schema, prefix: str):

@@ -5,6 +5,7 @@ the tool's schema, streamed deltas reassemble to the non-streamed result, a tool
 in the next turn, response_format json_schema validates; bad input is a 400 naming the field
 and the server keeps serving. No compile after warm-up, no page leaked."""
 import json
+import os
 
 import jsonschema
 import openai
@@ -185,3 +186,99 @@ def test_bad_input_is_a_400_naming_the_field(server, engine, monkeypatch):
 def test_structured_output_off_is_a_400(server, engine, monkeypatch):
     monkeypatch.setattr(engine.core, "grammars", None)
     assert "off" in chat_error(server, "response_format", response_format={"type": "json_object"})
+
+
+# ---- through the clients agents are built on ----------------------------------------------------
+
+SINGLE = ["What is the weather in Tokyo?", "Add 17 and 25.", "Is it raining in Berlin?",
+          "What is 300 plus 12?"]
+
+
+def test_parallel_allowed_repeats_no_call_and_keeps_the_first(client):
+    """The grammar's separator after a call was the newline a model writes there, so that
+    newline committed to another call and the model copied the last one (2-8 identical calls
+    on 55 of 57 single-call questions). Now whitespace may end the calls and a repeated call
+    is dropped: the first call is the one parallel_tool_calls false gives, none repeats."""
+    for q in SINGLE:
+        kw = dict(model="smollm2", messages=[{"role": "user", "content": q}], tools=TOOLS,
+                  tool_choice="required", max_tokens=160, temperature=0)
+        calls = client.chat.completions.create(**kw).choices[0].message.tool_calls
+        one = client.chat.completions.create(**kw, parallel_tool_calls=False)
+        check_calls(calls)
+        seen = [(c.function.name, c.function.arguments) for c in calls]
+        assert len(set(seen)) == len(seen), (q, seen)
+        assert seen[0] == (one.choices[0].message.tool_calls[0].function.name,
+                           one.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_seeded_output_does_not_depend_on_cache_or_batch(client):
+    import concurrent.futures
+    prompts = [f"Write one sentence about a {w}." for w in
+               ("cat", "dog", "robot", "wizard", "sailor", "baker", "knight", "pilot")]
+
+    def ask(p):
+        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user",
+                                           "content": p}], max_tokens=24, temperature=1.0,
+                                           seed=11)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+    cold = [ask(p) for p in prompts]
+    warm = [ask(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        batch = list(pool.map(ask, prompts))
+    assert any(c for _, c in warm), "the repeats should hit the prefix cache"
+    assert [t for t, _ in cold] == [t for t, _ in warm] == [t for t, _ in batch]
+
+
+def test_instructor_tools_mode_with_a_nested_model(client):
+    import instructor
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+
+    class Weather(pydantic.BaseModel):
+        city: City
+        unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+    ic = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
+    w = ic.chat.completions.create(model="smollm2", response_model=Weather, max_tokens=120,
+                                   temperature=0, max_retries=0, messages=[
+                                       {"role": "user", "content": "Weather in Rome, celsius."}])
+    assert isinstance(w, Weather) and isinstance(w.city, City)
+
+
+def test_langchain_tool_round_trip(server):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return f"sunny in {city}"
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="smollm2", temperature=0,
+                     max_tokens=100, max_retries=0)
+    msgs = [HumanMessage("What is the weather in Lima?")]
+    ai = llm.bind_tools([get_weather], tool_choice="required").invoke(msgs)
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+    assert "<tool_call>" not in ai.content
+    msgs += [ai, ToolMessage(get_weather.invoke(ai.tool_calls[0]["args"]),
+                             tool_call_id=ai.tool_calls[0]["id"])]
+    final = llm.bind_tools([get_weather]).invoke(msgs)
+    assert "<tool_call>" not in final.content
+    for c in final.tool_calls:
+        assert c["name"] == "get_weather"
+
+
+def test_litellm_cut_off_forced_call(server):
+    """The issue's repro: a forced call cut off by max_tokens is finish_reason length with no
+    markup in the content, through litellm."""
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"   # it fetches a price list otherwise
+    import litellm
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    r = litellm.completion(model="openai/smollm2", api_base=server.url + "/v1", api_key="x",
+                           messages=[{"role": "user", "content": "Weather in Paris and Rome?"}],
+                           tools=weather, tool_choice="required", max_tokens=40, seed=3)
+    c = r.choices[0]
+    assert c.finish_reason == "length", c
+    assert "<tool_call>" not in (c.message.content or "")
