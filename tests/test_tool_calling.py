@@ -163,8 +163,13 @@ def test_bad_input_is_a_400_naming_the_field(server, engine, monkeypatch):
     rf = lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}  # noqa
     assert "type" in chat_error(server, "response_format.json_schema.schema",
                                 response_format=rf({"type": "objekt"}))
+    strict = {**rf({"not": {"type": "string"}}), "json_schema": {
+        "name": "x", "schema": {"not": {"type": "string"}}, "strict": True}}
     assert "not" in chat_error(server, "response_format.json_schema.schema",
-                               response_format=rf({"not": {"type": "string"}}))
+                               response_format=strict)
+    r = http("POST", server.url + "/v1/chat/completions", {   # not strict: served, and said
+        "messages": MSGS, "max_tokens": 3, "response_format": rf({"not": {"type": "string"}})})
+    assert r.status_code == 200 and "not" in r.headers["X-Structured-Output-Warnings"]
     chat_error(server, "structured_outputs.regex", structured_outputs={"regex": "(a"})
     chat_error(server, "guided_json", guided_json=[1, 2])
     chat_error(server, "tool_choice", tools=TOOLS,
