@@ -158,13 +158,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
             final = (await turn.collect())[0]
             reason, seq = await _stop_reason(st, turn, final.finish_reason, stops)
             return web.json_response(_message(rid, req.model, content_blocks(final.message),
-                                              reason, seq, _usage(turn)))
+                                              reason, seq, _usage(turn)),
+                                     headers=turn.headers)
     except APIError as e:     # before any byte went out (_stream sends its own as an event)
         raise anthropic_names(e) from None
 
 
 async def _stream(request, st, req, turn, rid, stops) -> web.StreamResponse:
-    sse = await SSE(request).start()
+    sse = await SSE(request, turn.headers).start()
     blocks = BlockStream(sse)
     await blocks.event("message_start", {"message": _message(
         rid, req.model, [], None, None, {"input_tokens": len(turn.prompt), "output_tokens": 0,

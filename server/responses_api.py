@@ -109,7 +109,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             await stack.enter_async_context(turn)
         except APIError as e:
             raise renamed(e) from None
-        headers = getattr(turn, "headers", None)     # the chat turn's warnings, if any
 
         def response(status: str, items: list[dict], usage: dict | None = None) -> dict:
             return _drop_none_user(response_object(req, rid, turn.created, st.model_id, status,
@@ -128,11 +127,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             for d in message_deltas(final.message):
                 out.feed(d)
             out.finish(truncated=final.finish_reason == "length")
-            return web.json_response(done(final.finish_reason, out), headers=headers or None)
+            return web.json_response(done(final.finish_reason, out), headers=turn.headers)
 
-        sse = SSE(request)
-        sse.resp.headers.update(headers or {})
-        await sse.start()
+        sse = await SSE(request, turn.headers).start()
         seq = itertools.count()
 
         async def emit(ev: dict) -> None:
