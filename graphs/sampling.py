@@ -26,9 +26,9 @@ Costs measured on the 2-core dev CPU at R=32, V=49152 (XLA:CPU): a full-vocab so
     near 1, or top_k > 256) a lax.cond takes an exact bisection on the float bits of the probabilities
     (~80 ms for the batch, 32 passes over R x V). Either way the result is exact up to ties (a token tied with the threshold is kept).
   - sampling is Gumbel-max in two levels (blocks of 256 tokens, then within the block): noise for
-    2 x 256 values per row instead of the vocab (an inverse CDF with one uniform was cheaper still,
-    but its pick in a long tail moved with the last bits of the logits: a seeded request gave
-    other text with the prefix cache warm, 1 prompt in 4); short cumsums are triangular matmuls.
+    2 x 256 values per row instead of the vocab (the inverse CDF with one uniform it replaced
+    cost as little, but its pick in a long tail moved with the last bits of the logits: a
+    seeded request gave other text with the prefix cache warm, 1 prompt in 4).
 Randomness: a key per row from a counter-based hash of (the request's 64-bit seed, number of
 tokens generated so far), hashed with each index for the noise, so a request's samples depend only
 on its seed and position, never on its batch neighbours or row (threefry would do too, but
@@ -52,7 +52,7 @@ import numpy as np
 MAX_LOGIT_BIAS = 64        # B: logit_bias entries per request
 MAX_SUPPRESS = 16          # S: ids suppressed while min_tokens is not reached (EOS + stop_token_ids)
 CANDIDATES = 256           # top-k/top-p fast path works on this many best tokens
-_BLOCK = 256               # inverse-CDF block size
+_BLOCK = 256               # sampling block size (two-level draw)
 
 
 @jax.tree_util.register_dataclass
