@@ -19,3 +19,27 @@ _cache = os.environ.get("MAXJAX_TEST_JAX_CACHE")
 os.environ.setdefault("MAXJAX_CACHE_DIR", _cache.rstrip("/") + ".maxjax" if _cache else
                       tempfile.mkdtemp(prefix="maxjax-compile-cache-"))
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat():
+    """(AsyncEngine, ServerThread) of the embedded SmolLM2 for the chat-shaped tests (tool
+    calling, Responses, Messages): one engine for the session, so its graphs load once."""
+    from server_harness import ServerThread
+
+    from maxjax.engine.async_engine import AsyncEngine
+    from maxjax.engine.build import build_core
+    from maxjax.engine.config import EngineConfig
+    # test_structured_output.py's engine config: its graphs come from the compile cache
+    core = build_core(None, EngineConfig(max_length=512, max_batch_size=16,
+                                         max_batch_input_tokens=128, kv_cache_page_size=16,
+                                         num_kv_pages=300))
+    eng = AsyncEngine(core, core.model.tokenizer, "smollm2", core.model.chat_template)
+    eng.start()
+    server = ServerThread(eng)
+    yield eng, server
+    server.close()
+    eng.shutdown()

@@ -363,21 +363,10 @@ def test_x_api_key():
 # ---- the real model ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def real_server():
-    from maxjax.engine.async_engine import AsyncEngine
-    from maxjax.engine.build import build_core
-    from maxjax.engine.config import EngineConfig
-    # tests/test_tool_calling.py's engine config: its graphs come from the compilation cache
-    core = build_core(None, EngineConfig(max_length=512, max_batch_size=16,
-                                         max_batch_input_tokens=128, kv_cache_page_size=16,
-                                         num_kv_pages=300))
-    eng = AsyncEngine(core, core.model.tokenizer, "smollm2", core.model.chat_template)
-    eng.start()
-    s = ServerThread(eng)
-    yield s
-    s.close()
-    eng.shutdown()
-    st = core.stats()
+def real_server(smollm2_chat):
+    eng, server = smollm2_chat
+    yield server
+    st = eng.core.stats()
     assert st["pages_used"] == 0 and st["running"] == 0, st
 
 

@@ -516,20 +516,8 @@ def test_openai_agents_streamed(server, engine):
 # ---- the real model ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from maxjax.engine.async_engine import AsyncEngine
-    from maxjax.engine.build import build_core
-    from maxjax.engine.config import EngineConfig
-    # tests/test_tool_calling.py's engine config: its graphs come from the compile cache
-    core = build_core(None, EngineConfig(max_length=512, max_batch_size=16,
-                                         max_batch_input_tokens=128, kv_cache_page_size=16,
-                                         num_kv_pages=300))
-    eng = AsyncEngine(core, core.model.tokenizer, "smollm2", core.model.chat_template)
-    eng.start()
-    s = ServerThread(eng)
-    yield eng, s
-    s.close()
-    eng.shutdown()
+def smollm2(smollm2_chat):
+    return smollm2_chat
 
 
 def test_smollm2_whole_and_streamed(smollm2):

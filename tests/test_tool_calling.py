@@ -10,11 +10,8 @@ import os
 import jsonschema
 import openai
 import pytest
-from server_harness import ServerThread, http
+from server_harness import http
 
-from maxjax.engine.async_engine import AsyncEngine
-from maxjax.engine.build import build_core
-from maxjax.engine.config import EngineConfig
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 20},
@@ -31,22 +28,13 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris, and what is 2
 
 
 @pytest.fixture(scope="module")
-def engine():
-    # test_structured_output.py's engine config: its graphs come from the compilation cache
-    core = build_core(None, EngineConfig(max_length=512, max_batch_size=16,
-                                         max_batch_input_tokens=128, kv_cache_page_size=16,
-                                         num_kv_pages=300))
-    eng = AsyncEngine(core, core.model.tokenizer, "smollm2", core.model.chat_template)
-    eng.start()
-    yield eng
-    eng.shutdown()
+def engine(smollm2_chat):
+    return smollm2_chat[0]
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    s = ServerThread(engine)
-    yield s
-    s.close()
+def server(smollm2_chat):
+    return smollm2_chat[1]
 
 
 @pytest.fixture(scope="module")
