@@ -165,8 +165,10 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
     devices = graphs.execution_devices(layout)
     out: dict = {}
     t0, counts = time.perf_counter(), {"executable": 0, "export": 0}
-    # Deserializing an executable is native code that releases the GIL: overlap them.
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+    # Deserializing is native code that releases the GIL: it overlaps the reads and sha256
+    # checks here. One at a time: two threads deserializing XLA:CPU executables at once
+    # crashed the process (SIGSEGV in persistent_load, seen in a CI run, jaxlib 0.10.2).
+    pool = concurrent.futures.ThreadPoolExecutor(1)
     loads: dict = {}
     for spec in specs:
         name = spec.name
