@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import threading
 import time
@@ -35,16 +36,22 @@ def unenforced(schema: str | dict) -> list[str]:
     """What a JSON schema asks that the grammar does not enforce (llguidance's warnings, e.g.
     'Unimplemented keys: ["uniqueItems"]'), plus oneOf where it is matched as anyOf. Needs no
     tokenizer; an invalid schema gives [] (compiling it reports the error)."""
+    return list(_unenforced(schema if isinstance(schema, str) else
+                            json.dumps(schema, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=256)
+def _unenforced(text: str) -> tuple[str, ...]:
+    """Cached: the server asks on every request that carries a schema, on its event loop."""
     import llguidance
-    text = schema if isinstance(schema, str) else json.dumps(schema)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
         _, notes = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     except ValueError:
-        return []
+        return ()
     if '"oneOf"' in text:
         notes.append("oneOf matched as anyOf")
-    return [_one_line(n) for n in notes]
+    return tuple(_one_line(n) for n in notes)
 
 
 class GrammarState:
