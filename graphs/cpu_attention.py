@@ -1,5 +1,6 @@
 """The CPU attention backend of `--use-experimental-kernels`: paged attention as maxjax's own
-XLA FFI kernel (graphs/kernels/paged_attention.cc, built and registered by graphs/cpu_kernels.py).
+XLA FFI kernel (graphs/kernels/paged_attention.cc, built and registered by graphs/cpu_kernels.py,
+for the process's instruction set, `cpu_kernels.isa()`: AVX-512F or AVX2 + FMA + F16C).
 
 Its metadata is one array, the request row of each token slot (-1: padding); the kernel reads
 the positions and the page table from the step itself, groups each row's consecutive tokens into
@@ -17,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxjax.graphs import cpu_kernels
 from maxjax.graphs.attention import AttentionBackend
 
-TARGET = "maxjax_paged_attention"
+TARGET = "maxjax_paged_attention"     # base names: cpu_kernels.target adds the ISA
 WRITE_TARGET = "maxjax_write_kv"
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)      # the kernel's instantiations
 
@@ -49,19 +51,20 @@ def build_token_rows(rows: Sequence, num_tokens: int, num_rows: int) -> TokenRow
 
 
 def paged_attention(q, k_pool, v_pool, layer: int, page_table, token_row, positions,
-                    window: int, scale: float, softcap=None):
-    """q [T, H, hd] over its rows' pages; pools [L, N, KV, page, hd]; page_table [R, P]."""
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+                    window: int, scale: float, softcap=None, isa: str | None = None):
+    """q [T, H, hd] over its rows' pages; pools [L, N, KV, page, hd]; page_table [R, P].
+    `isa`: whose kernel (default: the process's, read while tracing)."""
+    out = jax.ffi.ffi_call(cpu_kernels.target(TARGET, isa), jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pool, v_pool, page_table, token_row, positions,
         layer=np.int64(layer), window=np.int64(window or 0), scale=np.float32(scale),
         softcap=np.float32(softcap or 0.0))
     return out.astype(q.dtype)
 
 
-def write_kv(pool, layer: int, slots, new, page_size: int):
+def write_kv(pool, layer: int, slots, new, page_size: int, isa: str | None = None):
     """pool [L, N, KV, page, hd] with new [T, KV, hd] at the flat slots, in place: the kernel
     writes 16-bit pools without XLA:CPU's float32 round trip of the whole pool."""
-    return jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+    return jax.ffi.ffi_call(cpu_kernels.target(WRITE_TARGET, isa), jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0})(
         pool, slots, new.astype(jnp.float32), layer=np.int64(layer))
 

@@ -2,15 +2,22 @@
 custom calls (graphs/kernels/quant_linear.cc). XLA:CPU's own int8 dot (YNNPACK) reads int8
 weights at a fraction of the float32 matrix-vector product's bandwidth at the few rows a decode
 step has, and the graph's 4-bit path rounds the blocks to int8 first (BENCHMARKS.md, Quantized
-weights). These compute with two int8 activation digits per row and int32 sums on AVX-512 VNNI:
-int8 weights exactly as graphs/quant.py does, GGUF 4-bit blocks in their own arithmetic (each
-block's sum scaled by its scale, plus its low end times the block's input sum).
+weights). These compute with two int8 activation digits per row and int32 sums: int8 weights
+exactly as graphs/quant.py does, GGUF 4-bit blocks in their own arithmetic (each block's sum
+scaled by its scale, plus its low end times the block's input sum).
 
 `pack_params` lays a single-device quantized model's matrices out for them (a `QuantizedWeight`
 whose `q` is 4-D; the tied embedding table stays for the row lookup and gains a packed
-`lm_head`); `graphs/quant.linear` sends such a weight here. The kernels are built once per source
-and jaxlib with g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and need
-AVX-512F/BW/VNNI.
+`lm_head`); `graphs/quant.linear` sends such a weight here. The layouts do not depend on the
+instruction set.
+
+Each kernel source builds for one of `ISAS` (the C++ picks its vector code by the -m flags):
+avx512 (AVX-512F/BW/VNNI: vpdpbusd) or avx2 (AVX2 + FMA + F16C: vpmaddubsw, the same integer
+sums). `isa()` is this process's: $MAXJAX_CPU_ISA (avx512, avx2 or none) when set, else the best
+this CPU has, read anew each call. Each ISA's library is built once per source and jaxlib with
+g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and its FFI targets carry the ISA
+(`target`: maxjax_int8_linear_avx2, ...), so both load in one process and an executable names the
+one it needs.
 """
 from __future__ import annotations
 
@@ -28,80 +35,137 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxjax.errors import UserError
+
 log = logging.getLogger("maxjax.kernels")
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 TARGET, TARGET4 = "maxjax_int8_linear", "maxjax_int4_linear"
-# each source under graphs/kernels, and the FFI targets it defines: built into one library
+# each source under graphs/kernels, and the FFI targets it defines (before the ISA suffix): built
+# into one library per ISA
 SOURCES = {"quant_linear.cc": (TARGET, TARGET4),
            "paged_attention.cc": ("maxjax_paged_attention", "maxjax_write_kv")}
-TARGETS = tuple(t for targets in SOURCES.values() for t in targets)
+ISAS = ("avx512", "avx2")          # best first
+ISA_ENV = "MAXJAX_CPU_ISA"
+# ISA: (the /proc/cpuinfo flags it needs, g++'s flags for it)
+ISA_FLAGS = {"avx512": (("avx512f", "avx512bw", "avx512_vnni"),
+                        ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma")),
+             "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"))}
+# every ISA's target names (jax.export allows these custom calls: maxjax/aot/graphs.py)
+TARGETS = tuple(f"{t}_{i}" for i in ISAS for targets in SOURCES.values() for t in targets)
 # the names artifacts record (model fingerprint `kernels`)
 INT8_LINEAR, INT4_LINEAR = "int8_linear", "int4_linear"
 TILE, GROUP, BLOCK = 64, 4, 32   # output columns a tile, inputs a byte group, inputs a 4-bit block
-CPU_FLAGS = {"avx512f": "avx512f", "avx512bw": "avx512bw", "avx512_vnni": "avx512vnni"}  # -> g++
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
+
+
+def _missing(name: str) -> list[str]:
+    """The CPU flags ISA `name` needs that this CPU lacks."""
+    return [f for f in ISA_FLAGS[name][0] if f not in _cpu_flags()]
+
+
+def isa() -> str | None:
+    """The ISA this process's kernels use: $MAXJAX_CPU_ISA when set (avx512, avx2, or none:
+    None), else the best of `ISAS` this CPU has (None: neither). A forced ISA is returned even
+    where the CPU lacks it (`unavailable` then says so). Read anew each call."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced == "none":
+            return None
+        if forced not in ISAS:
+            raise UserError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: expected one of "
+                            f"{', '.join((*ISAS, 'none'))}")
+        return forced
+    return next((name for name in ISAS if not _missing(name)), None)
+
+
+_process_isa = isa
+
+
+def unavailable(isa: str | None = None) -> str | None:
+    """None once ISA `isa`'s kernels (default: the process's, `isa()`) are built and registered
+    with XLA; else one short reason they cannot be."""
+    if isa is None:
+        isa = _process_isa()
+        if isa is None:
+            forced = os.environ.get(ISA_ENV, "").strip()
+            return f"{ISA_ENV}={forced}" if forced else \
+                f"this CPU lacks {', '.join(_missing(ISAS[-1]))}"
+    elif isa not in ISAS:
+        raise ValueError(f"unknown kernel ISA {isa!r}: one of {', '.join(ISAS)}")
+    missing = _missing(isa)
+    return f"this CPU lacks {', '.join(missing)}" if missing else _load(isa)
 
 
 @functools.cache
-def unavailable() -> str | None:
-    """None once the kernels are built and registered with XLA; else why they cannot be."""
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+def _load(isa: str) -> str | None:
+    """Builds ISA `isa`'s library (once per source, jaxlib and ISA: the file is kept) and
+    registers its targets; None, or why it could not."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         return "no C++ compiler (g++, or $CXX) to build it"
     import jaxlib
+    flags = [*ISA_FLAGS[isa][1], f"-DMAXJAX_ISA={isa}"]
     sources = [os.path.join(KERNEL_DIR, name) for name in SOURCES]
-    key = hashlib.sha256(jaxlib.__version__.encode())
+    key = hashlib.sha256("\0".join([jaxlib.__version__, *flags]).encode())
     for path in sources:
         with open(path, "rb") as f:
             key.update(f.read())
     root = os.environ.get("MAXJAX_KERNEL_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "maxjax", "kernels")
-    lib = os.path.join(root, f"maxjax-kernels-{key.hexdigest()[:16]}.so")
+    lib = os.path.join(root, f"maxjax-kernels-{isa}-{key.hexdigest()[:16]}.so")
     if not os.path.isfile(lib):
         os.makedirs(root, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
-        cmd = [compiler, "-O3", *[f"-m{f}" for f in CPU_FLAGS.values()], "-mfma", "-std=c++17",
-               "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp,
-               "-lpthread"]
+        cmd = [compiler, "-O3", *flags, "-std=c++17", "-shared", "-fPIC", "-w",
+               f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp, "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             os.unlink(tmp)
             return f"building it failed: {done.stderr.strip().splitlines()[-1:]}"
         os.replace(tmp, lib)
-        log.info("built the CPU kernels into %s", lib)
+        log.info("built the %s CPU kernels into %s", isa, lib)
     handle = ctypes.cdll.LoadLibrary(lib)
-    for target in TARGETS:
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, target)),
+    for name in (t for targets in SOURCES.values() for t in targets):
+        full = f"{name}_{isa}"
+        jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(getattr(handle, full)),
                                     platform="cpu")
     return None
 
 
-def packed_linear(x, w, live=None):
+def target(name: str, isa: str | None = None) -> str:
+    """The FFI target of kernel `name` (a base name of `SOURCES`) for ISA `isa` (default: the
+    process's, `isa()`), registered with XLA first; a UserError naming why it cannot be."""
+    why = unavailable(isa)
+    if why:
+        raise UserError(f"the CPU kernels cannot run: {why}")
+    return f"{name}_{isa or _process_isa()}"
+
+
+def packed_linear(x, w, live=None, isa: str | None = None):
     """x [..., in] @ a weight `pack_weight` packed: float32. `live`: the rows of x (flattened)
-    to compute, a leading count; the others come out 0."""
+    to compute, a leading count; the others come out 0. `isa`: whose kernel (default: the
+    process's, read while tracing)."""
     lead, d_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d_in).astype(jnp.float32)
     out = w.q.shape[0] * TILE
     live = jnp.asarray(x2.shape[0] if live is None else live, jnp.int32).reshape(1)
     result = jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32)
     if w.bits == 8:
-        y = jax.ffi.ffi_call(TARGET, result)(x2, w.q, w.scale, live)
+        y = jax.ffi.ffi_call(target(TARGET, isa), result)(x2, w.q, w.scale, live)
     else:
-        y = jax.ffi.ffi_call(TARGET4, result)(x2, w.q, w.scale, w.offset, live)
+        y = jax.ffi.ffi_call(target(TARGET4, isa), result)(x2, w.q, w.scale, w.offset, live)
     return y.reshape(*lead, out)
 
 

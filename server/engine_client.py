@@ -64,5 +64,6 @@ class EngineClient(Protocol):
     def info(self) -> dict:
         """What does not change while serving, for the dashboard: model, max_length, page_size,
         num_pages, buckets (names), structured_output (bool), engine_config (flat dict),
-        hidden_size (the embeddings' width)."""
+        hidden_size (the embeddings' width), kernels (what runs in the CPU kernels: isa, linear,
+        attention; None without them)."""
         ...

@@ -102,7 +102,9 @@ def test_graph_shaping_flag_misses_and_the_cap_evicts(model, filled, tmp_path):
 
 def test_model_tokenizer_version_and_device_change_the_entry(model, filled, tmp_path,
                                                             monkeypatch):
+    from maxjax.engine.build import resolve_kernels
     cfg = EngineConfig(**ENGINE, quantization_encoding="float32")
+    resolve_kernels(cfg)          # as the engine that filled the entry did
     layout = plan_layout(cfg, model)
     here = cache.entry_path(model, cfg, layout, filled[0])
     assert here == filled[1]

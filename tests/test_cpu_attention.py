@@ -2,11 +2,12 @@
 NumPy reference (float64 softmax over each row's pages laid end to end) and against the
 query-block algorithm it replaces, on random ragged steps: decodes, prefill chunks longer than a
 tile, mixed buckets with padding tokens, GQA and MHA, sliding windows, softcapping, bfloat16 /
-float16 pools. Every pool slot no row may read holds NaN, so a read of one shows. Its K/V write
-gives the bits of XLA's scatter. Then an engine on
+float16 pools, for every instruction set this CPU runs (MAXJAX_CPU_ISA: avx512, avx2). Every
+pool slot no row may read holds NaN, so a read of one shows. Its K/V write gives the bits of
+XLA's scatter. Then an engine on
 tests/tiny_llama.py with the flag: the layout picks the kernel, greedy tokens equal the query-block
 engine's, nothing compiles while serving, and its artifacts serve again and are refused, naming
-the flag, by a run without it. Skipped where the kernels cannot be built."""
+the flag, by a run without it. Skipped where no ISA's kernels can be built."""
 from __future__ import annotations
 
 import jax
@@ -19,9 +20,23 @@ from maxjax.graphs.cpu_attention import CPU_PAGED_KERNEL, TokenRows, supports_he
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from kernel_checks import kernels_engine_round_trip
 
-pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
-                                reason=f"CPU kernels: {cpu_kernels.unavailable()}")
+RUNNABLE = [isa for isa in cpu_kernels.ISAS if cpu_kernels.unavailable(isa) is None]
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason=f"CPU kernels: {cpu_kernels.unavailable()}")
 LAYERS, LAYER = 2, 1
+
+
+@pytest.fixture(params=RUNNABLE)
+def kernel_isa(request, monkeypatch):
+    """Each ISA this CPU runs, as the process's (MAXJAX_CPU_ISA) while the test traces."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, request.param)
+    return request.param
+
+
+def calls_only(jitted, args, isa):
+    """jitted's graph calls `isa`'s kernels and no other ISA's."""
+    hlo = jitted.lower(*args).as_text()
+    called = [t for t in cpu_kernels.TARGETS if t in hlo]
+    assert called and all(t.endswith("_" + isa) for t in called), called
 
 
 def ragged_rows(rng, page_size, num_tokens, num_rows, max_pages, kind):
@@ -92,7 +107,7 @@ CASES = {   # name: (kind, page, H, KV, head_dim, T, R, pages per row, window, s
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_equals_numpy_and_query_blocks(case):
+def test_kernel_equals_numpy_and_query_blocks(case, kernel_isa):
     kind, page, H, KV, hd, T, R, max_pages, window, softcap, dtype = CASES[case]
     rng = np.random.default_rng(sum(map(ord, case)))
     rows, num_pages = ragged_rows(rng, page, T, R, max_pages, kind)
@@ -105,8 +120,11 @@ def test_kernel_equals_numpy_and_query_blocks(case):
     def run(backend, k, v):
         step = jax.tree.map(jnp.asarray, build_step_inputs(rows, T, R, max_pages, page,
                                                            backend=backend))
-        return np.asarray(jax.jit(lambda q, k, v, st: attention.attend(
-            q, k, v, LAYER, st, window, scale, softcap))(q, k, v, step))
+        jitted = jax.jit(lambda q, k, v, st: attention.attend(
+            q, k, v, LAYER, st, window, scale, softcap))
+        if backend is CPU_PAGED_KERNEL:
+            calls_only(jitted, (q, k, v, step), kernel_isa)
+        return np.asarray(jitted(q, k, v, step))
 
     got = run(CPU_PAGED_KERNEL, k_pool, v_pool)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
@@ -117,7 +135,7 @@ def test_kernel_equals_numpy_and_query_blocks(case):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_write_kv_equals_xla_scatter(dtype):
+def test_write_kv_equals_xla_scatter(dtype, kernel_isa):
     """The kernel's in-place K/V write gives the bits of graphs/layers.py's scatter (XLA's own
     rounding to 16 bits), slot 0 of the scratch page included."""
     from maxjax.graphs import cpu_attention, layers
@@ -126,8 +144,9 @@ def test_write_kv_equals_xla_scatter(dtype):
     slots = jnp.asarray(np.r_[rng.permutation(np.arange(8, 72))[:11], 0, 0].astype(np.int32))
     new = jnp.asarray(rng.standard_normal((13, 3, 32)) * 50, jnp.float32)
     want = jax.jit(lambda p: layers.write_kv(p, LAYER, slots, new, 8))(jnp.asarray(pool, dtype))
-    got = jax.jit(lambda p: cpu_attention.write_kv(p, LAYER, slots, new, 8),
-                  donate_argnums=0)(jnp.asarray(pool, dtype))
+    write = jax.jit(lambda p: cpu_attention.write_kv(p, LAYER, slots, new, 8), donate_argnums=0)
+    calls_only(write, (jnp.asarray(pool, dtype),), kernel_isa)
+    got = write(jnp.asarray(pool, dtype))
     assert got.dtype == dtype
     assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
@@ -157,6 +176,8 @@ def tiny(tmp_path_factory):
                       progress=False)
 
 
+@pytest.mark.skipif(cpu_kernels.unavailable() is not None,
+                    reason=f"CPU kernels: {cpu_kernels.unavailable()}")
 def test_engine_equals_query_blocks_and_artifacts(tiny, tmp_path):
     from maxjax.engine.types import SamplingParams
     from maxjax.llm import LLM

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import http
 
 from maxjax.engine import build
+from maxjax.graphs import cpu_kernels
 
 FLAGS = ["--max-batch-size", "2", "--max-batch-input-tokens", "8", "--num-kv-pages", "64",
          "--max-length", "256"]
@@ -40,11 +41,12 @@ def serve_once(cache_dir, log_path) -> dict:
             assert r.status_code == 200, r.text
             metrics = {s.name: s.value for fam in text_string_to_metric_families(
                 http("GET", url + "/metrics").text) for s in fam.samples}
+            info = http("GET", url + "/stats").json()["info"]
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=60)
     return {"ready": ready.strip(), "text": r.json()["choices"][0]["text"], "metrics": metrics,
-            "log": open(log_path).read().splitlines()}
+            "log": open(log_path).read().splitlines(), "info": info}
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +64,20 @@ def test_first_start_log_is_maxjax_lines_one_per_phase(starts):
     for line in log:
         assert LINE.match(line), f"not a maxjax log line: {line!r}\n" + "\n".join(log)
     text = "\n".join(log)
+    # the default: maxjax's CPU kernels where they run, the GGUF in its own 4-bit blocks
+    why = cpu_kernels.unavailable()
+    kernels = first["info"]["kernels"]
+    if why is None:
+        assert f"CPU kernels on ({cpu_kernels.isa()})" in text, text
+        # the 4-bit blocks, and the int8 rows of the tied LM head
+        assert kernels == {"isa": cpu_kernels.isa(), "attention": True,
+                           "linear": [cpu_kernels.INT8_LINEAR, cpu_kernels.INT4_LINEAR]}
+    else:
+        assert f"CPU kernels off: {why}; XLA's path runs" in text, text
+        assert kernels is None
+    encoding = "int8" if why else "q4_1"
     for phase in ("Loading weights: the embedded SmolLM2-135M-Instruct",
-                  "Loaded SmolLM2-135M-Instruct (int8) in",
+                  f"Loaded SmolLM2-135M-Instruct ({encoding}) in",
                   f"Compiling 5 graphs (not in the compile cache yet: storing them in {cache_dir}/",
                   "Compiled 5/5 graphs", "Engine ready in"):
         assert phase in text, text

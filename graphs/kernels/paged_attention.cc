@@ -5,7 +5,11 @@
 // A work item is (up to kTileTokens consecutive tokens of one row, one KV head): its
 // tokens x G query heads share every K/V page load. Scores are dot products over hd (keys in
 // the page), the softmax is online over pages in float32, P x V broadcasts each probability
-// over a row of V. AVX-512F. Large calls spread their items over XLA's intra-op thread pool.
+// over a row of V. Large calls spread their items over XLA's intra-op thread pool.
+// One source, two instruction sets, picked at build time (graphs/cpu_kernels.py):
+// -DMAXJAX_ISA=avx512 (AVX-512F, 16 float lanes, mask registers) or avx2 (AVX2 + FMA + F16C,
+// 8 lanes, vector masks); struct V holds the vector ops, and the exported symbols carry the
+// suffix (maxjax_paged_attention_avx2, ...), so both libraries load in one process.
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
@@ -19,72 +23,171 @@
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
 
+#ifndef MAXJAX_ISA
+#error "build with -DMAXJAX_ISA=avx512 or -DMAXJAX_ISA=avx2 (graphs/cpu_kernels.py)"
+#endif
+#define MAXJAX_PASTE(name, isa) name##_##isa
+#define MAXJAX_NAMED(name, isa) MAXJAX_PASTE(name, isa)
+#define MAXJAX_SYMBOL(name) MAXJAX_NAMED(name, MAXJAX_ISA)   // maxjax_write_kv_avx2, ...
+
 namespace {
 
 constexpr int kTileTokens = 16;
 // Below this many multiply-adds a call stays on the calling thread (tools/bench_attention.py).
 constexpr int64_t kThreadedWork = int64_t(1) << 20;
 
-struct F32 {
-  using T = float;
-  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-};
-struct BF16 {
-  using T = uint16_t;
-  static __m512 load(const uint16_t* p) {
+#if defined(__AVX512F__)
+struct V {             // AVX-512F: 16 float lanes
+  static constexpr int W = 16, kRegs = 32;
+  using F = __m512;
+  using M = __mmask16;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load_bf16(const uint16_t* p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  static F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void store_f16(uint16_t* p, const float* x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2(F p, F n) { return _mm512_scalef_ps(p, n); }       // p * 2^n, n integral
+  static float reduce_add(F a) { return _mm512_reduce_add_ps(a); }
+  static float reduce_max(F a) { return _mm512_reduce_max_ps(a); }
+  static M lanes(int64_t lo, int64_t hi, int64_t j) {    // lanes j + i with lo <= j + i < hi
+    uint32_t below = hi - j >= 16 ? 0xFFFFu : hi - j <= 0 ? 0u : (1u << (hi - j)) - 1;
+    uint32_t skip = lo - j <= 0 ? 0u : lo - j >= 16 ? 0xFFFFu : (1u << (lo - j)) - 1;
+    return M(below & ~skip);
+  }
+  static F load_or(F fill, M m, const float* p) { return _mm512_mask_loadu_ps(fill, m, p); }
+  static F keep(M m, F a) { return _mm512_maskz_mov_ps(m, a); }      // 0 outside m
+  static void store(float* p, M m, F a) { _mm512_mask_storeu_ps(p, m, a); }
+  // lane i: the sum of v[i]'s 16 lanes (pairs, then quads, then 128-bit lanes added up)
+  static F sums(const F v[16]) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; ++k)
+      t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                           _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {
+      __m512d c = _mm512_castps_pd(t[2 * k]), d = _mm512_castps_pd(t[2 * k + 1]);
+      u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct V {             // AVX2 + FMA + F16C: 8 float lanes, masks as all-ones lanes
+  static constexpr int W = 8, kRegs = 16;
+  using F = __m256;
+  using M = __m256;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static F load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void store_f16(uint16_t* p, const float* x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F round(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2(F p, F n) {   // p * 2^n for integral -126 <= n <= 127 (others: lanes masked off)
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+  static float reduce_add(F a) {
+    __m128 t = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  static float reduce_max(F a) {
+    __m128 t = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  }
+  static M lanes(int64_t lo, int64_t hi, int64_t j) {    // lanes j + i with lo <= j + i < hi
+    __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i from = _mm256_set1_epi32(int32_t(std::clamp<int64_t>(lo - j, -1, 8)));
+    __m256i to = _mm256_set1_epi32(int32_t(std::clamp<int64_t>(hi - j, -1, 8)));
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(from, i),
+                                                   _mm256_cmpgt_epi32(to, i)));
+  }
+  static F load_or(F fill, M m, const float* p) {     // masked lanes are not read
+    return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, _mm256_castps_si256(m)), m);
+  }
+  static F keep(M m, F a) { return _mm256_and_ps(m, a); }            // 0 outside m
+  static void store(float* p, M m, F a) { _mm256_maskstore_ps(p, _mm256_castps_si256(m), a); }
+  // lane i: the sum of v[i]'s 8 lanes (pairs, then quads, then the 128-bit halves added up)
+  static F sums(const F v[8]) {
+    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+};
+#else
+#error "needs AVX-512F or AVX2 + FMA + F16C (graphs/cpu_kernels.py's build flags)"
+#endif
+using F = V::F;
+
+struct F32 {
+  using T = float;
+  static F load(const float* p) { return V::load(p); }
+};
+struct BF16 {
+  using T = uint16_t;
+  static F load(const uint16_t* p) { return V::load_bf16(p); }
 };
 struct F16 {
   using T = uint16_t;
-  static __m512 load(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
+  static F load(const uint16_t* p) { return V::load_f16(p); }
 };
 
 // exp(x) for x <= 0: 2^n exp(r), r = x - n ln2 (Cody-Waite), exp(r) by its degree-7 Taylor
 // polynomial (|r| <= ln2 / 2: relative error < 1e-7).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 lanes(int64_t lo, int64_t hi, int64_t j) {   // lanes j + i with lo <= j + i < hi
-  uint32_t below = hi - j >= 16 ? 0xFFFFu : hi - j <= 0 ? 0u : (1u << (hi - j)) - 1;
-  uint32_t skip = lo - j <= 0 ? 0u : lo - j >= 16 ? 0xFFFFu : (1u << (lo - j)) - 1;
-  return __mmask16(below & ~skip);
-}
-
-// lane i: the sum of v[i]'s 16 lanes (pairs, then quads, then 128-bit lanes added up)
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 t[8], u[4];
-  for (int k = 0; k < 8; ++k)
-    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    __m512d c = _mm512_castps_pd(t[2 * k]), d = _mm512_castps_pd(t[2 * k + 1]);
-    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
-  }
-  __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+inline F vexp(F x) {
+  x = V::max(x, V::set1(-87.0f));
+  F n = V::round(V::mul(x, V::set1(1.44269504088896341f)));
+  F r = V::fnmadd(n, V::set1(0.693145751953125f), x);
+  r = V::fnmadd(n, V::set1(1.42860682030941723212e-6f), r);
+  F p = V::set1(1.0f / 5040);
+  p = V::fmadd(p, r, V::set1(1.0f / 720));
+  p = V::fmadd(p, r, V::set1(1.0f / 120));
+  p = V::fmadd(p, r, V::set1(1.0f / 24));
+  p = V::fmadd(p, r, V::set1(1.0f / 6));
+  p = V::fmadd(p, r, V::set1(0.5f));
+  p = V::fmadd(p, r, V::set1(1.0f));
+  p = V::fmadd(p, r, V::set1(1.0f));
+  return V::scale2(p, n);
 }
 
 struct Item { int64_t t0, nt, kvh; };
@@ -102,11 +205,11 @@ struct Call {
 };
 
 // One work item: M = nt x G queries against the row's visible pages of KV head `kvh`.
-template <class E, int HV>
+template <class E, int HD>
 void attend_item(const Call& c, const Item& it, float* scratch) {
   using T = typename E::T;
-  constexpr int hd = 16 * HV;
-  constexpr int MB = std::max(1, std::min(8, 24 / HV));     // P x V rows held in registers
+  constexpr int hd = HD, W = V::W, HV = hd / W;               // HV vectors a head row
+  constexpr int MB = std::max(1, std::min(8, 3 * V::kRegs / 4 / HV));   // P x V rows in registers
   const int64_t G = c.H / c.KV, M = it.nt * G, page = c.page;
   float* qs = scratch;              // [M, hd] scaled queries
   float* acc = qs + M * hd;         // [M, hd]
@@ -130,7 +233,7 @@ void attend_item(const Call& c, const Item& it, float* scratch) {
   int64_t last = std::min(hi_pos / page, c.P - 1);
   const T* kbase = static_cast<const T*>(c.k);
   const T* vbase = static_cast<const T*>(c.v);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const F neg_inf = V::set1(-std::numeric_limits<float>::infinity());
   for (int64_t pi = first; pi <= last; ++pi) {
     int64_t pg = pages[pi];
     if (pg < 0 || pg >= c.N) continue;
@@ -148,18 +251,18 @@ void attend_item(const Call& c, const Item& it, float* scratch) {
         _mm_prefetch(reinterpret_cast<const char*>(vp + j * hd) + b, _MM_HINT_T0);
         if (kn) _mm_prefetch(reinterpret_cast<const char*>(kn + j * hd) + b, _MM_HINT_T0);
       }
-    for (int64_t j0 = 0; j0 < nk; j0 += 16) {     // 16 keys' scores at once, per query
-      const int64_t n16 = std::min<int64_t>(16, nk - j0);
+    for (int64_t j0 = 0; j0 < nk; j0 += W) {      // W keys' scores at once, per query
+      const int64_t nw = std::min<int64_t>(W, nk - j0);
       for (int64_t m = 0; m < M; ++m) {
-        __m512 q[HV], d[16];
-        for (int v = 0; v < HV; ++v) q[v] = _mm512_loadu_ps(qs + m * hd + 16 * v);
-        for (int jj = 0; jj < 16; ++jj) {
-          d[jj] = _mm512_setzero_ps();
-          if (jj < n16)
+        F q[HV], d[W];
+        for (int v = 0; v < HV; ++v) q[v] = V::load(qs + m * hd + W * v);
+        for (int jj = 0; jj < W; ++jj) {
+          d[jj] = V::zero();
+          if (jj < nw)
             for (int v = 0; v < HV; ++v)
-              d[jj] = _mm512_fmadd_ps(q[v], E::load(kp + (j0 + jj) * hd + 16 * v), d[jj]);
+              d[jj] = V::fmadd(q[v], E::load(kp + (j0 + jj) * hd + W * v), d[jj]);
         }
-        _mm512_mask_storeu_ps(s + m * page + j0, lanes(0, n16, 0), sum16(d));
+        V::store(s + m * page + j0, V::lanes(0, nw, 0), V::sums(d));
       }
     }
     for (int64_t m = 0; m < M; ++m) {
@@ -173,46 +276,45 @@ void attend_item(const Call& c, const Item& it, float* scratch) {
       }
       if (c.softcap > 0)
         for (int64_t j = lo; j < hi; ++j) sr[j] = c.softcap * std::tanh(sr[j] / c.softcap);
-      __m512 vmax = neg_inf;
-      for (int64_t j = 0; j < nk; j += 16)
-        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, lanes(lo, hi, j), sr + j));
-      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax));
+      F vmax = neg_inf;
+      for (int64_t j = 0; j < nk; j += W)
+        vmax = V::max(vmax, V::load_or(neg_inf, V::lanes(lo, hi, j), sr + j));
+      const float m_new = std::max(mx[m], V::reduce_max(vmax));
       const float corr = std::exp(mx[m] - m_new);
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < nk; j += 16) {
-        __mmask16 keep = lanes(lo, hi, j);
-        __m512 p = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(
-            _mm512_maskz_loadu_ps(keep, sr + j), mv)));
-        sum = _mm512_add_ps(sum, p);
-        _mm512_mask_storeu_ps(sr + j, lanes(0, nk, j), p);
+      const F mv = V::set1(m_new);
+      F sum = V::zero();
+      for (int64_t j = 0; j < nk; j += W) {
+        const V::M keep = V::lanes(lo, hi, j);
+        const F p = V::keep(keep, vexp(V::sub(V::load_or(V::zero(), keep, sr + j), mv)));
+        sum = V::add(sum, p);
+        V::store(sr + j, V::lanes(0, nk, j), p);
       }
-      l[m] = l[m] * corr + _mm512_reduce_add_ps(sum);
+      l[m] = l[m] * corr + V::reduce_add(sum);
       mx[m] = m_new;
       if (corr != 1.0f) {
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (float* a = acc + m * hd; a < acc + (m + 1) * hd; a += 16)
-          _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), cv));
+        const F cv = V::set1(corr);
+        for (float* a = acc + m * hd; a < acc + (m + 1) * hd; a += W)
+          V::store(a, V::mul(V::load(a), cv));
       }
     }
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min<int64_t>(MB, M - m0);
-      __m512 a[MB][HV];
+      F a[MB][HV];
       for (int b = 0; b < MB; ++b)
         if (b < mb)
-          for (int v = 0; v < HV; ++v) a[b][v] = _mm512_loadu_ps(acc + (m0 + b) * hd + 16 * v);
+          for (int v = 0; v < HV; ++v) a[b][v] = V::load(acc + (m0 + b) * hd + W * v);
       for (int64_t j = 0; j < nk; ++j) {
-        __m512 vv[HV];
-        for (int v = 0; v < HV; ++v) vv[v] = E::load(vp + j * hd + 16 * v);
+        F vv[HV];
+        for (int v = 0; v < HV; ++v) vv[v] = E::load(vp + j * hd + W * v);
         for (int b = 0; b < MB; ++b) {
           if (b >= mb) break;
-          const __m512 p = _mm512_set1_ps(s[(m0 + b) * page + j]);
-          for (int v = 0; v < HV; ++v) a[b][v] = _mm512_fmadd_ps(p, vv[v], a[b][v]);
+          const F p = V::set1(s[(m0 + b) * page + j]);
+          for (int v = 0; v < HV; ++v) a[b][v] = V::fmadd(p, vv[v], a[b][v]);
         }
       }
       for (int b = 0; b < MB; ++b)
         if (b < mb)
-          for (int v = 0; v < HV; ++v) _mm512_storeu_ps(acc + (m0 + b) * hd + 16 * v, a[b][v]);
+          for (int v = 0; v < HV; ++v) V::store(acc + (m0 + b) * hd + W * v, a[b][v]);
     }
   }
   for (int64_t m = 0; m < M; ++m) {
@@ -226,13 +328,13 @@ using ItemFn = void (*)(const Call&, const Item&, float*);
 
 template <class E>
 ItemFn item_fn(int64_t hd) {
-  switch (hd / 16) {
-    case 1: return attend_item<E, 1>;
-    case 2: return attend_item<E, 2>;
-    case 4: return attend_item<E, 4>;
-    case 6: return attend_item<E, 6>;
-    case 8: return attend_item<E, 8>;
+  switch (hd) {      // graphs/cpu_attention.py HEAD_DIMS
     case 16: return attend_item<E, 16>;
+    case 32: return attend_item<E, 32>;
+    case 64: return attend_item<E, 64>;
+    case 96: return attend_item<E, 96>;
+    case 128: return attend_item<E, 128>;
+    case 256: return attend_item<E, 256>;
     default: return nullptr;
   }
 }
@@ -344,10 +446,7 @@ ffi::Error WriteKV(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> slots, ffi::Buffer
         }
         case ffi::DataType::F16: {
           uint16_t* d = static_cast<uint16_t*>(out->untyped_data()) + dst;
-          for (int64_t i = 0; i < hd; i += 16)      // hd % 16 == 0, checked above
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
-                                _mm512_cvtps_ph(_mm512_loadu_ps(x + i),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          for (int64_t i = 0; i < hd; i += V::W) V::store_f16(d + i, x + i);   // hd % 16 == 0
           break;
         }
         default:
@@ -360,7 +459,7 @@ ffi::Error WriteKV(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> slots, ffi::Buffer
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_write_kv, WriteKV,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MAXJAX_SYMBOL(maxjax_write_kv), WriteKV,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -368,7 +467,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_write_kv, WriteKV,
                                   .Attr<int64_t>("layer")
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(maxjax_paged_attention, PagedAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MAXJAX_SYMBOL(maxjax_paged_attention), PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

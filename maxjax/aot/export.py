@@ -252,7 +252,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     `generate` and maxjax.LLM with the same model and engine flags load (maxjax/aot/cache.py).
     In a multi-host group every process runs it and they write one directory (group.py)."""
     from maxjax.aot import cache
-    from maxjax.engine.build import load, on_devices
+    from maxjax.engine.build import load, on_devices, resolve_kernels
     from maxjax.engine.core import plan_layout
     platforms = normalize_targets(targets)
     jobs = default_jobs() if jobs is None else jobs
@@ -268,6 +268,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     # The first target is the machine the graphs are planned for: its defaults (buckets, dtype)
     # and its attention backend; the other targets get exports of the same graphs.
     engine_cfg.target(platforms[0])
+    resolve_kernels(engine_cfg, platforms=platforms)
     model = load(model_opts.model_path, engine_cfg.quantization_encoding,
                  model_opts.chat_template, progress=True, platform=platforms[0],
                  kernels=engine_cfg.use_experimental_kernels)

@@ -80,6 +80,18 @@ def _adopt_lora(m: mf.Manifest, pinned: dict, engine_cfg: EngineConfig, fix) -> 
                             f"{fix(k)}")
 
 
+def pinned_kernels(dirs) -> bool:
+    """Whether the first artifact directory's graphs take the CPU kernels (packed weights or
+    their attention); False where it has no readable manifest (load_for_engine says why)."""
+    d = [dirs] if isinstance(dirs, str) else list(dirs)
+    try:
+        data = mf.read_manifest(os.path.abspath(d[0]), "maxjax warm-cache").data
+    except UserError:
+        return False
+    return bool(data.get("model", {}).get("kernels")) or \
+        data.get("engine", {}).get("attention") == "cpu_paged_kernel"
+
+
 def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False):
     """(EngineLayout, {Bucket: StepCallable}, KV initializer) from artifact directories, after
     verifying them: what EngineCore(model, cfg, layout, executables, kv_init) takes."""
@@ -112,10 +124,10 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         this = plan_layout(engine_cfg, model, pinned.get("platform"))
         run_fp = mf.engine_fingerprint(this, engine_cfg, model.dtype)
         for k in mf.ENGINE_FIELDS:
-            if run_fp[k] != pinned.get(k):
+            if run_fp.get(k) != pinned.get(k):
                 flag = f" ({mf.ENGINE_FLAGS[k]})" if k in mf.ENGINE_FLAGS else ""
                 raise UserError(f"{m.path}: engine {k}{flag}: artifacts {pinned.get(k)}, this "
-                                f"run {run_fp[k]}; pass the same, or recreate with: {fix(None)}")
+                                f"run {run_fp.get(k)}; pass the same, or recreate with: {fix(None)}")
         _check_graphs(m, graphs.graph_specs(model, this), graphs.pool_specs(model, this), fix(None))
         layout = layout or this
         manifests.append(m)

@@ -181,16 +181,17 @@ def model_fingerprint(model) -> dict:
           "tokenizer_digest": tokenizer_digest(model.tokenizer, model.chat_template)}
     kernels = cpu_kernels.kernels_of(model.params)
     if kernels:             # only then: the digest of every other model stays what it was
-        fp["kernels"] = kernels
+        fp["kernels"], fp["kernel_isa"] = kernels, cpu_kernels.isa()
     fp["fingerprint"] = digest({k: v for k, v in fp.items() if k != "name"})
     return fp
 
 
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
-                 "max_lora_rank", "platform", "attention", "kv_cache_format", "mesh")
+                 "max_lora_rank", "platform", "attention", "kv_cache_format", "mesh", "kernel_isa")
 # engine fingerprint fields a flag chooses but does not set (named in a mismatch)
-ENGINE_FLAGS = {"attention": "--use-experimental-kernels"}
+ENGINE_FLAGS = {"attention": "--use-experimental-kernels",
+                "kernel_isa": "the CPU kernels' instruction set: this CPU, or MAXJAX_CPU_ISA"}
 # engine fingerprint field -> the flag a user sets it with
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
@@ -211,6 +212,8 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "kv_cache_format": layout.kv_dtype,
           # the graphs are sharded over it: its shape and device kind (not which devices)
           "mesh": describe_mesh(layout.mesh)}
+    if layout.attention == "cpu_paged_kernel":   # its custom calls are built for one ISA
+        fp["kernel_isa"] = cpu_kernels.isa()
     fp["fingerprint"] = digest(fp)
     return fp
 
@@ -322,6 +325,10 @@ def check_model(m: Manifest, model, fix: str) -> None:
                         f"--use-experimental-kernels, this run is "
                         f"{'with' if have.get('kernels') else 'without'} it: pass the same, or "
                         f"recreate them with: {fix}")
+    if pinned.get("kernel_isa") != have.get("kernel_isa"):
+        raise UserError(f"{m.path}: model kernel_isa: the artifacts' CPU kernels are built for "
+                        f"{pinned.get('kernel_isa')}, this run's for {have.get('kernel_isa')} "
+                        f"(this CPU, or MAXJAX_CPU_ISA): recreate them here with: {fix}")
     pw, hw = pinned.get("weights", {}), have["weights"]
     for k in sorted(set(pw) | set(hw)):
         if pw.get(k) != hw.get(k):

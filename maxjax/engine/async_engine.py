@@ -52,6 +52,15 @@ def _settle(fut: concurrent.futures.Future, fn, *args) -> None:
         pass
 
 
+def kernels_info(core) -> dict | None:
+    """What of the step runs in maxjax's CPU kernels (None: XLA's path throughout)."""
+    if not core.cfg.use_experimental_kernels:
+        return None
+    from maxjax.graphs import cpu_kernels
+    return {"isa": cpu_kernels.isa(), "linear": cpu_kernels.kernels_of(core.model.params),
+            "attention": core.layout.attention == "cpu_paged_kernel"}
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, tokenizer, model_name: str, chat_template: str | None,
                  max_pending_requests: int | None = None):
@@ -189,7 +198,7 @@ class AsyncEngine:
                 "page_size": lay.page_size, "num_pages": lay.num_pages,
                 "buckets": [b.name for b in lay.buckets],
                 "structured_output": core.grammars is not None, "engine_config": cfg,
-                "hidden_size": core.model.config.hidden_size}
+                "hidden_size": core.model.config.hidden_size, "kernels": kernels_info(core)}
 
     def lora_adapters(self) -> dict[str, str]:
         return {} if self.core.lora is None else self.core.lora.paths()

@@ -66,6 +66,7 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     `progress`: log lines for loading and compiling. `replica`: which of the
     --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
     from maxjax.aot import cache
+    resolve_kernels(engine_cfg, precompiled_artifacts)
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
                  progress, replica_mesh(engine_cfg, replica) if precompiled_artifacts else None,
                  kernels=engine_cfg.use_experimental_kernels)
@@ -88,9 +89,12 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
         core.warmup(beat.graph_done if progress else None)
     if progress:
         lay = core.layout
-        log.info("Engine ready in %.1f s: %d step graphs (%s attention), KV pool of %d pages "
+        from maxjax.graphs import cpu_kernels
+        linear = cpu_kernels.kernels_of(core.model.params)
+        kernels = f", {' '.join(linear)} {cpu_kernels.isa()}" if linear else ""
+        log.info("Engine ready in %.1f s: %d step graphs (%s attention%s), KV pool of %d pages "
                  "of %d tokens, max length %d", time.perf_counter() - t0, n, lay.attention,
-                 lay.num_pages, lay.page_size, core.max_length)
+                 kernels, lay.num_pages, lay.page_size, core.max_length)
         if lay.memory_report:
             log.info("%s", lay.memory_report)
     return core
@@ -105,12 +109,13 @@ def replica_mesh(engine_cfg: EngineConfig, replica: int = 0):
 def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
                platforms: Sequence[str] | None = None) -> LoadedModel:
     """The model with its params on replica `replica`'s mesh of --devices (as it is on one
-    device), laid out for --use-experimental-kernels when given; UserError for what a mesh does
-    not support yet. `platforms`: where the graphs run (None: this machine)."""
+    device), its quantized matrices packed for the CPU kernels when they run
+    (`resolve_kernels`); UserError for what a mesh does not support yet. `platforms`: where the
+    graphs run (None: this machine)."""
     from maxjax.engine import devices
     mesh = replica_mesh(engine_cfg, replica)
-    if engine_cfg.use_experimental_kernels:
-        return experimental_kernels(model, mesh, platforms)
+    if resolve_kernels(engine_cfg, platforms=platforms):
+        return experimental_kernels(model)
     from maxjax.graphs import cpu_kernels
     if cpu_kernels.kernels_of(model.params):     # weights restored from such artifacts
         raise UserError("the artifacts' stored weights are laid out for --use-experimental-kernels"
@@ -125,23 +130,51 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
     return devices.place_model(model, mesh)
 
 
-def experimental_kernels(model: LoadedModel, mesh, platforms: Sequence[str] | None) -> LoadedModel:
-    """--use-experimental-kernels: the quantized matrices packed for graphs/cpu_kernels.py (its
-    attention kernel is the layout's choice: maxjax/engine/core.py plan_layout)."""
+def resolve_kernels(engine_cfg: EngineConfig, precompiled_artifacts: Sequence[str] = (),
+                    platforms: Sequence[str] | None = None) -> bool:
+    """Whether maxjax's CPU kernels (graphs/cpu_kernels.py) run, written into
+    --use-experimental-kernels: True requires them (a UserError naming why they cannot run),
+    False keeps XLA's path, None (the default) turns them on wherever they run: what
+    --precompiled-artifacts were built with, else on this CPU unless one log line says why not.
+    `platforms`: where the graphs run (None: this machine)."""
+    import jax
+    flag, source = engine_cfg.use_experimental_kernels, "--use-experimental-kernels"
+    if flag is False:
+        return False
+    if flag is None and precompiled_artifacts:
+        from maxjax.aot import load as aot_load
+        flag = aot_load.pinned_kernels(precompiled_artifacts)
+        source = "--precompiled-artifacts (built with the CPU kernels)"
+        if not flag:
+            engine_cfg.use_experimental_kernels = False
+            return False
+    platforms = list(platforms or [jax.export.default_export_platform()])
+    devices = engine_cfg.devices or ""
+    from maxjax.graphs import cpu_kernels
+    why = (f"they are for the CPU (graphs for {', '.join(platforms)})" if platforms != ["cpu"]
+           else f"they run on one device (--devices {devices})"
+           if replica_mesh(engine_cfg) is not None
+           else "they run on one device (--data-parallel-degree)"
+           if engine_cfg.data_parallel_degree > 1 else cpu_kernels.unavailable())
+    if why and flag:
+        raise UserError(f"{source}: {why}")
+    if why:
+        log.info("CPU kernels off: %s; XLA's path runs", why)
+    elif flag is None:
+        log.info("CPU kernels on (%s)", cpu_kernels.isa())
+    engine_cfg.use_experimental_kernels = why is None
+    return why is None
+
+
+def experimental_kernels(model: LoadedModel) -> LoadedModel:
+    """The model's int8 and 4-bit matrices packed for graphs/cpu_kernels.py (their attention
+    kernel is the layout's choice: maxjax/engine/core.py plan_layout); other weights as they
+    are."""
     import dataclasses
 
-    import jax
     from maxjax.graphs import cpu_kernels
-    platforms = list(platforms or [jax.export.default_export_platform()])
-    why = ("it runs on one device (drop --devices / --data-parallel-degree)" if mesh is not None
-           else f"its kernel is for the CPU (graphs for {', '.join(platforms)})"
-           if platforms != ["cpu"] else cpu_kernels.unavailable())
-    if why:
-        raise UserError(f"--use-experimental-kernels: {why}")
     from maxjax.models.quantize import Q4_TYPES
     if model.dtype != "int8" and model.dtype not in Q4_TYPES:
-        log.info("--use-experimental-kernels: no linear kernel for %s weights (only int8 and "
-                 "4-bit); the attention kernel runs", model.dtype)
         return model
     return dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
 

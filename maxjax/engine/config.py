@@ -51,7 +51,7 @@ class EngineConfig:
     quantization_encoding: str | None = field(default=None, metadata={
         "help": "Weight encoding: float32 | bfloat16 | float16 | int8 (per channel, from any "
                 "checkpoint) | q4_0 | q4_1 | q4_k (a GGUF's 4-bit blocks). Default: int8 for a "
-                "quantized GGUF (its own 4-bit blocks with --use-experimental-kernels), else "
+                "quantized GGUF (its own 4-bit blocks where the CPU kernels run), else "
                 "float32 on CPU and bfloat16 on GPU"})
     kv_cache_format: str | None = field(default=None, metadata={
         "choices": ["float32", "bfloat16"],
@@ -64,10 +64,11 @@ class EngineConfig:
     structured_output_any_whitespace: bool = field(default=False, metadata={
         "help": "Let JSON grammars accept any whitespace between tokens (default: compact JSON, "
                 "so a model cannot run on with spaces until max_tokens)"})
-    use_experimental_kernels: bool = field(default=False, metadata={
-        "help": "Run int8 weights and paged attention through maxjax's own CPU kernels "
-                "(AVX-512, built with g++ on first use; one device): 2x faster batch-1 decode, "
-                "weight-only int8 arithmetic"})
+    use_experimental_kernels: bool | None = field(default=None, metadata={
+        "help": "maxjax's own CPU kernels for int8 / 4-bit linears and paged attention (AVX-512 "
+                "VNNI or AVX2+FMA, built with g++ on first use; one device). Default: on wherever "
+                "they run (one log line names why not); --use-experimental-kernels requires them "
+                "(an error where they cannot run); --no-use-experimental-kernels: XLA's path"})
     enable_lora: bool = field(default=False, metadata={
         "help": "Serve LoRA adapters: a request's `model` names one (--lora-paths, or loaded at "
                 "run time with POST /v1/load_lora_adapter)"})

@@ -81,7 +81,7 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
     """The layout for graphs that run on `platform` (None: this machine's): its attention
     backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
     platform's memory cannot be measured here)."""
-    from maxjax.graphs.sharding import params_mesh, tensor_parallel_rules
+    from maxjax.graphs.sharding import params_mesh
     mc = model.config
     platform = platform or local_platform()
     mesh = params_mesh(model.params)     # the mesh the model's params are placed on
@@ -108,24 +108,25 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
     per_row = math.ceil(max_length / page)
     buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
                          speculative.draft_tokens(cfg) + 1)
+    kv_itemsize = jnp.dtype(kv_dtype).itemsize
     if cfg.num_kv_pages is not None:
         num_pages = cfg.num_kv_pages
         report = f"KV pool of --num-kv-pages {num_pages}"
+        if platform == local_platform() == "cpu":   # the host's memory, before the pool is made
+            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh)
     elif platform != local_platform():
         raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
                         f"{local_platform()} machine cannot measure that device's memory")
     else:
         # No more than every row at max_length could use, plus the scratch page.
-        kv_shards = mesh.size if mesh is not None and mesh.devices.flat[0].platform != "cpu" \
-            and tensor_parallel_rules(mc, mesh.size)["kv_heads"] else 1
-        plan = memory.plan_pool(mc, model.params, page, cfg.device_memory_utilization, buckets,
-                                cfg.max_batch_size * per_row + 1,
-                                kv_itemsize=jnp.dtype(kv_dtype).itemsize, mesh=mesh,
-                                replicas=cfg.data_parallel_degree, kv_shards=kv_shards)
+        plan = memory.layout_plan(cfg, mc, model.params, page, buckets,
+                                  cfg.max_batch_size * per_row + 1, kv_itemsize, mesh)
         num_pages, report = plan.num_pages, plan.report()
+    if num_pages < 2 and cfg.num_kv_pages is not None:
+        raise UserError(f"--num-kv-pages {num_pages}: the KV pool needs at least 2 pages")
     if num_pages < 2:
-        raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2 "
-                        "(raise --device-memory-utilization or set --num-kv-pages)")
+        raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2: "
+                        f"{report} ({memory.POOL_FLAGS})")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
                         attention.name, report, *lora_shape(cfg), kv_dtype, mesh)
 

@@ -76,9 +76,49 @@ def select_platform(text: str | None, start=None) -> None:
             start()
         if spec.platform is None and not start:
             return
-        jax.devices()
-    except RuntimeError as e:
-        raise UserError(f"--devices {text}: no such device on this machine ({e})") from e
+        local = jax.local_devices()
+    except (RuntimeError, AssertionError) as e:
+        # jax with no plugin for the platform (a CPU-only install asked for a GPU) fails an
+        # assertion in its xla_bridge rather than saying so.
+        raise UserError(_no_backend(spec, e)) from None
+    if spec.ids is not None and spec.platform != "cpu":
+        missing = [i for i in spec.ids if i >= len(local)]
+        if missing:
+            raise UserError(f"--devices {spec.text}: no device {missing[0]} (this machine has "
+                            f"{_count(local)})")
+    elif spec.count is not None and spec.count > len(local) and spec.platform != "cpu":
+        raise UserError(f"--devices {spec.text}: this machine has {_count(local)}")
+
+
+def _count(local) -> str:
+    n, kind = len(local), "GPU" if local[0].platform == "gpu" else local[0].platform
+    return f"{n} {kind}{'s' if n != 1 else ''} (ID{'s 0-' if n > 1 else ' '}{n - 1})"
+
+
+GPU_EXTRA = "pip install 'maxjax[cuda]'"
+
+
+def _gpu_plugins() -> list[str]:
+    """The jax GPU plugin distributions installed (jax-cuda12-plugin, jax-rocm7-plugin, ...)."""
+    from importlib import metadata
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
+    return sorted(n for n in names if re.fullmatch(r"jax-(cuda|rocm)\d+-plugin", n))
+
+
+def _no_backend(spec: DeviceSpec, error: BaseException) -> str:
+    """One line for a --devices whose platform jax cannot start."""
+    error = " ".join(str(error).split())
+    if spec.platform in ("cuda", "rocm"):
+        vendor = "cuda" if spec.platform == "cuda" else "rocm"
+        plugins = [p for p in _gpu_plugins() if f"-{vendor}" in p]
+        if not plugins:
+            how = GPU_EXTRA if vendor == "cuda" else "pip install 'jax[rocm7-local]'"
+            return (f"--devices {spec.text}: this jax has no GPU backend (CPU only); install the "
+                    f"GPU build: {how}")
+        why = f" ({error})" if error else ""
+        return (f"--devices {spec.text}: {', '.join(plugins)} is installed but finds no GPU on "
+                f"this machine{why}")
+    return f"--devices {spec.text}: no such device on this machine ({error})"
 
 
 def _backends_started() -> bool:
@@ -126,6 +166,18 @@ def device_groups(text: str | None, data_parallel_degree: int = 1) -> list[list]
                         f"{len(devices)} devices of --devices {spec.text or 'default'}")
     size = len(devices) // data_parallel_degree
     return [devices[i * size:(i + 1) * size] for i in range(data_parallel_degree)]
+
+
+def replica_index(text: str | None, data_parallel_degree: int, mesh) -> int:
+    """Which of the --data-parallel-degree replicas runs on `mesh` (0 for one replica, or no
+    mesh)."""
+    if data_parallel_degree <= 1 or mesh is None:
+        return 0
+    first = mesh.devices.flat[0]
+    for i, group in enumerate(device_groups(text, data_parallel_degree)):
+        if first in group:
+            return i
+    return 0
 
 
 def replica_meshes(text: str | None, data_parallel_degree: int = 1) -> list:

@@ -44,8 +44,9 @@ def native_4bit(types: list[str]) -> str | None:
 
 def gguf_encoding(types: list[str], kernels: bool = False) -> str:
     """The encoding a GGUF serves in by default, from the types of its 2-D tensors: a quantized
-    one int8, or with --use-experimental-kernels (`kernels`) its own 4-bit blocks, which their
-    CPU kernel reads faster at a few rows and more exactly (BENCHMARKS.md, CPU kernels)."""
+    one int8, or where the CPU kernels run (`kernels`: maxjax/engine/build.resolve_kernels) its
+    own 4-bit blocks, which their kernel reads faster at a few rows and more exactly
+    (BENCHMARKS.md, CPU kernels)."""
     if all(t in ("F32", "F16", "BF16") for t in types):
         return "float32"
     return (kernels and native_4bit(types)) or "int8"

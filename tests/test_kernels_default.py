@@ -1,0 +1,115 @@
+"""maxjax's CPU kernels by default (maxjax/engine/build.resolve_kernels): on wherever they run,
+one log line naming why where they do not (MAXJAX_CPU_ISA=none stands for a CPU without the
+instructions), required by --use-experimental-kernels, off with --no-use-experimental-kernels;
+artifacts and compile cache entries record the kernels' instruction set, and artifacts built for
+another are refused naming it."""
+import logging
+
+import pytest
+
+import quant_reference as ref
+from maxjax.aot import manifest as mf
+from maxjax.engine.build import resolve_kernels
+from maxjax.engine.config import EngineConfig
+from maxjax.engine.types import SamplingParams
+from maxjax.errors import UserError
+from maxjax.graphs import cpu_kernels
+from maxjax.models.loader import load_model
+from tiny_llama import write_tiny_llama
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
+                                   reason=f"CPU kernels: {cpu_kernels.unavailable()}")
+PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 2, 77]]
+NEW_TOKENS = 6
+ENGINE = dict(max_batch_size=2, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+              kv_cache_page_size=8, compile_cache=False)
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(write_tiny_llama(str(tmp_path_factory.mktemp("k") / "hf")), "int8",
+                      progress=False)
+
+
+@pytest.fixture(scope="module")
+def want(tiny):
+    return [ref.greedy(tiny.config, tiny.params, p, NEW_TOKENS)[1] for p in PROMPTS]
+
+
+def test_default_resolves_to_where_they_run():
+    cfg = EngineConfig()
+    assert cfg.use_experimental_kernels is None
+    assert resolve_kernels(cfg) is (cpu_kernels.unavailable() is None)
+    assert cfg.use_experimental_kernels is (cpu_kernels.unavailable() is None)
+    off = EngineConfig(use_experimental_kernels=False)
+    assert resolve_kernels(off) is False and off.use_experimental_kernels is False
+
+
+def test_without_the_instructions_one_line_and_required_is_an_error(monkeypatch, caplog):
+    monkeypatch.setenv("MAXJAX_CPU_ISA", "none")
+    why = cpu_kernels.unavailable()
+    assert why and "MAXJAX_CPU_ISA=none" in why
+    cfg = EngineConfig()
+    with caplog.at_level(logging.INFO, logger="maxjax.engine"):
+        assert resolve_kernels(cfg) is False
+    lines = [r.getMessage() for r in caplog.records if "CPU kernels" in r.getMessage()]
+    assert lines == [f"CPU kernels off: {why}; XLA's path runs"]
+    with pytest.raises(UserError, match=f"^--use-experimental-kernels: {why}$"):
+        resolve_kernels(EngineConfig(use_experimental_kernels=True))
+
+
+def test_off_on_a_mesh_and_for_another_platform(caplog):
+    cfg = EngineConfig(devices="cpu:2")
+    with caplog.at_level(logging.INFO, logger="maxjax.engine"):
+        assert resolve_kernels(cfg) is False
+    assert "CPU kernels off: they run on one device (--devices cpu:2)" in caplog.text
+    with pytest.raises(UserError, match="--use-experimental-kernels: they run on one device"):
+        resolve_kernels(EngineConfig(devices="cpu:2", use_experimental_kernels=True))
+    assert resolve_kernels(EngineConfig(), platforms=["cuda"]) is False
+    with pytest.raises(UserError, match="they are for the CPU"):
+        resolve_kernels(EngineConfig(use_experimental_kernels=True), platforms=["cuda", "cpu"])
+
+
+@needs_kernels
+def test_default_engine_runs_the_kernels(tiny, want):
+    from maxjax.engine.async_engine import kernels_info
+    from maxjax.llm import LLM
+    llm = LLM(tiny, **ENGINE)
+    assert llm.engine_config.use_experimental_kernels is True
+    assert cpu_kernels.kernels_of(llm.core.model.params) == [cpu_kernels.INT8_LINEAR]
+    assert llm.core.layout.attention == "cpu_paged_kernel"
+    assert kernels_info(llm.core) == {"isa": cpu_kernels.isa(),
+                                      "linear": [cpu_kernels.INT8_LINEAR], "attention": True}
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+def test_fallback_serves_the_same(tiny, want, monkeypatch):
+    from maxjax.engine.async_engine import kernels_info
+    from maxjax.llm import LLM
+    monkeypatch.setenv("MAXJAX_CPU_ISA", "none")
+    llm = LLM(tiny, **ENGINE)
+    assert llm.engine_config.use_experimental_kernels is False
+    assert cpu_kernels.kernels_of(llm.core.model.params) == []
+    assert llm.core.layout.attention != "cpu_paged_kernel" and kernels_info(llm.core) is None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+@pytest.mark.skipif(any(cpu_kernels.unavailable(isa) for isa in cpu_kernels.ISAS),
+                    reason="needs every kernel ISA on this CPU")
+def test_artifacts_record_the_isa(tiny, want, tmp_path, monkeypatch):
+    from maxjax.aot.export import export_engine
+    from maxjax.llm import LLM
+    monkeypatch.setenv("MAXJAX_CPU_ISA", "avx512")
+    llm = LLM(tiny, **ENGINE)
+    export_engine(str(tmp_path / "art"), llm.core)
+    pinned = mf.read_manifest(str(tmp_path / "art"), "x").data
+    assert pinned["model"]["kernel_isa"] == pinned["engine"]["kernel_isa"] == "avx512"
+    monkeypatch.setenv("MAXJAX_CPU_ISA", "avx2")
+    with pytest.raises(UserError, match="kernel_isa: .*avx512, this run's for avx2"):
+        LLM(tiny, precompiled_artifacts=[str(tmp_path / "art")], **ENGINE)
+    # the compile cache keys on it: the other ISA's engine is another entry (compiled anew)
+    assert mf.engine_fingerprint(llm.core.layout, llm.engine_config, "int8")["kernel_isa"] == \
+        "avx2"
+    avx2 = LLM(tiny, **ENGINE)
+    assert [o.token_ids for o in avx2.generate(PROMPTS, GREEDY)] == want
