@@ -21,6 +21,7 @@ from maxjax.aot import cache
 from maxjax.aot import load as aot_load
 from maxjax.aot.manifest import MANIFEST
 from maxjax.engine import compile_counter
+from maxjax.engine.build import resolve_kernels
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import plan_layout
 from maxjax.errors import UserError
@@ -119,6 +120,7 @@ def test_lora_shape_is_in_the_cache_key(setup):
 
     def key(**options):
         cfg = EngineConfig(**ENGINE, **options, quantization_encoding="float32")
+        resolve_kernels(cfg)          # as the engine that filled the entry did
         return cache.entry_path(model, cfg, plan_layout(cfg, model), setup["cache"])
     assert key(**LORA) == setup["entry"]
     others = {key(), key(**{**LORA, "max_num_loras": 3}), key(**{**LORA, "max_lora_rank": 4})}

@@ -20,8 +20,10 @@ from maxjax.llm import LLM
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_gguf, write_tiny_llama
 
+# XLA's path on one device too: the CPU kernels run on one device only, so by default the
+# single-device reference would take them and another arithmetic
 ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
-              kv_cache_page_size=8)
+              kv_cache_page_size=8, use_experimental_kernels=False)
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
                         top_logprobs=3)
 # Quantized engines take one step graph (one token a step: prompts prefill token by token),
@@ -196,7 +198,7 @@ def test_sharded_artifacts_serve_without_compiling_and_name_the_mesh(tiny4, refe
 
 
 SMOL_ENGINE = dict(max_batch_size=2, max_batch_input_tokens=32, max_length=128, num_kv_pages=12,
-                   kv_cache_page_size=16)
+                   kv_cache_page_size=16, use_experimental_kernels=False)
 
 
 @pytest.mark.parametrize("encoding", ["float32", "int8"])

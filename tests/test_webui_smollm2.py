@@ -78,7 +78,8 @@ def test_json_schema_mode(url, tab):
 
 def test_stop_ends_the_engine_request(url, tab):
     open_page(tab, url)
-    tab.send("Count from 1 to 500, one number a line.", temperature=0, max_tokens=400)
+    tab.send("Write a very long story about a dragon who lives in a castle.", temperature=0,
+             max_tokens=400)     # 400 tokens greedy: still running when stopped
     tab.page.wait_for_function("document.querySelector('.msg.assistant .body').textContent"
                                ".length > 10")
     assert http("GET", url + "/stats").json()["metrics"]["maxjax_num_requests_running"] == 1

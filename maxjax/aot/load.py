@@ -97,6 +97,9 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
     verifying them: what EngineCore(model, cfg, layout, executables, kv_init) takes."""
     from maxjax.engine.core import plan_layout
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
+    if engine_cfg.use_experimental_kernels is None:
+        from maxjax.engine.build import resolve_kernels
+        resolve_kernels(engine_cfg, dirs)       # the artifacts' choice
     local = mf.local_device()
     engine_cfg.quantization_encoding = model.dtype
     manifests, layout = [], None
