@@ -49,6 +49,9 @@ class LLM:
             registry.register_custom(spec)
         self.engine_config = EngineConfig(quantization_encoding=quantization_encoding,
                                           **engine_options)
+        if precompiled_artifacts and not isinstance(model, LoadedModel):
+            from maxjax.aot.load import adopt_flags
+            model = adopt_flags(precompiled_artifacts, model, self.engine_config)
         self.engine_config.target(None)
         if self.engine_config.data_parallel_degree != 1:
             raise UserError("--data-parallel-degree: replicas run behind `maxjax serve`; the "

@@ -80,8 +80,7 @@ def warmed(root, model_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     directory = re.search(r"^artifacts: (.+)$", r.stdout, re.M).group(1)
     assert os.path.dirname(directory) == env["MAXJAX_CACHE_DIR"]
-    assert f"maxjax serve --model-path {model_dir} --quantization-encoding float32 " \
-        f"--precompiled-artifacts {directory}" in r.stdout
+    assert f"serve with: maxjax serve --precompiled-artifacts {directory}\n" in r.stdout
     return directory
 
 
@@ -129,7 +128,8 @@ def test_serve_from_artifacts_compiles_nothing(root, model_dir, warmed):
     from server_harness import http
     env, cwd = machine_env(root, "machine-d", cache=False)
     log = open(os.path.join(root, "machine-d", "serve.log"), "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "maxjax.cli", "serve", "--model-path", model_dir,
+    # no other flag: the model, its encoding and the engine's sizes come from the manifest
+    proc = subprocess.Popen([sys.executable, "-m", "maxjax.cli", "serve",
                              "--precompiled-artifacts", warmed, "--host", "127.0.0.1", "--port", "0"],
                             env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
@@ -256,12 +256,20 @@ def _copy(warmed, tmp_path) -> str:
 
 
 def _edit_manifest(d, edit):
+    """An edit made with intent: the manifest is sealed again, so the field's own check refuses."""
     p = os.path.join(d, MANIFEST)
     with open(p) as f:
         data = json.load(f)
     edit(data)
-    with open(p, "w") as f:
-        json.dump(data, f)
+    mf.write_manifest(d, data)
+
+
+def _flip_manifest_byte(d):
+    """Damage that keeps the JSON valid: one digit of the creation time."""
+    p = os.path.join(d, MANIFEST)
+    text = open(p).read()
+    i = text.index('"created": "') + len('"created": "') + 3
+    open(p, "w").write(text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:])
 
 
 def _flip_byte(d, kind):
@@ -336,9 +344,10 @@ def test_model_config_field_differs(warmed, tmp_path, calls):
      r"graph kv_init: signature differs"),
     (lambda d: open(os.path.join(d, MANIFEST), "w").write("{not json"), r"manifest is not valid JSON"),
     (lambda d: os.remove(os.path.join(d, MANIFEST)), r"manifest.json: missing"),
+    (_flip_manifest_byte, r"manifest fails its manifest_sha256 check"),
 ], ids=["jax-version", "format-version", "config-in-manifest", "exe-byte", "export-byte",
         "deleted-file", "missing-graph", "missing-kv-init", "kv-init-shape", "not-json",
-        "no-manifest"])
+        "no-manifest", "manifest-byte"])
 def test_mutated_artifacts_are_refused_before_deserializing(warmed, tmp_path, model, calls,
                                                             mutation, pattern):
     d = _copy(warmed, tmp_path)
@@ -347,6 +356,18 @@ def test_mutated_artifacts_are_refused_before_deserializing(warmed, tmp_path, mo
         aot_load.load_for_engine([d], model, EngineConfig())
     assert "maxjax warm-cache" in str(e.value)
     assert calls == []
+
+
+def test_serving_flags_come_from_the_manifest(warmed, model_dir):
+    cfg = EngineConfig()
+    assert aot_load.adopt_flags([warmed], None, cfg) == os.path.abspath(model_dir)
+    assert cfg.quantization_encoding == "float32" and cfg.devices is None
+    with pytest.raises(UserError, match=r"^--quantization-encoding int8 differs from the float32 "
+                                        r"the artifacts in .* were built with: drop the flag"):
+        aot_load.adopt_flags([warmed], None, EngineConfig(quantization_encoding="int8"))
+    # built on one device: --devices is checked against the manifest's mesh (engine mesh: ...)
+    assert aot_load.adopt_flags([warmed], str(model_dir), EngineConfig(devices="cpu:2")) == \
+        str(model_dir)
 
 
 def test_cli_exits_2_with_one_line(warmed, model_dir, capsys):

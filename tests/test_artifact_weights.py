@@ -3,8 +3,8 @@ mesh's bfloat16 store and a one-device int8 store (QuantizedWeight pytrees) rest
 bit for bit, in the declared shardings, without converting the checkpoint or compiling
 anything, and serve the same greedy tokens as the converted params; a store for another
 encoding, mesh or checkpoint falls back to the normal load; a damaged one is a one-line
-UserError. Tiny random Llama (tests/tiny_llama.py) on the 4 host devices tests/conftest.py
-forces."""
+UserError (every file sha256-checked: one flipped byte in any is refused). Tiny random Llama
+(tests/tiny_llama.py) on the 4 host devices tests/conftest.py forces."""
 from __future__ import annotations
 
 import json
@@ -135,9 +135,21 @@ def test_mismatched_or_damaged_stores(tiny_path, int8_one, tmp_path):
         f.seek(-4, os.SEEK_END)
         f.write(b"\x01\x02\x03\x04")
     assert hook(arch, cfg, "int8", str(other)) is None
-    # a data file cut short, then gone: one-line errors
+    # every file is hashed: one flipped byte in any of them is refused, naming the file
     files = json.loads((d / mf.MANIFEST).read_text())["weights"]["files"]
-    biggest = max(files, key=files.get)
+    assert all(len(f["sha256"]) == 64 for f in files.values())
+    for name in files:
+        path = d / weights.WEIGHTS_DIR / name
+        blob = path.read_bytes()
+        path.write_bytes(blob[:len(blob) // 2] + bytes([blob[len(blob) // 2] ^ 1]) +
+                         blob[len(blob) // 2 + 1:])
+        with pytest.raises(UserError, match=f"stored weights file weights/{name} fails its "
+                                            "sha256 check") as e:
+            hook(arch, cfg, "int8", tiny_path)
+        assert "\n" not in str(e.value)
+        path.write_bytes(blob)
+    # a data file cut short, then gone: one-line errors
+    biggest = max(files, key=lambda n: files[n]["bytes"])
     path = d / weights.WEIGHTS_DIR / biggest
     blob = path.read_bytes()
     path.write_bytes(blob[:-10])
@@ -148,8 +160,8 @@ def test_mismatched_or_damaged_stores(tiny_path, int8_one, tmp_path):
     path.unlink()
     with pytest.raises(UserError, match="is missing"):
         hook(arch, cfg, "int8", tiny_path)
-    # the same size, other bytes: orbax's own error, as one line
+    # the same size, other bytes: the sha256 names the file, whatever orbax made of it
     path.write_bytes(b"\xff" * len(blob))
-    with pytest.raises(UserError, match="stored weights in weights/ cannot be restored") as e:
+    with pytest.raises(UserError, match=f"weights/{biggest} fails its sha256 check") as e:
         hook(arch, cfg, "int8", tiny_path)
     assert "\n" not in str(e.value)

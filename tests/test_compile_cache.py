@@ -151,7 +151,16 @@ def _flipped_byte(path):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("damage", [_truncate, _garbage_manifest, _missing_file, _flipped_byte])
+def _flipped_manifest_byte(path):
+    """Damage that keeps the JSON valid: one digit of the creation time (the seal catches it)."""
+    p = os.path.join(path, MANIFEST)
+    text = open(p).read()
+    i = text.index('"created": "') + len('"created": "') + 3
+    open(p, "w").write(text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:])
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage_manifest, _missing_file, _flipped_byte,
+                                    _flipped_manifest_byte])
 def test_a_bad_entry_is_refused_and_rebuilt(model, filled, tmp_path, caplog, damage):
     root, entry = copy_of(filled, tmp_path)
     damage(entry)

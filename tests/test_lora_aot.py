@@ -19,6 +19,7 @@ import pytest
 import maxjax
 from maxjax.aot import cache
 from maxjax.aot import load as aot_load
+from maxjax.aot import manifest as mf
 from maxjax.aot.manifest import MANIFEST
 from maxjax.engine import compile_counter
 from maxjax.engine.build import resolve_kernels
@@ -54,7 +55,7 @@ def setup(tmp_path_factory):
     r = run_cli(["warm-cache", "--model-path", model_dir, *FLAGS], env, cwd)
     assert r.returncode == 0, r.stderr[-3000:]
     entry = re.search(r"^artifacts: (.+)$", r.stdout, re.M).group(1)
-    assert f"--precompiled-artifacts {entry} --enable-lora" in r.stdout
+    assert f"serve with: maxjax serve --precompiled-artifacts {entry}\n" in r.stdout
     model = load_model(model_dir, "float32", progress=False)
     return dict(root=root, model_dir=model_dir, adapter=adapter, refs=refs, entry=entry,
                 cache=env["MAXJAX_CACHE_DIR"], model=model)
@@ -78,8 +79,8 @@ def test_serve_from_lora_artifacts_compiles_nothing(setup):
     env["MAXJAX_NO_COMPILE_CACHE"] = "1"
     log = open(os.path.join(root, "machine-b", "serve.log"), "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maxjax.cli", "serve", "--model-path", setup["model_dir"],
-         "--precompiled-artifacts", setup["entry"], "--enable-lora",
+        # the model, --enable-lora and its slots come from the manifest
+        [sys.executable, "-m", "maxjax.cli", "serve", "--precompiled-artifacts", setup["entry"],
          "--lora-paths", f"a={setup['adapter']}", "--host", "127.0.0.1", "--port", "0"],
         env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
@@ -134,8 +135,7 @@ def _without_lora(d):
     with open(p) as f:
         data = json.load(f)
     data["engine"].update(lora_slots=0, max_lora_rank=0)
-    with open(p, "w") as f:
-        json.dump(data, f)
+    mf.write_manifest(d, data)      # sealed again: the edit is refused by the engine check
 
 
 @pytest.mark.parametrize("options, edit, pattern", [

@@ -206,6 +206,8 @@ def test_two_process_warm_cache_serves_from_one_artifact_directory(tiny_path, re
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(placed.params)):
         assert got.sharding == want.sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    with pytest.raises(UserError, match=r"engine mesh: .*'num_processes': 2.*this run .*"
-                                        r"'num_processes': 1"):
+    # one process cannot serve the group's artifacts: its devices are not the group's
+    with pytest.raises(UserError, match=r"^--devices cpu:2 differs from the cpu the artifacts"):
         LLM(tiny_path, devices="cpu:2", precompiled_artifacts=[art], **opts)
+    with pytest.raises(UserError, match=r"engine mesh: .*'num_processes': 2.*this run None"):
+        LLM(tiny_path, precompiled_artifacts=[art], **opts)     # --devices cpu, adopted

@@ -137,7 +137,7 @@ def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platfor
             "model": mf.model_fingerprint(model),
             "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
             "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
-            "graphs": [entries[s.name] for s in specs]}
+            "graphs": [entries[s.name] for s in specs], "serve": serve_flags(model, engine_cfg)}
     if store_weights:
         data["weights"] = aot_weights.save(directory, model)
     if shared:
@@ -192,6 +192,20 @@ def normalize_targets(targets: list[str] | None) -> list[str]:
             if TARGETS[name] not in out:
                 out.append(TARGETS[name])
     return out
+
+
+# What `serve --precompiled-artifacts DIR` takes from the manifest when left unset (load.py
+# adopt_flags); the engine's sizes and buckets are adopted from `engine` (load._adopt_pinned).
+SERVE_FLAGS = ("quantization_encoding", "devices", "speculative_method", "num_speculative_tokens",
+               "draft_model_path", "enable_lora")
+
+
+def serve_flags(model, engine_cfg: EngineConfig) -> dict:
+    """The manifest's `serve`: the model (None: the embedded one) and SERVE_FLAGS' values."""
+    flag = _model_flag(model)
+    return {"model_path": os.path.abspath(flag[-1]) if flag else None,
+            **{k: getattr(engine_cfg, k) for k in SERVE_FLAGS},
+            "quantization_encoding": model.dtype}
 
 
 def _model_flag(model) -> list[str]:
@@ -294,11 +308,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     print(f"artifacts: {directory}")
     if artifacts_dir is None:
         print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
-    serve = ["maxjax", "serve", *_model_flag(model), "--quantization-encoding", model.dtype,
-             "--precompiled-artifacts", directory,
-             *(["--enable-lora"] if engine_cfg.enable_lora else []),
-             *(["--use-experimental-kernels"] if engine_cfg.use_experimental_kernels else [])]
-    serve += ["--devices", engine_cfg.devices] if engine_cfg.devices else []
+    serve = ["maxjax", "serve", "--precompiled-artifacts", directory]     # the rest is pinned
     if group.size() > 1:
         serve += ["--coordinator-address", "HOST:PORT", "--num-processes", str(group.size()),
                   "--process-id", "I"]

@@ -24,7 +24,8 @@ import jax
 
 from maxjax.aot import graphs, group
 from maxjax.aot import manifest as mf
-from maxjax.aot.export import KERNEL_FLAGS, LORA_FLAGS, SPEC_FLAGS, warm_cache_command
+from maxjax.aot.export import (KERNEL_FLAGS, LORA_FLAGS, SERVE_FLAGS, SPEC_FLAGS,
+                               warm_cache_command)
 from maxjax.engine.config import EngineConfig, platform_defaults
 from maxjax.errors import UserError
 
@@ -78,6 +79,36 @@ def _adopt_lora(m: mf.Manifest, pinned: dict, engine_cfg: EngineConfig, fix) -> 
             raise UserError(f"{flag} {have} differs from the {want} the artifacts in "
                             f"{m.directory} were built with: drop the flag, or recreate them with: "
                             f"{fix(k)}")
+
+
+def adopt_flags(dirs, model_path, engine_cfg: EngineConfig):
+    """The model path for a run from artifact directories `dirs`, and the flags that shaped
+    them (the manifest's `serve`: encoding, devices, speculation, LoRA) written into the unset
+    fields of `engine_cfg`, so `serve --precompiled-artifacts DIR` needs no other flag. An
+    explicit other value is a UserError naming the flag; a model given is checked against the
+    manifest by load_for_engine, field by field."""
+    d = os.path.abspath(([dirs] if isinstance(dirs, str) else list(dirs))[0])
+    try:
+        pinned = mf.read_manifest(d, "maxjax warm-cache").data.get("serve") or {}
+    except UserError:
+        return model_path           # load_for_engine reports it, with the command that fixes it
+    for k in SERVE_FLAGS:
+        have, want = getattr(engine_cfg, k), pinned.get(k)
+        if want is None or have == want:
+            continue
+        if have is None or have is False:
+            setattr(engine_cfg, k, want)
+        else:
+            flag = "--" + k.replace("_", "-")
+            raise UserError(f"{flag} {have} differs from the {want} the artifacts in {d} were "
+                            f"built with: drop the flag (serving from artifacts takes it from "
+                            f"them), or recreate them with maxjax warm-cache {flag} {have}")
+    if model_path is None and pinned.get("model_path"):
+        model_path = pinned["model_path"]
+        if not os.path.exists(model_path):
+            raise UserError(f"--precompiled-artifacts {d}: built from {model_path}, which cannot "
+                            "be found on this machine: pass --model-path where it is")
+    return model_path
 
 
 def pinned_kernels(dirs) -> bool:

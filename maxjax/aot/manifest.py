@@ -26,7 +26,7 @@ from maxjax.graphs import cpu_kernels
 log = logging.getLogger("maxjax.aot")
 
 FORMAT_NAME = "maxjax-artifacts"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 
 
@@ -260,9 +260,21 @@ class Manifest:
         return os.path.join(self.directory, rel)
 
 
+SEAL = "manifest_sha256"
+
+
+def _seal(data: dict) -> str:
+    """sha256 of the manifest's canonical JSON without its own seal: any other byte changed in
+    the file (a value, a key) changes it. A seal, not a signature: it detects damage and edits,
+    not someone who rewrites the seal too."""
+    return digest({k: v for k, v in json.loads(canonical(data)).items() if k != SEAL})
+
+
 def write_manifest(directory: str, data: dict) -> str:
+    """Write `data` (sealed: its `manifest_sha256` set) as directory/manifest.json."""
     path = os.path.join(directory, MANIFEST)
     tmp = path + ".tmp"
+    data[SEAL] = _seal(data)
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True, default=_jsonable)
         f.write("\n")
@@ -286,6 +298,9 @@ def read_manifest(directory: str, fix: str) -> Manifest:
     if data.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path}: format_version {data.get('format_version')!r}, this maxjax reads "
                         f"{FORMAT_VERSION}; recreate it with: {fix}")
+    if data.get(SEAL) != _seal(data):
+        raise UserError(f"{path}: manifest fails its {SEAL} check (corrupt or modified); "
+                        f"recreate it with: {fix}")
     return Manifest(path, data)
 
 

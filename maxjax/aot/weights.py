@@ -8,19 +8,21 @@ sharded, into DIR/weights/ with orbax; in a multi-host group every process write
 shards (orbax coordinates them through jax.distributed, so DIR is a directory every process
 shares). The manifest's `weights` entry records the tree (each leaf's shape, dtype and
 PartitionSpec, QuantizedWeight nodes with their bits), the encoding, the source checkpoint's
-digest, the layout degree and the files' names and sizes.
+digest, the layout degree and the files' names, sizes and sha256s.
 
 `params_source` (maxjax/engine/build.py, through `load_model(params_source=)`) restores it
 before anything converts the checkpoint: when the entry is for this source, encoding, model
 config and mesh, orbax restores into `jax.ShapeDtypeStruct`s carrying this run's
 `NamedSharding`s, so each process reads only its shards. A store for another checkpoint,
 encoding or mesh (or none) gives None: the normal load. A store whose files are missing, of
-another size or that orbax cannot read is a UserError. The files are checked by name and size,
-not sha256: weights are data, not code (load.py hashes every executable before deserializing
-it), and a hash would make every process read every other process's shards.
+another size, fail their sha256 or that orbax cannot read is a UserError. The files are hashed
+on a second thread while orbax restores them (hashlib and tensorstore both release the GIL), and
+the params are handed over only once every digest matched; in a group every process hashes
+every file (they share the directory).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -145,18 +147,21 @@ def save(directory: str, model) -> dict:
              "degree": 1 if mesh is None else mesh.size,
              "qkv_shards": cfg.qkv_shards, "gate_up_shards": cfg.gate_up_shards,
              "files": _files(path)}
-    entry["bytes"] = sum(entry["files"].values())
+    entry["bytes"] = sum(f["bytes"] for f in entry["files"].values())
     log.info("stored the converted weights (%.0f MB) in %s in %.1f s", entry["bytes"] / 1e6,
              path, time.perf_counter() - t0)
     return entry
 
 
-def _files(path: str) -> dict[str, int]:
+def _files(path: str, digests: bool = True) -> dict[str, dict]:
+    """{relative path: {bytes, sha256}} of every file under `path` (sha256 with `digests`)."""
     out = {}
     for base, _, names in os.walk(path):
         for n in names:
             full = os.path.join(base, n)
-            out[os.path.relpath(full, path)] = os.path.getsize(full)
+            out[os.path.relpath(full, path)] = {"bytes": os.path.getsize(full)}
+            if digests:
+                out[os.path.relpath(full, path)]["sha256"] = mf.file_sha256(full)
     return dict(sorted(out.items()))
 
 
@@ -207,6 +212,11 @@ def _laid_out(entry: dict, cfg):
                                gate_up_shards=entry.get("gate_up_shards", 1))
 
 
+def _hash_all(path: str, names) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    return {n: mf.file_sha256(os.path.join(path, n)) for n in names}, time.perf_counter() - t0
+
+
 def restore(m: mf.Manifest, entry: dict, cfg, mesh):
     """(config laid out as stored, params on `mesh`) from the store `entry` of manifest `m`."""
     import orbax.checkpoint as ocp
@@ -217,20 +227,33 @@ def restore(m: mf.Manifest, entry: dict, cfg, mesh):
     if os.path.commonpath([root, os.path.realpath(path)]) != root:
         raise UserError(f"{m.path}: stored weights path {entry.get('path')!r} leaves the "
                         "artifact directory")
-    have = _files(path) if os.path.isdir(path) else {}
-    for name, size in (entry.get("files") or {}).items():
-        if have.get(name) != size:
-            raise UserError(f"{m.path}: stored weights file {WEIGHTS_DIR}/{name} is "
-                            f"{'missing' if name not in have else 'of another size'}; {fix}")
-    try:
-        target = abstract(entry["tree"], mesh)
-        params = _checkpointer().restore(path, args=ocp.args.StandardRestore(target))
-    except Exception as e:      # whatever orbax / tensorstore found wrong in the files
-        msg = " ".join(str(e).split())[:200]
+    listed = entry.get("files") or {}
+    have = _files(path, digests=False) if os.path.isdir(path) else {}
+    # A file the manifest does not list is not read: OCDBT reads what its (hashed) manifest names.
+    for name, want in listed.items():
+        if not isinstance(want, dict) or have.get(name, {}).get("bytes") != want.get("bytes"):
+            why = "missing" if name not in have else "of another size"
+            raise UserError(f"{m.path}: stored weights file {WEIGHTS_DIR}/{name} is {why}; {fix}")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hashed = pool.submit(_hash_all, path, listed)
+        try:
+            target = abstract(entry["tree"], mesh)
+            params = _checkpointer().restore(path, args=ocp.args.StandardRestore(target))
+            error = None
+        except Exception as e:      # whatever orbax / tensorstore found wrong in the files
+            params, error = None, e
+        digests, hash_seconds = hashed.result()
+    for name, want in listed.items():       # a damaged file is named, whatever orbax made of it
+        if digests[name] != want.get("sha256"):
+            raise UserError(f"{m.path}: stored weights file {WEIGHTS_DIR}/{name} fails its "
+                            f"sha256 check (corrupt or modified); {fix}")
+    if error is not None:
+        msg = " ".join(str(error).split())[:200]
         raise UserError(f"{m.path}: stored weights in {WEIGHTS_DIR}/ cannot be restored "
-                        f"({type(e).__name__}: {msg}); {fix}") from None
+                        f"({type(error).__name__}: {msg}); {fix}")
     if mf.weight_signature(params) != m.data.get("model", {}).get("weights"):
         raise UserError(f"{m.path}: stored weights do not match the manifest's weight shapes; "
                         f"{fix}")
-    log.info("restored the stored weights from %s in %.2f s", path, time.perf_counter() - t0)
+    log.info("restored the stored weights from %s in %.2f s (every file's sha256 checked "
+             "alongside: %.2f s)", path, time.perf_counter() - t0, hash_seconds)
     return _laid_out(entry, cfg), params

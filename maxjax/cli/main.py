@@ -30,6 +30,10 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries(level)
     engine_cfg = build(EngineConfig, args, base)
+    if model_opts.precompiled_artifacts and args.command != "warm-cache":
+        from maxjax.aot.load import adopt_flags
+        model_opts.model_path = adopt_flags(model_opts.precompiled_artifacts,
+                                            model_opts.model_path, engine_cfg)
     from maxjax.engine import devices, distributed
     group = build(distributed.DistributedOptions, args, base).resolved()
     if group is not None and args.command not in ("serve", "warm-cache"):
