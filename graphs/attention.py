@@ -33,6 +33,7 @@ class AttentionBackend:
     build_metadata: Callable[[Sequence, int, int], Any]       # (rows, T, R) -> numpy pytree
     attend: Callable    # (q, k_pool, v_pool, layer, step, window, scale, softcap) -> [T, H, hd]
     write_kv: Callable | None = None    # (pool, layer, slots, new, page) -> pool; None: XLA scatter
+    zero_pool: Callable | None = None   # (k, v ShapeDtypeStructs) -> zero pools; None: jnp.zeros
 
 
 @jax.tree_util.register_dataclass

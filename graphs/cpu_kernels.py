@@ -43,7 +43,7 @@ TARGET, TARGET4 = "maxjax_int8_linear", "maxjax_int4_linear"
 # each source under graphs/kernels, and the FFI targets it defines (before the ISA suffix): built
 # into one library per ISA
 SOURCES = {"quant_linear.cc": (TARGET, TARGET4),
-           "paged_attention.cc": ("maxjax_paged_attention", "maxjax_write_kv")}
+           "paged_attention.cc": ("maxjax_paged_attention", "maxjax_write_kv", "maxjax_zero_pool")}
 ISAS = ("avx512", "avx2")          # best first
 ISA_ENV = "MAXJAX_CPU_ISA"
 # ISA: (the /proc/cpuinfo flags it needs, g++'s flags for it)

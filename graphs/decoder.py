@@ -9,6 +9,8 @@ dot), which triples the memory traffic of a memory-bound decode step. Projection
 """
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 import jax
@@ -78,7 +80,8 @@ def kv_specs(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
 
 def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
     shape = kv_pool_shape(cfg, num_pages, page_size)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    # filled flat: XLA:CPU's 1-D fill runs ~4x faster than its 5-D broadcast (a 2.8 GB pool)
+    return tuple(jnp.zeros((math.prod(shape),), dtype).reshape(shape) for _ in range(2))
 
 
 def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from maxjax.graphs import quant, sampling, sharding
-from maxjax.graphs.attention import AttentionBackend
-from maxjax.graphs.decoder import init_kv, kv_pool_specs
+from maxjax.graphs.attention import AttentionBackend, backend_named
+from maxjax.graphs.decoder import init_kv, kv_pool_specs, kv_specs
 from maxjax.graphs.step import step_input_specs
 
 KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step, samp)
@@ -143,9 +143,14 @@ def _on(tree, shardings):
                         shardings)
 
 
-def kv_init_spec(cfg, num_pages: int, page_size: int, dtype, mesh=None) -> GraphSpec:
-    """() -> (None, a zero KV pool), sharded on kv heads over `mesh` when given."""
+def kv_init_spec(cfg, num_pages: int, page_size: int, dtype, mesh=None,
+                 attention: str | None = None) -> GraphSpec:
+    """() -> (None, a zero KV pool), sharded on kv heads over `mesh` when given, made by the
+    attention backend's `zero_pool` when it has one (`attention`: its name)."""
     def kv_init():
+        zero = attention and backend_named(attention).zero_pool
+        if zero:
+            return None, zero(kv_specs(cfg, num_pages, page_size, dtype))
         return None, init_kv(cfg, num_pages, page_size, dtype)
     out = None if mesh is None else (sharding.replicated(mesh),
                                      _kv_shardings(cfg, num_pages, page_size, mesh))

@@ -51,3 +51,40 @@ def test_the_pool_is_updated_in_place():
     pointers = [a.unsafe_buffer_pointer() for a in kv]
     kv = step(kv)
     assert [a.unsafe_buffer_pointer() for a in kv] == pointers
+
+
+def _rss_mb() -> int:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
+
+
+def test_the_cpu_kernels_make_a_zero_pool_without_writing_it():
+    """With the CPU kernels' attention the pool's pages go back to the OS instead of being
+    filled (graphs/kernels/paged_attention.cc ZeroPool): a 1.5 GiB pool costs no resident
+    memory until steps write it; it reads zero, the two pools are distinct buffers, and a
+    donating step updates them in place. A pool under 16 memory pages is cleared as it is."""
+    import pytest
+    from maxjax.graphs import cpu_kernels
+    if cpu_kernels.unavailable():
+        pytest.skip(f"CPU kernels: {cpu_kernels.unavailable()}")
+    from maxjax.graphs.program import jit_kwargs, kv_init_spec
+    cfg = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 4, 2, 8)
+    for pages, page in ((3, 4), (6144, 1024)):        # 6 KB; 2 x 768 MiB
+        spec = kv_init_spec(cfg, pages, page, jnp.float32, attention="cpu_paged_kernel")
+        make = jax.jit(spec.fn, **jit_kwargs(spec)).lower().compile()
+        before = _rss_mb()
+        _, (k, v) = make()
+        jax.block_until_ready((k, v))
+        if pages > 3:
+            assert _rss_mb() - before < 64
+        assert k.unsafe_buffer_pointer() != v.unsafe_buffer_pointer()
+        assert [(a.shape, a.dtype) for a in (k, v)] == \
+            [(s.shape, s.dtype) for s in kv_specs(cfg, pages, page, jnp.float32)]
+        pointers = [a.unsafe_buffer_pointer() for a in (k, v)]
+        step = jax.jit(lambda kv: tuple(a.at[1, -1, 0, 0].set(2.0) for a in kv),
+                       donate_argnums=0)
+        k, v = step((k, v))
+        assert [a.unsafe_buffer_pointer() for a in (k, v)] == pointers
+        for a in (k, v):
+            assert float(jnp.sum(a)) == 2.0 * a.shape[-1] and float(jnp.max(jnp.abs(a))) == 2.0
+        del k, v

@@ -11,6 +11,8 @@
 // 8 lanes, vector masks); struct V holds the vector ops, and the exported symbols carry the
 // suffix (maxjax_paged_attention_avx2, ...), so both libraries load in one process.
 #include <immintrin.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -457,7 +459,43 @@ ffi::Error WriteKV(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> slots, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// A zero pool without writing it (graphs/cpu_attention.py zero_pool): the whole memory pages
+// inside each buffer go back to the kernel (MADV_DONTNEED: a private anonymous page then reads
+// as zero until written, as calloc's pages do), the partial pages at its ends are cleared. A
+// 5.6 GiB pool costs no first-touch at start; its pages are faulted in as steps write them.
+// Where madvise fails, or a sampled page does not read zero (memory that is not private
+// anonymous), the buffer is cleared with memset.
+void ZeroBuffer(char* p, size_t n) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), b = a + n;
+  const uintptr_t lo = (a + page - 1) / page * page, hi = b / page * page;
+  if (hi <= lo + 16 * page) {
+    std::memset(p, 0, n);
+    return;
+  }
+  std::memset(p, 0, lo - a);
+  std::memset(reinterpret_cast<char*>(hi), 0, b - hi);
+  char* first = reinterpret_cast<char*>(lo);
+  const size_t len = hi - lo;
+  bool zero = madvise(first, len, MADV_DONTNEED) == 0;
+  for (size_t at : {size_t(0), len / 2 / page * page, len - page}) {
+    uint64_t word;
+    std::memcpy(&word, first + at, sizeof(word));
+    zero = zero && word == 0;
+  }
+  if (!zero) std::memset(first, 0, len);
+}
+
+ffi::Error ZeroPool(ffi::Result<ffi::AnyBuffer> k, ffi::Result<ffi::AnyBuffer> v) {
+  ZeroBuffer(static_cast<char*>(k->untyped_data()), k->size_bytes());
+  ZeroBuffer(static_cast<char*>(v->untyped_data()), v->size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MAXJAX_SYMBOL(maxjax_zero_pool), ZeroPool,
+                              ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MAXJAX_SYMBOL(maxjax_write_kv), WriteKV,
                               ffi::Ffi::Bind()

@@ -55,7 +55,8 @@ def graph_specs(model, layout) -> list[GraphSpec]:
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
                              MAX_TOP_LOGPROBS, backend_named(layout.attention),
                              mesh=layout.mesh)
-    return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype, layout.mesh)]
+    return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype, layout.mesh,
+                                 layout.attention)]
 
 
 def execution_devices(layout) -> list:

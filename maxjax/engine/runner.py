@@ -92,7 +92,7 @@ class ModelRunner:
         self.history_len = history_len
         self.num_pages = num_pages
         if kv_init is None:
-            spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype, mesh)
+            spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype, mesh, attention)
             compiled = jax.jit(spec.fn, **jit_kwargs(spec)).lower().compile()
             kv_init = lambda: compiled()[1]        # noqa: E731
         self._kv_init = kv_init
