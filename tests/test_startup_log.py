@@ -92,6 +92,13 @@ def test_second_start_loads_every_graph_from_the_cache(starts):
     assert re.search(rf"Loaded 5 graphs from {cache_dir}/\w+ in [\d.]+ s \(5 executables, 0 "
                      r"compiled from exports\)", text), text
     assert "Compiling" not in text
+    # where each second went, from process start
+    split = re.search(r"Start-up ([\d.]+) s from process start: imports and setup ([\d.]+) s, "
+                      r"weights ([\d.]+) s, placing ([\d.]+) s, graphs loaded ([\d.]+) s, "
+                      r"engine and KV pool ([\d.]+) s, warm-up ([\d.]+) s$", text, re.M)
+    assert split, text
+    total, *parts = map(float, split.groups())
+    assert sum(parts) <= total + 0.5
     assert second["metrics"]["maxjax_xla_compiles_total"] == 0
     assert first["metrics"]["maxjax_xla_compiles_total"] >= 5
     assert second["text"] == first["text"] and first["text"]

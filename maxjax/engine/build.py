@@ -13,6 +13,7 @@ With `progress`, each phase logs one line, compiling a count per graph and `Stil
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -66,12 +67,17 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     `progress`: log lines for loading and compiling. `replica`: which of the
     --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
     from maxjax.aot import cache
+    phases = {"start": since_process_start()}
     resolve_kernels(engine_cfg, precompiled_artifacts)
+    t = time.perf_counter()
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
                  progress, replica_mesh(engine_cfg, replica) if precompiled_artifacts else None,
                  kernels=engine_cfg.use_experimental_kernels)
+    phases["weights"] = time.perf_counter() - t
     engine_cfg.quantization_encoding = model.dtype
+    t = time.perf_counter()
     model = on_devices(model, engine_cfg, replica)
+    phases["placing"] = time.perf_counter() - t
     t0 = time.perf_counter()
     loaded = ()
     use_cache = cache.enabled(compile_cache)
@@ -81,12 +87,17 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
                                           require_compiled)
     elif use_cache:
         loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress)
+    phases["graphs loaded" if loaded else "graphs"] = time.perf_counter() - t0
+    t = time.perf_counter()
     core = EngineCore(model, engine_cfg, *loaded)
+    phases["engine and KV pool"] = time.perf_counter() - t
     n = len(core.layout.buckets)
+    t = time.perf_counter()
     with Heartbeat(progress and not loaded) as beat:
         if progress and not loaded:
             log.info("Compiling %d step graphs%s", n, "" if use_cache else " (compile cache off)")
         core.warmup(beat.graph_done if progress else None)
+    phases["warm-up" if loaded else "compiling"] = time.perf_counter() - t
     if progress:
         lay = core.layout
         from maxjax.graphs import cpu_kernels
@@ -97,7 +108,23 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
                  kernels, lay.num_pages, lay.page_size, core.max_length)
         if lay.memory_report:
             log.info("%s", lay.memory_report)
+        if phases["start"] is not None:
+            log.info("Start-up %.1f s from process start: %s", since_process_start(),
+                     ", ".join(f"{'imports and setup' if k == 'start' else k} {v:.1f} s"
+                               for k, v in phases.items()))
     return core
+
+
+def since_process_start() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def replica_mesh(engine_cfg: EngineConfig, replica: int = 0):

@@ -436,8 +436,10 @@ def load_tokenizer(gf: GGUFFile, gguf_arch: str):
                         f"{type(e).__name__}: {e}") from e
 
 
-def open_gguf(path: str):
-    """(hf_config, reader, tokenizer, chat_template) for a GGUF file; see the module docstring."""
+def open_gguf(path: str, tokenizer: bool = True):
+    """(hf_config, reader, tokenizer, chat_template) for a GGUF file; see the module docstring.
+    `tokenizer` False: a callable that builds the tokenizer in its place (maxjax/models/loader.py
+    runs it on a thread while the weights convert)."""
     from maxjax.models import registry
     gf = GGUFFile(path)
     gguf_arch = gf.metadata.get("general.architecture")
@@ -450,6 +452,7 @@ def open_gguf(path: str):
                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
     hf = hf_config(gf, gguf_arch, arch.name)
     reader = GGUFTensorReader(gf, gguf_arch, hf)
-    tokenizer = load_tokenizer(gf, gguf_arch) if "tokenizer.ggml.tokens" in gf.metadata else None
+    def make():
+        return load_tokenizer(gf, gguf_arch) if "tokenizer.ggml.tokens" in gf.metadata else None
     template = gf.metadata.get("tokenizer.chat_template")
-    return hf, reader, tokenizer, template if isinstance(template, str) else None
+    return hf, reader, make() if tokenizer else make, template if isinstance(template, str) else None

@@ -1,6 +1,7 @@
 """Finding and loading a model: the embedded default, a local HF dir or GGUF, or a cached repo id."""
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
 import json
 import os
@@ -108,7 +109,7 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
     t0 = time.perf_counter()
     if os.path.isfile(path):
         from maxjax.models import gguf
-        hf, reader, tokenizer, template = gguf.open_gguf(path)
+        hf, reader, make_tokenizer, template = gguf.open_gguf(path, tokenizer=False)
         arch, cfg = model_config(hf, path)
         types = reader.matrix_types()
         dtype = dtype or quantize.gguf_encoding(types, kernels)
@@ -117,17 +118,25 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         hf = hfw.read_config(path)
         arch, cfg = model_config(hf, path)       # fail before reading weights or the tokenizer
         reader = hfw.SafetensorsReader(path)
-        tokenizer = load_hf_tokenizer(path)
-        template = getattr(tokenizer, "chat_template", None)
+        template = None
+
+        def make_tokenizer():
+            return load_hf_tokenizer(path)
         types, dtype = None, dtype or default_dtype(platform)
     quantize.check_encoding(dtype, types)
-    stored = params_source(arch, cfg, dtype, path) if params_source else None
-    if stored is not None:
-        cfg, params = stored
-        if hasattr(reader, "close"):
-            reader.close()
-    else:
-        params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
+    # The tokenizer (transformers' import and conversion: Python) builds on a thread while the
+    # weights convert (numpy, which releases the GIL): ~1 s of a start on two cores.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenizer") as pool:
+        tokenizing = pool.submit(make_tokenizer)
+        stored = params_source(arch, cfg, dtype, path) if params_source else None
+        if stored is not None:
+            cfg, params = stored
+            if hasattr(reader, "close"):
+                reader.close()
+        else:
+            params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
+        tokenizer = tokenizing.result()
+    template = template or getattr(tokenizer, "chat_template", None)
     if chat_template:
         template = read_chat_template_file(chat_template)
     name = EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
