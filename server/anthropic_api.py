@@ -94,10 +94,10 @@ class BlockStream:
     def __init__(self, sse: SSE):
         self.sse, self.index, self.kind = sse, -1, None
 
-    async def event(self, kind: str, data: dict) -> None:
-        await self.sse.write(f"event: {kind}\ndata: ".encode() + json.dumps(
-            {"type": kind, **data}, separators=(",", ":"), ensure_ascii=False).encode()
-            + b"\n\n")
+    async def event(self, kind: str, data: dict, last: bool = False) -> None:
+        body = f"event: {kind}\ndata: ".encode() + json.dumps(
+            {"type": kind, **data}, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        await (self.sse.finish(body) if last else self.sse.write(body))
 
     async def _open(self, kind: str, block: dict) -> None:
         await self.close()
@@ -180,14 +180,13 @@ async def _stream(request, st, req, turn, rid, stops) -> web.StreamResponse:
             finish = ev.finish_reason or finish
     except APIError as e:
         e = anthropic_names(e)
-        await sse.write(b"event: error\ndata: " + json.dumps(
+        return await sse.finish(b"event: error\ndata: " + json.dumps(
             error_body(e.status, e.message, e.param, e.code)).encode() + b"\n\n")
-        return sse.resp
     await blocks.close()
     reason, seq = await _stop_reason(st, turn, finish, stops)
     await blocks.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                          "usage": _usage(turn)})
-    await blocks.event("message_stop", {})
+    await blocks.event("message_stop", {}, last=True)
     return sse.resp
 
 

@@ -26,7 +26,7 @@ from .openapi import describe, openapi_json
 from .protocol import (APIError, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
                        UnloadLoraRequest, error_body, model_card, now)
 from .responses import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
-from .state import STATE, ServerState, log, parse_request, read_json
+from .state import COMPLETED, STATE, ServerState, log, parse_request, read_json
 from .webui import OPEN_PREFIXES, add_routes as add_webui_routes
 
 _OPEN_PATHS = ("/health", "/v1/health", "/")     # and the web UI's static files (OPEN_PREFIXES)
@@ -69,7 +69,11 @@ async def _middleware(request: web.Request, handler):
         return json_error(e.status, msg, headers={k: v for k, v in e.headers.items()
                                                   if k == "Allow"})
     except (ConnectionResetError, asyncio.CancelledError):
-        status = 499   # client went away; the Generation's cleanup has aborted its requests
+        # 499: the client went away before the response was complete (the Generation's cleanup
+        # has aborted its requests). A stream whose last event went out is complete: a client
+        # that closes as soon as it reads it cancels the handler in its cleanup after that
+        # write, and the response keeps its own status (SSE.finish sets COMPLETED).
+        status = request.get(COMPLETED, 499)
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)

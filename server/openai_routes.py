@@ -22,7 +22,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_
 from .responses import ChatCompletion, ChatCompletionChunk, Completion
 from .sampling_request import (COMPLETION_ERROR_NAMES, default_max_tokens, per_choice,
                                sampling_params)
-from .state import STATE, ServerState, parse_request, read_json
+from .state import COMPLETED, STATE, ServerState, parse_request, read_json
 from .structured import unenforced_notes, warning_headers
 
 _DONE = b"data: [DONE]\n\n"
@@ -113,14 +113,22 @@ class SSE:
     async def send(self, obj: dict) -> None:
         await self.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
+    async def finish(self, data: bytes) -> web.StreamResponse:
+        """Write the stream's last event and mark the response completed: the handler still
+        awaits its cleanup (the generation's close) after this, and a client that hangs up as
+        soon as it has read the last event cancels the handler there; the middleware then
+        counts the status it had (200), not 499."""
+        await self.write(data)
+        self.request[COMPLETED] = self.resp.status
+        return self.resp
+
     async def error(self, e: APIError) -> web.StreamResponse:
         """After the 200 headers have gone out, an error can only be an event in the stream."""
         await self.send(error_body(e.status, e.message, e.param, e.code))
         return await self.done()
 
     async def done(self) -> web.StreamResponse:
-        await self.write(_DONE)
-        return self.resp
+        return await self.finish(_DONE)
 
 
 # ---- handlers -----------------------------------------------------------------------------------

@@ -132,10 +132,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         sse = await SSE(request, turn.headers).start()
         seq = itertools.count()
 
-        async def emit(ev: dict) -> None:
+        async def emit(ev: dict, last: bool = False) -> None:
             ev["sequence_number"] = next(seq)
-            await sse.write(b"event: " + ev["type"].encode() + b"\ndata: " +
-                            json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
+            body = (b"event: " + ev["type"].encode() + b"\ndata: " +
+                    json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
+            await (sse.finish(body) if last else sse.write(body))
 
         await emit({"type": "response.created", "response": response("in_progress", [])})
         await emit({"type": "response.in_progress", "response": response("in_progress", [])})
@@ -152,12 +153,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             failed = response("failed", out.items)
             failed["error"] = {"code": "server_error" if e.status >= 500 else "invalid_prompt",
                                "message": e.message}
-            await emit({"type": "response.failed", "response": failed})
+            await emit({"type": "response.failed", "response": failed}, last=True)
             return sse.resp
         for e in out.finish(truncated=finish == "length"):
             await emit(e)
         resp = done(finish, out)
-        await emit({"type": f"response.{resp['status']}", "response": resp})
+        await emit({"type": f"response.{resp['status']}", "response": resp}, last=True)
         return sse.resp
 
 

@@ -99,6 +99,11 @@ class ServerState:
 
 
 STATE = web.AppKey("maxjax_state", ServerState)
+# Set on the request (to the response's status) once a streamed response's last event has been
+# written: the client has the whole response, so a disconnect after it is no 499 (app.py's
+# middleware).
+COMPLETED = (web.RequestKey("maxjax_response_completed", int) if hasattr(web, "RequestKey")
+             else "maxjax_response_completed")     # older aiohttp has no RequestKey
 
 
 async def read_json(request: web.Request) -> dict:

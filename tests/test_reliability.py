@@ -5,18 +5,22 @@ pass: no 5xx, no hang, every error in the OpenAI envelope, every valid answer ch
 leaked, no compilation while serving. The full runs and their figures: RELIABILITY.md."""
 import os
 import sys
+import time
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
+import reliability  # noqa: E402
 from fuzz import Findings, run_fuzz  # noqa: E402
-from reliability import SMOLLM2_FLAGS, ServeProcess  # noqa: E402
+from reliability import SMOLLM2_FLAGS, ServeProcess, ValidTraffic  # noqa: E402
 from soak import run_soak  # noqa: E402
 
 from mock_engine import MockEngine  # noqa: E402
+from server_harness import ServerThread  # noqa: E402
 
 from maxjax.server.app import build_app  # noqa: E402
+from maxjax.server.config import ServeConfig  # noqa: E402
 from maxjax.server.openapi import openapi_document  # noqa: E402
 
 TIMEOUTS = {"http_idle_timeout": 2.0, "http_body_timeout": 2.0}
@@ -62,3 +66,26 @@ def test_the_fuzz_checks_flag_what_they_must():
     f.answer("/v1/completions", 200, b'data: {"id": 1}\n\n', "d", stream=True)
     kinds = sorted(k[0] for k in f.failures)
     assert kinds == ["5xx", "bad answer", "bad stream", "bad stream", "envelope", "traceback"]
+
+
+def test_valid_traffic_outlasts_a_lagging_client(monkeypatch):
+    """The valid traffic beside the fuzz must not fail for its own client's lag: on a starved
+    CPU each answer check holds its event loop a while, for longer than the server's idle
+    timeout over a long stream, and a connection that sits idle that long is one the server
+    closes, as it must. Each check here sleeps 30 ms (blocking the loop as CPU work does)
+    against a 0.5 s idle timeout."""
+    check = reliability.Schemas.problem
+
+    def slow_check(self, name, obj):
+        time.sleep(0.03)
+        return check(self, name, obj)
+    monkeypatch.setattr(reliability.Schemas, "problem", slow_check)
+    s = ServerThread(MockEngine(delay=0.002), ServeConfig(http_idle_timeout=0.5))
+    try:
+        with ValidTraffic(s.url, 4, seed=1, duration=5, long_words=20) as traffic:
+            traffic.wait()
+    finally:
+        s.close()
+    report = traffic.report()
+    assert report["errors"] == 0, report["error_examples"]
+    assert report["requests"] > 8

@@ -135,8 +135,7 @@ def test_metrics():
                                        stream=True))
         http("POST", s.url + "/v1/chat/completions", {"model": "nope", "messages": MSGS})
         # A stream is counted when its handler returns, which can follow the client's last
-        # chunk; a client that closes right after [DONE] can beat the server's final write, and
-        # then the finished stream counts as 499 (noted in the stop note as a known flaw).
+        # chunk (the handler's cleanup runs after [DONE]); it counts as 200 all the same.
         streamed = [("maxjax_requests_total", (("endpoint", "/v1/completions"), ("status", st)))
                     for st in ("200", "499")]
         wait_until(lambda: any(k in _metrics(s.url) for k in streamed),
@@ -144,7 +143,7 @@ def test_metrics():
         after = _metrics(s.url)
         ok = ("maxjax_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))
         assert before.get(ok, 0) == 0 and after[ok] == 1
-        assert sum(after.get(k, 0) for k in streamed) == 1
+        assert after.get(streamed[0], 0) == 1 and streamed[1] not in after
         assert after[("maxjax_requests_total", (("endpoint", "/v1/chat/completions"),
                                                 ("status", "404")))] == 1
         assert after[("maxjax_prompt_tokens_total", ())] == 21 + 3
@@ -162,6 +161,73 @@ def test_metrics():
         for name in ("maxjax_num_requests_waiting", "maxjax_num_requests_running",
                      "maxjax_preemptions_total"):
             assert (name, ()) in after
+    finally:
+        s.close()
+
+
+async def _stream_then_hang_up(port: int, path: str, body: dict, last: bytes) -> bytes:
+    """POST a streaming request on a raw connection, read until the stream's last event, and
+    drop the connection at once (as a client does that closes on [DONE])."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    got = b""
+    try:
+        while last not in got:
+            chunk = await reader.read(65536)
+            assert chunk, got
+            got += chunk
+    finally:
+        writer.transport.abort()
+    return got
+
+
+def test_clients_that_hang_up_after_the_last_event_count_200():
+    """A stream whose last event was written is a 200 however soon the client hangs up after
+    it (the handler's cleanup after [DONE] is cancelled then); 499 is for a client that left
+    before the response was complete."""
+    engine = MockEngine(delay=0.005)
+    s = ServerThread(engine)
+    routes = [("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3, "stream": True},
+               b"data: [DONE]"),
+              ("/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True},
+               b"data: [DONE]"),
+              ("/v1/messages", {"model": "mock-model", "messages": MSGS, "max_tokens": 3,
+                                "stream": True}, b"event: message_stop"),
+              ("/v1/responses", {"input": "hi", "max_output_tokens": 3, "stream": True},
+               b"event: response.incomplete")]     # (max_output_tokens reached)
+    per_route = 60
+
+    def counts(path):
+        m = _metrics(s.url)
+        return {st: m.get(("maxjax_requests_total", (("endpoint", path), ("status", st))), 0)
+                for st in ("200", "499")}
+    try:
+        async def main():
+            return await asyncio.gather(*(_stream_then_hang_up(s.port, path, body, last)
+                                          for path, body, last in routes
+                                          for _ in range(per_route)))
+        for got in asyncio.run(main()):
+            assert got.startswith(b"HTTP/1.1 200 OK"), got
+        for path, _, _ in routes:
+            wait_until(lambda: sum(counts(path).values()) == per_route, f"{path}'s counts")
+            assert counts(path) == {"200": per_route, "499": 0}, path
+        wait_until(lambda: engine.pages_used == 0, "pages back to baseline")
+        assert not engine.aborted
+        # A client that leaves mid-stream is still a 499.
+        chat = "/v1/chat/completions"
+        sock = _raw_request(s.port, {"messages": MSGS, "max_tokens": 400, "stream": True})
+        got = b""
+        while got.count(b"data: ") < 3:
+            data = sock.recv(4096)
+            assert data, got
+            got += data
+        sock.close()
+        wait_until(lambda: sum(counts(chat).values()) == per_route + 1,
+                   "the disconnected stream's count")
+        assert counts(chat) == {"200": per_route, "499": 1}
+        assert len(engine.aborted) == 1
     finally:
         s.close()
 

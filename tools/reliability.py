@@ -206,6 +206,11 @@ async def one_request(session, url: str, route: str, body: dict, schemas: Schema
             return check_answer(route, body, obj, texts), ttft, False
         ttft, events, texts, final = None, 0, {}, {}
         async for line in r.content:
+            # Let the loop run between events: reading buffered lines does not, and checking a
+            # long stream's events back to back on a starved CPU can hold the loop for seconds,
+            # while another worker's new connection sits unwritten until the server's idle
+            # timeout cuts it (see _run).
+            await asyncio.sleep(0)
             if not line.startswith(b"data: "):
                 continue
             data = line[6:].strip()
@@ -269,8 +274,17 @@ class ValidTraffic:
     async def _run(self) -> None:
         import aiohttp
         timeout = aiohttp.ClientTimeout(total=300)
+        # A fresh connection per request (force_close), not a keep-alive pool: the server closes
+        # a connection idle for --http-idle-timeout (2 s in tests/test_reliability.py), as it
+        # should, and a client whose event loop lags (CPU-starved beside the fuzz) takes such a
+        # connection from its pool before it has seen the server's FIN; the request then fails
+        # before any byte of it went out ("Can not write request body", "Server
+        # disconnected"), a known HTTP/1.1 keep-alive race that is no fault of the server.
+        # With a new connection each time, written as soon as it is open (one_request lets the
+        # loop run between events), a valid request that fails is a server failure.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(headers=self.headers, timeout=timeout,
-                                         connector=aiohttp.TCPConnector(limit=0)) as s:
+                                         connector=connector) as s:
             await asyncio.gather(*[self._worker(s, i) for i in range(self.streams)])
 
     async def _worker(self, session, i: int) -> None:
