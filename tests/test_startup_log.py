@@ -94,7 +94,7 @@ def test_second_start_loads_every_graph_from_the_cache(starts):
     assert "Compiling" not in text
     # where each second went, from process start
     split = re.search(r"Start-up ([\d.]+) s from process start: imports and setup ([\d.]+) s, "
-                      r"weights ([\d.]+) s, placing ([\d.]+) s, graphs loaded ([\d.]+) s, "
+                      r"weights ([\d.]+) s, placing ([\d.]+) s, graphs ([\d.]+) s, "
                       r"engine and KV pool ([\d.]+) s, warm-up ([\d.]+) s$", text, re.M)
     assert split, text
     total, *parts = map(float, split.groups())

@@ -33,6 +33,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"(?:graphs ready|Engine ready) in ([\d.]+) s")
 WEIGHTS = re.compile(r"Loaded \S+ \(\S+\) in ([\d.]+) s")
+PHASES = re.compile(r"Start-up [\d.]+ s from process start: (.+)$", re.M)
 
 
 def free_port() -> int:
@@ -68,9 +69,10 @@ def serve(python: str, flags: list[str], env: dict, cwd: str) -> dict:
         proc.wait(60)
     text = open(log.name).read()
     os.unlink(log.name)
-    m, w = READY.search(text), WEIGHTS.search(text)
+    m, w, p = READY.search(text), WEIGHTS.search(text), PHASES.search(text)
     return {"total": round(total, 2), "compile": float(m.group(1)) if m else float("nan"),
-            "weights": float(w.group(1)) if w else float("nan")}
+            "weights": float(w.group(1)) if w else float("nan"),
+            "phases": p.group(1) if p else "?"}
 
 
 def _see_all_site_dirs(python: str) -> None:
@@ -87,7 +89,8 @@ def _see_all_site_dirs(python: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-kv-pages", type=int, default=64,
-                    help="KV pool (pinned so that runs compare; does not change compile time)")
+                    help="KV pool (pinned so that runs compare; does not change compile time); "
+                         "0: the default, sized from this machine's memory")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--against", help="a git revision whose cold start to time in the same rounds")
     ap.add_argument("--jobs", type=int, nargs="+", default=[0],
@@ -101,7 +104,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="bench-startup-")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "MAXJAX_"))}
     env.update(TOKENIZERS_PARALLELISM="false", JAX_ENABLE_COMPILATION_CACHE="false")
-    flags = ["--num-kv-pages", str(args.num_kv_pages)]
+    flags = ["--num-kv-pages", str(args.num_kv_pages)] if args.num_kv_pages else []
     flags += ["--quantization-encoding", args.encoding] if args.encoding else []
     flags += shlex.split(args.engine_flags)
     other = None
@@ -158,6 +161,9 @@ def main() -> int:
               f"{med[name]['compile']:.1f} | {json.dumps([x['total'] for x in runs])} |")
     if "cold" in med and "second" in med:
         print(f"second / cold (to health): {med['second']['total'] / med['cold']['total']:.3f}")
+    print("\nwhere each second went (the server's start-up line, last run of each):")
+    for name, runs in times.items():
+        print(f"- {name}: {runs[-1]['phases']}")
     if other and "cold" in med:
         base = med[f"{args.against} cold"]
         print(f"cold graph phase / {args.against}'s: {med['cold']['compile'] / base['compile']:.3f}")

@@ -87,7 +87,7 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
                                           require_compiled)
     elif use_cache:
         loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress)
-    phases["graphs loaded" if loaded else "graphs"] = time.perf_counter() - t0
+    phases["graphs"] = time.perf_counter() - t0
     t = time.perf_counter()
     core = EngineCore(model, engine_cfg, *loaded)
     phases["engine and KV pool"] = time.perf_counter() - t
@@ -97,7 +97,7 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
         if progress and not loaded:
             log.info("Compiling %d step graphs%s", n, "" if use_cache else " (compile cache off)")
         core.warmup(beat.graph_done if progress else None)
-    phases["warm-up" if loaded else "compiling"] = time.perf_counter() - t
+    phases["compiling" if not loaded else "warm-up"] = time.perf_counter() - t
     if progress:
         lay = core.layout
         from maxjax.graphs import cpu_kernels
