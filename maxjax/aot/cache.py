@@ -83,14 +83,16 @@ def entry_path(model, engine_cfg, layout, root: str | None = None) -> str:
     return os.path.join(root or directory(), key[:32])
 
 
-def load(path: str, model, engine_cfg):
+def load(path: str, model, engine_cfg, preloaded: dict | None = None):
     """load_for_engine's (layout, executables, kv_init) from the entry at `path`; None when there
-    is none, or when it fails a check or does not load (then it is removed, with a warning)."""
+    is none, or when it fails a check or does not load (then it is removed, with a warning).
+    `preloaded`: executables maxjax/aot/prefetch.py deserialized from it already."""
     from maxjax.aot import load as aot_load
     if not os.path.isdir(path):
         return None
     try:
-        loaded = aot_load.load_for_engine([path], model, engine_cfg, require_compiled=True)
+        loaded = aot_load.load_for_engine([path], model, engine_cfg, require_compiled=True,
+                                          preloaded=preloaded)
     except Exception as e:     # a bad entry is rebuilt, whatever broke in it
         log.warning("compile cache: entry %s refused (%s); removing it and compiling again",
                     os.path.basename(path), str(e).split("\n")[0][:300])

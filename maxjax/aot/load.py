@@ -123,9 +123,12 @@ def pinned_kernels(dirs) -> bool:
         data.get("engine", {}).get("attention") == "cpu_paged_kernel"
 
 
-def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False):
+def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False,
+                    preloaded: dict | None = None):
     """(EngineLayout, {Bucket: StepCallable}, KV initializer) from artifact directories, after
-    verifying them: what EngineCore(model, cfg, layout, executables, kv_init) takes."""
+    verifying them: what EngineCore(model, cfg, layout, executables, kv_init) takes.
+    `preloaded`: {graph name: (sha256, executable)} deserialized already (prefetch.py), used
+    for the graphs whose file has that sha256."""
     from maxjax.engine.core import plan_layout
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
     if engine_cfg.use_experimental_kernels is None:
@@ -166,7 +169,8 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         layout = layout or this
         manifests.append(m)
     assert layout is not None
-    return (layout, *_load_graphs(manifests, model, layout, local, require_compiled))
+    return (layout, *_load_graphs(manifests, model, layout, local, require_compiled,
+                                  preloaded or {}))
 
 
 def _check_mesh(m: mf.Manifest, model, fix: str) -> None:
@@ -204,13 +208,14 @@ def _check_graphs(m: mf.Manifest, specs, kv, fix: str) -> None:
                             f"{g.get('sample_outputs')} outputs; recreate the artifacts with: {fix}")
 
 
-def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dict, Callable]:
+def _load_graphs(manifests, model, layout, local, require_compiled,
+                 preloaded: dict) -> tuple[dict, Callable]:
     from jax.experimental import serialize_executable
     specs = graphs.graph_specs(model, layout)
     kv = graphs.pool_specs(model, layout)
     devices = graphs.execution_devices(layout)
     out: dict = {}
-    t0, counts = time.perf_counter(), {"executable": 0, "export": 0}
+    t0, counts = time.perf_counter(), {"executable": 0, "export": 0, "early": 0}
     # Deserializing is native code that releases the GIL: it overlaps the reads and sha256
     # checks here. One at a time: two threads deserializing XLA:CPU executables at once
     # crashed the process (SIGSEGV in persistent_load, seen in a CI run, jaxlib 0.10.2).
@@ -224,6 +229,12 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
                     and m.data.get("compiled_for") == local), None)
         if exe is not None:
             m, g = exe
+            sha, ready = preloaded.get(name, (None, None))
+            if sha == g["files"][key]["sha256"]:
+                out[name] = (ready, "executable", g["output_structure"])
+                counts["executable"] += 1
+                counts["early"] += 1
+                continue
             blob = _read_verified(m, name, g["files"][key])
             trees = graphs.executable_trees(spec.args, g["sample_outputs"], len(jax.tree.leaves(kv)))
             loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees,
@@ -255,7 +266,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled) -> tuple[dic
     with pool:
         for name, (future, structure) in loads.items():
             out[name] = (future.result(), "executable", structure)
-    log.info("Loaded %d graphs from %s in %.2f s (%d executables, %d compiled from exports)",
+    early = f", {counts['early']} deserialized while the weights loaded" if counts["early"] else ""
+    log.info("Loaded %d graphs from %s in %.2f s (%d executables%s, %d compiled from exports)",
              len(out), ", ".join(m.directory for m in manifests), time.perf_counter() - t0,
-             counts["executable"], counts["export"])
+             counts["executable"], early, counts["export"])
     return graphs.engine_graphs(out, model, layout)

@@ -69,6 +69,11 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     from maxjax.aot import cache
     phases = {"start": since_process_start()}
     resolve_kernels(engine_cfg, precompiled_artifacts)
+    use_cache = cache.enabled(compile_cache)
+    request = _request(model, engine_cfg, chat_template) if use_cache and \
+        not precompiled_artifacts else None
+    from maxjax.aot import prefetch
+    early = request and prefetch.start(cache.directory(), request)
     t = time.perf_counter()
     model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
                  progress, replica_mesh(engine_cfg, replica) if precompiled_artifacts else None,
@@ -80,13 +85,13 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     phases["placing"] = time.perf_counter() - t
     t0 = time.perf_counter()
     loaded = ()
-    use_cache = cache.enabled(compile_cache)
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
         loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
                                           require_compiled)
     elif use_cache:
-        loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress)
+        loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress,
+                             early or None, request)
     phases["graphs"] = time.perf_counter() - t0
     t = time.perf_counter()
     core = EngineCore(model, engine_cfg, *loaded)
@@ -206,18 +211,35 @@ def experimental_kernels(model: LoadedModel) -> LoadedModel:
     return dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
 
 
-def _from_cache(model, engine_cfg: EngineConfig, limit: int, progress: bool):
+def _request(model, engine_cfg: EngineConfig, chat_template: str | None) -> str | None:
+    """maxjax/aot/prefetch.py's key of this start (None: a LoadedModel, or a model path that is
+    not on disk yet: the load reports it)."""
+    if isinstance(model, LoadedModel):
+        return None
+    from maxjax.aot import prefetch
+    from maxjax.models.loader import resolve_model_path
+    try:
+        return prefetch.request_key(resolve_model_path(model), engine_cfg, chat_template)
+    except (UserError, OSError):
+        return None
+
+
+def _from_cache(model, engine_cfg: EngineConfig, limit: int, progress: bool, early=None,
+                request: str | None = None):
     """(layout, executables, kv_init) from the compile cache entry of this configuration; on a
     miss, compiled and stored there first. None when it cannot be stored (then the engine
-    compiles as without a cache)."""
+    compiles as without a cache). `early`: the prefetch (maxjax/aot/prefetch.py) this start's
+    `request` key found; the entry it loads is recorded under that key."""
     import jax
 
-    from maxjax.aot import cache, export
+    from maxjax.aot import cache, export, prefetch
     layout = plan_layout(engine_cfg, model)
     # The sizes this machine gave are pinned, so the loader plans the same layout.
     engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
     path = cache.entry_path(model, engine_cfg, layout)
-    loaded = cache.load(path, model, engine_cfg)
+    loaded = cache.load(path, model, engine_cfg, early.take(path) if early else None)
+    if request:
+        prefetch.remember(cache.directory(), request, path)
     if loaded is not None:
         return loaded
     n = len(layout.buckets) + 1

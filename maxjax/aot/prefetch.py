@@ -1,0 +1,116 @@
+"""A warm start deserializes its executables while the weights load.
+
+The compile cache's key (maxjax/aot/cache.py) digests the loaded model, so it is known only once
+the weights are converted. A start therefore also records, under a key of what it was asked
+for (`request_key`: the model's files, every engine flag, the versions, the graph code and the
+device), which entry it loaded: `$MAXJAX_CACHE_DIR/.requests/<request key>` holds the entry's
+name. The next start with the same request reads the pointer before loading the model and
+deserializes that entry's executables on a thread, after the entry's manifest seal and every
+file's sha256 passed (the model and engine checks come later, in load.py, as always: an
+executable that does not pass them is discarded, never run). `Prefetch.take(path)` hands them
+to the loader when `path` is the entry the model's own key names; it always waits for the
+thread first, since two deserializations at once crash XLA:CPU (maxjax/aot/load.py).
+One device and one process only (a mesh's or a group's executables load as before).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import tempfile
+
+import jax
+
+from maxjax.aot import group
+from maxjax.aot import manifest as mf
+
+log = logging.getLogger("maxjax.cache")
+REQUESTS = ".requests"
+
+
+def request_key(model_path: str, engine_cfg, chat_template: str | None) -> str:
+    """What a start asks for, known before its model loads: the checkpoint's files (names,
+    sizes, modification times), every engine flag, the versions, graph code and device."""
+    files = []
+    if os.path.isfile(model_path):
+        files = [model_path]
+    elif os.path.isdir(model_path):
+        files = sorted(os.path.join(model_path, f) for f in os.listdir(model_path))
+    stats = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
+             if os.path.isfile(f)]
+    from maxjax.graphs import cpu_kernels
+    return mf.digest({"model": [model_path, stats], "chat_template": chat_template,
+                      "engine": dataclasses.asdict(engine_cfg), "versions": mf.versions(),
+                      "code": mf.code_digest(), "device": mf.local_device(),
+                      "kernel_isa": cpu_kernels.isa()})[:32]
+
+
+def remember(root: str, request: str, entry: str) -> None:
+    """Point `request` at the entry directory `entry` (atomically; the last start wins)."""
+    d = os.path.join(root, REQUESTS)
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(os.path.basename(entry))
+        os.replace(tmp, os.path.join(d, request))
+    except OSError as e:
+        log.debug("compile cache: cannot record the entry of this start (%s)", e)
+
+
+def start(root: str, request: str) -> Prefetch | None:
+    """The prefetch of the entry `request` loaded last; None without one (or in a group)."""
+    if group.size() > 1:
+        return None
+    try:
+        with open(os.path.join(root, REQUESTS, request)) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    path = os.path.join(root, name)
+    return Prefetch(path) if name and os.path.isdir(path) else None
+
+
+class Prefetch:
+    def __init__(self, path: str):
+        self.path = path
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maxjax-prefetch")
+        self._future = self._pool.submit(_deserialize, path)
+        self._pool.shutdown(wait=False)
+
+    def take(self, path: str) -> dict:
+        """{graph name: (sha256, executable)} when `path` is this prefetch's entry, else {};
+        returns once the thread is done either way."""
+        try:
+            got = self._future.result()
+        except Exception as e:      # a bad entry: load.py finds and reports what is wrong
+            log.debug("compile cache: prefetch of %s failed (%s)", self.path, e)
+            return {}
+        return got if os.path.abspath(path) == os.path.abspath(self.path) else {}
+
+
+def _deserialize(path: str) -> dict:
+    from jax.experimental import serialize_executable
+    m = mf.read_manifest(path, "maxjax warm-cache")      # the seal
+    if m.data.get("compiled_for") != mf.local_device() or m.data.get("engine", {}).get("mesh"):
+        return {}
+    mf.check_files(m, "maxjax warm-cache")               # every sha256, before any deserializing
+    out = {}
+    for g in m.data.get("graphs", []):
+        entry, sig = g["files"].get("executable"), g.get("signature", {})
+        if entry is None:
+            continue
+        with open(m.file(entry["path"]), "rb") as f:
+            blob = f.read()
+        if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+            continue
+        groups = [len(sig["in"][k]) for k in ("params", "kv", "step", "sampling")] \
+            if sig.get("in") else []
+        in_tree = jax.tree.structure((tuple(tuple(0 for _ in range(n)) for n in groups), {}))
+        out_tree = jax.tree.structure((tuple(0 for _ in range(g["sample_outputs"])),
+                                       tuple(0 for _ in sig["out"]["kv"])))
+        out[g["name"]] = (entry["sha256"], serialize_executable.deserialize_and_load(
+            blob, in_tree, out_tree, execution_devices=[jax.devices()[0]]))
+    return out

@@ -1,0 +1,94 @@
+"""The warm start's prefetch (maxjax/aot/prefetch.py): a start records which compile cache entry
+its request loaded; the next start with the same request deserializes that entry's executables
+while the weights load and the loader takes them (same greedy tokens, nothing compiled); another
+request (a flag, the checkpoint's files) has another key; a damaged entry is never deserialized
+early, and the loader then refuses and rebuilds it as before; a prefetch for another entry is
+waited for and discarded. Tiny random Llama (tests/tiny_llama.py)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+import maxjax
+from maxjax.aot import cache, prefetch
+from maxjax.aot import manifest as mf
+from maxjax.engine import compile_counter
+from maxjax.engine.config import EngineConfig
+from tiny_llama import write_tiny_llama
+
+ENGINE = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=32, num_kv_pages=8,
+              kv_cache_page_size=8)
+GREEDY = maxjax.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture()
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXJAX_CACHE_DIR", str(tmp_path / "cache"))
+    return str(write_tiny_llama(tmp_path / "tiny")), str(tmp_path / "cache")
+
+
+def _start(path, caplog, **extra):
+    caplog.clear()
+    before = compile_counter.count()
+    with caplog.at_level(logging.INFO):
+        llm = maxjax.LLM(path, quantization_encoding="float32", **{**ENGINE, **extra})
+    tokens = [o.token_ids for o in llm.generate([[5, 7, 9], [40, 41, 42, 43]], GREEDY)]
+    return tokens, compile_counter.count() - before, caplog.text
+
+
+def test_the_second_start_deserializes_while_the_weights_load(setup, caplog):
+    path, root = setup
+    first, compiles, _ = _start(path, caplog)
+    assert compiles > 0
+    (name,) = os.listdir(os.path.join(root, prefetch.REQUESTS))
+    second, compiles, text = _start(path, caplog)
+    assert second == first and compiles == 0
+    n = len(mf.read_manifest(_entry(root), "x").data["graphs"])
+    assert f"({n} executables, {n} deserialized while the weights loaded, 0 compiled" in text
+    # another flag: another request key (and another entry)
+    _, _, text = _start(path, caplog, max_length=24)
+    assert "deserialized while the weights loaded" not in text
+    assert len(os.listdir(os.path.join(root, prefetch.REQUESTS))) == 2
+
+
+def test_a_damaged_entry_is_not_deserialized_early(setup, caplog):
+    path, root = setup
+    first, _, _ = _start(path, caplog)
+    entry = _entry(root)
+    exe = next(f for f in sorted(os.listdir(entry)) if f.endswith(".xlaexe"))
+    with open(os.path.join(entry, exe), "r+b") as f:
+        f.seek(64)
+        b = f.read(1)
+        f.seek(64)
+        f.write(bytes([b[0] ^ 0xFF]))
+    again, compiles, text = _start(path, caplog)
+    assert "deserialized while the weights loaded" not in text
+    assert "refused" in text and compiles > 0 and again == first
+
+
+def test_the_request_key_follows_the_checkpoint_and_the_flags(setup):
+    path, _ = setup
+    key = prefetch.request_key(path, EngineConfig(**ENGINE), None)
+    assert key == prefetch.request_key(path, EngineConfig(**ENGINE), None)
+    assert key != prefetch.request_key(path, EngineConfig(**{**ENGINE, "max_length": 16}), None)
+    assert key != prefetch.request_key(path, EngineConfig(**ENGINE), "template.jinja")
+    with open(os.path.join(path, "config.json"), "a") as f:
+        f.write(" ")
+    assert key != prefetch.request_key(path, EngineConfig(**ENGINE), None)
+
+
+def test_a_prefetch_for_another_entry_is_waited_for_and_dropped(setup, caplog):
+    path, root = setup
+    _start(path, caplog)
+    early = prefetch.Prefetch(_entry(root))
+    assert early.take(os.path.join(root, "another")) == {}
+    assert early._future.done()
+    assert set(prefetch.Prefetch(_entry(root)).take(_entry(root))) == \
+        {g["name"] for g in mf.read_manifest(_entry(root), "x").data["graphs"]}
+
+
+def _entry(root: str) -> str:
+    (e,) = cache.entries(root)
+    return e.path
