@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from maxjax.aot import cache
 from maxjax.aot import export as aot_export
 from maxjax.aot import graphs as aot_graphs
 from maxjax.aot import load as aot_load
@@ -120,7 +121,7 @@ def test_warm_cache_fills_the_compile_cache(root, model_dir, warmed):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"Loaded 5 graphs from {warmed} " in r.stderr
     assert compiles(r.stderr) == (0, 0)
-    assert os.listdir(os.path.dirname(warmed)) == [os.path.basename(warmed)]
+    assert [e.path for e in cache.entries(os.path.dirname(warmed))] == [warmed]
 
 
 def test_serve_from_artifacts_compiles_nothing(root, model_dir, warmed):

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import maxjax
-from maxjax.aot import cache
+from maxjax.aot import cache, prefetch
 from maxjax.aot import manifest as mf
 from maxjax.aot.manifest import MANIFEST
 from maxjax.cli.main import build_parser, main
@@ -51,7 +51,8 @@ def tokens(llm) -> list:
 
 
 def entries_in(root) -> list[str]:
-    return sorted(os.listdir(root))
+    """The entries and temp directories (not the prefetch's request pointers)."""
+    return sorted(n for n in os.listdir(root) if n != prefetch.REQUESTS)
 
 
 @pytest.fixture(scope="module")
