@@ -27,6 +27,8 @@ from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
 from tiny_llama import write_tiny_llama
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=64, num_kv_pages=16,
               kv_cache_page_size=16)
 FLAGS = ["--max-batch-size", "2", "--max-batch-input-tokens", "8", "--max-length", "64",

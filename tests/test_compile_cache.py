@@ -28,6 +28,8 @@ from maxjax.errors import UserError
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
               kv_cache_page_size=8)
 PROMPTS = [[5, 7, 9], [11, 3, 8, 20, 31, 4, 9, 100, 7, 2, 12]]

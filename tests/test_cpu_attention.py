@@ -21,7 +21,8 @@ from maxjax.graphs.step import RowSlice, build_step_inputs
 from kernel_checks import kernels_engine_round_trip
 
 RUNNABLE = [isa for isa in cpu_kernels.ISAS if cpu_kernels.unavailable(isa) is None]
-pytestmark = pytest.mark.skipif(not RUNNABLE, reason=f"CPU kernels: {cpu_kernels.unavailable()}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not RUNNABLE, reason=f"CPU kernels: {cpu_kernels.unavailable()}")]
 LAYERS, LAYER = 2, 1
 
 

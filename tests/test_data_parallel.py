@@ -18,6 +18,8 @@ from maxjax.server.config import ServeConfig
 from server_harness import ServerThread
 from tiny_llama import write_tiny_llama
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
               kv_cache_page_size=8)
 PROMPTS = [" ".join(f"w{(7 * i + j) % 500 + 3}" for j in range(5 + i)) for i in range(6)]

@@ -22,6 +22,8 @@ from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 COS = 0.9999
 TEXTS = ["Hello", "The capital of France is Paris.", "def fibonacci(n):\n    return n",
          "Embeddings map text to vectors; similar meanings land close together. " * 12]

@@ -6,6 +6,8 @@ from maxjax.engine.types import SamplingParams
 from maxjax.llm import LLM
 from maxjax.models.loader import load_model
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 ENGINE = dict(max_length=512, max_batch_size=8, max_batch_input_tokens=32, kv_cache_page_size=16,
               num_kv_pages=48)
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)

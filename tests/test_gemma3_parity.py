@@ -9,6 +9,8 @@ import torch
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 NEW_TOKENS = 32
 LONG_TEXT = " ".join(f"Step {i}: put {i} apples in the basket, which now holds "
                      f"{i * (i + 1) // 2} apples." for i in range(1, 40))

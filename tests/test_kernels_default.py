@@ -17,6 +17,8 @@ from maxjax.graphs import cpu_kernels
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                    reason=f"CPU kernels: {cpu_kernels.unavailable()}")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 2, 77]]

@@ -33,6 +33,8 @@ from server_harness import http
 from test_aot import machine_env, maxjax as run_cli
 from tiny_llama import write_tiny_llama
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=64, num_kv_pages=16,
               kv_cache_page_size=16)
 LORA = dict(enable_lora=True, max_num_loras=2, max_lora_rank=8)

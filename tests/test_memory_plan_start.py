@@ -18,6 +18,8 @@ import urllib.request
 
 import pytest
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 GiB = 1 << 30
 START_TIMEOUT = 900          # three replicas compile one after the other on two cores
 

@@ -24,6 +24,8 @@ from maxjax.graphs import sharding
 from maxjax.llm import LLM
 from tiny_llama import write_tiny_llama
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 ENGINE = {"max-batch-size": 1, "max-batch-input-tokens": 2, "max-length": 32,
           "num-kv-pages": 8, "kv-cache-page-size": 8}
 PROMPT = "w5 w9 w33 w7 w100"

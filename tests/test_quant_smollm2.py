@@ -20,6 +20,8 @@ from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from maxjax.models.loader import load_model
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 TEXT = os.path.join(os.path.dirname(__file__), "data", "apache-2.0.txt")
 NUM_TOKENS, CHUNK, PAGE = 2048, 512, 32
 PPL_TOLERANCE = {"int8": 0.01, "int8-kernel": 0.01, "q4_1": 0.05, "q4_1-kernel": 0.005,
