@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from maxjax.errors import RequestError
+from maxjax.errors import RequestError, UserError
 
 from .config import ServeConfig
 from .engine_client import EngineClient
@@ -245,9 +245,10 @@ def runner_options(cfg: ServeConfig) -> dict:
 
 
 async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
-                     stop: asyncio.Event | None = None) -> None:
+                     stop: asyncio.Event | None = None, on_listen=None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set): then stop accepting connections, give
-    in-flight requests cfg.shutdown_grace_period seconds to finish, and return."""
+    in-flight requests cfg.shutdown_grace_period seconds to finish, and return. `on_listen()`
+    runs once the port is bound (a port in use is a UserError before it)."""
     app = build_app(engine, cfg)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine requests instead of generating tokens nobody reads.
@@ -265,7 +266,14 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
             pass
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            raise UserError(f"--port {cfg.port}: cannot listen on {cfg.host}:{cfg.port}: "
+                            f"{e.strerror or e} (another server on that port? pick another "
+                            f"--port)") from None
+        if on_listen is not None:
+            on_listen()
         port = cfg.port or runner.addresses[0][1]
         waiter = asyncio.ensure_future(stop.wait())
         while not engine.is_ready and not stop.is_set():

@@ -6,14 +6,32 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from maxjax.errors import UserError
+
 API_KEY_ENV = "MAXJAX_API_KEY"
+HOST_ENV, PORT_ENV = "MAX_SERVE_HOST", "MAX_SERVE_PORT"
+
+
+def _env_host() -> str:
+    return os.environ.get(HOST_ENV) or "127.0.0.1"
+
+
+def _env_port() -> int:
+    text = os.environ.get(PORT_ENV) or "8000"
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{PORT_ENV}={text}: not a port number") from None
 
 
 @dataclass
 class ServeConfig:
-    host: str = field(default="127.0.0.1", metadata={
-        "help": "Interface to bind the HTTP API to"})
-    port: int = field(default=8000, metadata={"help": "Port for the HTTP API"})
+    host: str = field(default_factory=_env_host, metadata={
+        "help": f"Interface to bind the HTTP API to (default: ${HOST_ENV}, else 127.0.0.1: only "
+                f"this machine can reach a server nobody chose to expose; in a container "
+                f"pass --host 0.0.0.0)"})
+    port: int = field(default_factory=_env_port, metadata={
+        "help": f"Port for the HTTP API (default: ${PORT_ENV}, else 8000)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "Model id clients send and /v1/models reports (default: the model's name)"})
     api_key: str | None = field(default=None, metadata={
@@ -25,6 +43,12 @@ class ServeConfig:
     max_pending_requests: int | None = field(default=None, metadata={
         "help": "Cap on the scheduler's pending (not yet running) requests; the request queue "
                 "backs up behind it (default: unbounded)"})
+    enable_echo: bool = field(default=True, metadata={
+        "help": "Serve /v1/completions' echo (the prompt before the completion, with its "
+                "logprobs when asked; --no-...: a request with echo gets a 400)"})
+    allow_unsupported_logprobs: bool = field(default=False, metadata={
+        "help": "A request asking for more top logprobs than the server returns is served "
+                "with logprobs: null and a warning instead of a 400"})
     allow_extra_request_fields: bool = field(default=False, metadata={
         "help": "Drop unknown top-level request fields with a warning instead of answering 400"})
     temperature: float | None = field(default=None, metadata={

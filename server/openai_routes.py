@@ -22,7 +22,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_
 from .responses import ChatCompletion, ChatCompletionChunk, Completion
 from .sampling_request import (COMPLETION_ERROR_NAMES, default_max_tokens, per_choice,
                                sampling_params)
-from .state import COMPLETED, STATE, ServerState, parse_request, read_json
+from .state import COMPLETED, STATE, ServerState, log, parse_request, read_json
 from .structured import unenforced_notes, warning_headers
 
 _DONE = b"data: [DONE]\n\n"
@@ -141,6 +141,10 @@ async def _accept(request: web.Request, model_cls):
     st.check_ready()
     lora = st.check_model(req.model)
     bad = req.unsupported()
+    if bad and bad[0] == "top_logprobs" and st.cfg.allow_unsupported_logprobs:
+        log.warning("serving a request without the logprobs it asked for: %s", bad[1])
+        req.top_logprobs = None
+        bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
     return st, req, lora
@@ -191,6 +195,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI (legacy) completions (streamed as SSE with stream: true)."""
     t0 = time.perf_counter()
     st, req, lora = await _accept(request, CompletionRequest)
+    if req.echo and not st.cfg.enable_echo:
+        raise APIError(400, "echo: echo is off on this server (--no-enable-echo)", param="echo")
     prompts, texts = await completion_prompts(st, req.prompt)
     max_new = default_max_tokens(st, prompts, req.max_tokens)
     want_lp = req.logprobs is not None

@@ -189,7 +189,7 @@ def test_collision_with_same_tokens_under_another_parent(monkeypatch):
     check_pool(bm, [])
 
 
-def test_sha256_and_fast_agree_and_seed_changes_keys():
+def test_hash_algos_agree_and_seed_changes_keys():
     def scenario(algo, seed=None):
         bm = BlockManager(10, PS, hash_algo=algo, hash_seed=seed)
         hits = []
@@ -199,10 +199,17 @@ def test_sha256_and_fast_agree_and_seed_changes_keys():
             bm.free(r)
         check_pool(bm, [])
         return hits, bm.evictions, set(bm._cache)
-    (h1, e1, k1), (h2, e2, k2) = scenario("fast"), scenario("sha256")
-    assert h1 == h2 == [0, 2, 1, 0] and e1 == e2
-    assert scenario("fast", "s1")[2] != scenario("fast", "s2")[2]
-    assert scenario("sha256", "s1")[2] != k2
+    s1, s2 = "1" * 64, "2" * 64
+    runs = [scenario(a, s1) for a in ("ahash64", "fast", "sha256", "sha256_64")]
+    assert all(h == [0, 2, 1, 0] and e == runs[0][1] for h, e, _ in runs)
+    assert runs[0][2] == runs[1][2]                               # fast is ahash64's old name
+    assert all(len(k) == 8 for k in runs[3][2]) and all(len(k) == 32 for k in runs[2][2])
+    assert scenario("ahash64", s1)[2] != scenario("ahash64", s2)[2]
+    assert scenario("sha256", s1)[2] != scenario("sha256", s2)[2]
+    assert scenario("sha256", s1)[2] == runs[2][2]
+    # sha256 without a seed draws one at start-up (as max serve does); ahash64 does not
+    assert scenario("sha256")[2] != scenario("sha256")[2]
+    assert scenario("ahash64")[2] == scenario("ahash64")[2]
 
 
 def test_prefix_caching_off_and_prompt_logprobs():

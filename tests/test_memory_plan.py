@@ -226,7 +226,9 @@ def test_cli_gpu_on_a_cpu_only_jax_is_one_line(command):
     proc = run_cli(command, "--devices", "gpu:0", *extra, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = error_lines(proc.stderr)
-    assert line.startswith("maxjax: error: --devices gpu:0: this jax has no GPU backend")
+    # serve's start-up failures say `Error building`, which max serve's readiness loop watches for
+    prefix = "maxjax: error: " + ("Error building the server: " if command == "serve" else "")
+    assert line.startswith(prefix + "--devices gpu:0: this jax has no GPU backend")
     assert "maxjax[cuda]" in line and proc.stderr.strip().splitlines() == [line]
 
 

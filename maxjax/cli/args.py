@@ -27,6 +27,34 @@ def _unwrap(t):
     return (t, None)
 
 
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_bool(text: str) -> bool:
+    word = str(text).strip().lower()
+    if word in TRUE_WORDS + FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise argparse.ArgumentTypeError(f"expected true or false (got {text!r})")
+
+
+class BoolFlag(argparse.Action):
+    """`--x`, `--x true|false` (max serve's value form) and `--no-x`."""
+
+    def __init__(self, option_strings, dest, **kw):
+        names = list(option_strings)
+        names += [f"--no-{n[2:]}" for n in option_strings if n.startswith("--")]
+        super().__init__(names, dest, nargs="?", type=parse_bool, metavar="true|false", **kw)
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        negated = option_string is not None and option_string.startswith("--no-")
+        if negated and value is not None:
+            parser.error(f"{option_string} takes no value")
+        setattr(namespace, self.dest, False if negated else (True if value is None else value))
+
+    def format_usage(self):
+        return " | ".join(self.option_strings)
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None = None) -> None:
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(title or cls.__name__)
@@ -41,7 +69,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None =
             help_text += f" (default: {default})"
         kw = dict(dest=f.name, help=help_text, default=argparse.SUPPRESS)
         if base is bool:
-            kw["action"] = argparse.BooleanOptionalAction
+            kw["action"] = BoolFlag
         elif kind == "list":
             kw.update(action="extend", nargs="+", type=base)
         else:

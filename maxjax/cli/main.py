@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from maxjax.cli import reference_flags
 from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_dataclass_args,
                              build, check_config_keys, grammar_spec, read_config_file,
                              sampling_params)
@@ -25,6 +26,7 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     if getattr(args, "config_file", None):
         base = read_config_file(args.config_file)
         check_config_keys(base, _config_classes(args), args.config_file)
+    reference_flags.check(build(reference_flags.ReferenceOnly, args, base))
     model_opts = build(ModelOptions, args, base)
     level = getattr(logging, model_opts.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -59,7 +61,7 @@ def _quiet_libraries(level: int) -> None:
 
 def _config_classes(args):
     from maxjax.server.config import ServeConfig
-    classes = [ModelOptions, EngineConfig, DistributedOptions]
+    classes = [ModelOptions, EngineConfig, DistributedOptions, reference_flags.ReferenceOnly]
     return classes + [ServeConfig] if args.command == "serve" else classes
 
 
@@ -195,17 +197,40 @@ def cmd_benchmark(args) -> int:
     return benchmark.main(args)
 
 
+class Parser(argparse.ArgumentParser):
+    """A bad command line is one line on stderr (exit 2), not argparse's usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{failure_line(self.prog.split()[-1], message)} (see {self.prog} --help)\n")
+
+
+# What `max serve`'s users grep a start-up log for (reference/serve-model-skill.txt) to fail fast.
+FAILURE_WORDS = ("Traceback", "CRASHED", "Error building", "cannot be found", "not found in registry")
+
+
+def failure_line(command: str, message: str) -> str:
+    """`maxjax: error: ...`; a failed start of a server or a model says `Error building` unless
+    the message already holds one of the words a readiness loop watches for."""
+    if command == "serve" and \
+            not any(w.lower() in message.lower() for w in FAILURE_WORDS):
+        message = f"Error building the server: {message}"
+    return f"maxjax: error: {message}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="maxjax", description="LLM inference on JAX/XLA with an "
-                                "OpenAI-compatible server.")
+    p = Parser(prog="maxjax", description="LLM inference on JAX/XLA with an "
+               "OpenAI-compatible server.")
     p.add_argument("--version", action="version", version=f"maxjax {_version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     def model_cmd(name, help_text):
         sp = sub.add_parser(name, help=help_text, description=help_text)
         add_dataclass_args(sp, ModelOptions, "model")
         add_dataclass_args(sp, EngineConfig, "engine")
         add_dataclass_args(sp, DistributedOptions, "multi-host")
+        add_dataclass_args(sp, reference_flags.ReferenceOnly,
+                           "max serve flags for what maxjax does not have (refused but at "
+                           "their defaults)")
         sp.add_argument("--config-file", help="YAML or JSON file of flag values (the command line wins)")
         return sp
 
@@ -262,11 +287,14 @@ def main(argv=None) -> int:
     # transformers' "PyTorch was not found" advice: maxjax needs only its tokenizers
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.exit(2, failure_line(args.command, f"unrecognized arguments: {' '.join(extra)} "
+                                    f"(see maxjax {args.command} --help)") + "\n")
     try:
         return args.func(args)
     except UserError as e:
-        print(f"maxjax: error: {e}", file=sys.stderr)
+        print(failure_line(args.command, " ".join(str(e).split())), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

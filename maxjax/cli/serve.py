@@ -104,8 +104,8 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
     async def main():
         stop = asyncio.Event()
         stop_holder.update(loop=asyncio.get_running_loop(), stop=stop)
-        threading.Thread(target=load, name="maxjax-load", daemon=True).start()
-        await run_server(lazy, serve_cfg, stop=stop)
+        loader = threading.Thread(target=load, name="maxjax-load", daemon=True)
+        await run_server(lazy, serve_cfg, stop=stop, on_listen=loader.start)
 
     asyncio.run(main())
     if lazy.inner is not None:

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import array
 import hashlib
+import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from maxjax.engine.request import Request
 
-HASH_ALGOS = ("fast", "sha256")
+HASH_ALGOS = ("ahash64", "sha256", "sha256_64")
+HASH_ALIASES = {"fast": "ahash64"}      # maxjax's name before --kv-cache-hash-algo followed max
 _ROOT_UID = 0
 
 
 @dataclass(slots=True)
 class _Entry:
-    key: object             # the page's chained hash (int for "fast", bytes for "sha256")
+    key: object             # the page's chained hash (int for ahash64, else bytes)
     uid: int                # unique per registration: children name their parent by it
     parent_uid: int
     salt: str | None
@@ -55,6 +57,10 @@ def _salt(req: Request):
     return req.cache_salt if req.adapter_id is None else (req.cache_salt, req.adapter_id)
 
 
+def _hash_sha256_64(prev: bytes, salt, tokens: tuple) -> bytes:
+    return _hash_sha256(prev, salt, tokens)[:8]
+
+
 def _hash_sha256(prev: bytes, salt, tokens: tuple) -> bytes:
     h = hashlib.sha256(prev)
     if salt is not None:
@@ -74,19 +80,21 @@ class BlockManager:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        hash_algo = HASH_ALIASES.get(hash_algo, hash_algo)
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"kv_cache_hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_algo = hash_algo
-        seed = "" if hash_seed is None else str(hash_seed)
-        if hash_algo == "fast":
+        if hash_algo == "ahash64":
             self._hash = _hash_fast
-            self._root = hash(("maxjax-prefix-root", seed))
+            self._root = hash(("maxjax-prefix-root", hash_seed or ""))
         else:
-            self._hash = _hash_sha256
-            self._root = hashlib.sha256(b"maxjax-prefix-root\0" + seed.encode()).digest()
+            # sha256 without a seed draws one, as max does: page hashes are not guessable
+            seed = bytes.fromhex(hash_seed) if hash_seed else os.urandom(32)
+            self._hash = _hash_sha256 if hash_algo == "sha256" else _hash_sha256_64
+            self._root = self._hash(b"maxjax-prefix-root\0" + seed, None, ())
 
         self._ref = [0] * num_pages
         self._free: deque[int] = deque(range(1, num_pages))

@@ -24,7 +24,8 @@ class EngineConfig:
                 "goes to the replica caching its longest prefix, else the least loaded"})
     max_length: int | None = field(default=None, metadata={
         "help": "Maximum prompt + output tokens per request (default: the model's "
-                "max_position_embeddings, capped at 4096)"})
+                "max_position_embeddings, lowered to what the KV pool holds, with a log line, "
+                "when memory is short)"})
     max_batch_size: int | None = field(default=None, metadata={
         "help": "Maximum requests in one step (rows of the compiled graphs; default: 32 on CPU, "
                 "256 on GPU)"})
@@ -40,10 +41,14 @@ class EngineConfig:
     kv_cache_page_size: int = field(default=32, metadata={
         "help": "Tokens per KV cache page (32: fastest paged attention on CPU, see BENCHMARKS.md; "
                 "on GPU a power of two >= 16)"})
-    kv_cache_hash_algo: str = field(default="fast", metadata={
-        "help": "Hash of prefix-cache pages: fast (64-bit, non-cryptographic) or sha256"})
+    kv_cache_hash_algo: str = field(default="ahash64", metadata={
+        "choices": ["ahash64", "sha256", "sha256_64", "fast"],
+        "help": "Hash of prefix-cache pages: ahash64 (64-bit, non-cryptographic; `fast` is "
+                "its old name), sha256, or sha256_64 (the SHA-256 chain cut to 64 bits)"})
     kv_cache_hash_seed: str | None = field(default=None, metadata={
-        "help": "Seed mixed into every page hash (isolates prefix caches)"})
+        "help": "64 hex digits (32 bytes) mixed into every page hash, isolating prefix caches "
+                "(default: none for ahash64; a random one at start-up for sha256 and "
+                "sha256_64)"})
     num_kv_pages: int | None = field(default=None, metadata={
         "help": "KV pool size in pages (default: sized from --device-memory-utilization)"})
     device_memory_utilization: float = field(default=0.9, metadata={
@@ -56,6 +61,12 @@ class EngineConfig:
     kv_cache_format: str | None = field(default=None, metadata={
         "choices": ["float32", "bfloat16"],
         "help": "dtype of the KV cache (default: the activations' dtype, float32 on CPU)"})
+    enable_penalties: bool = field(default=True, metadata={
+        "help": "Apply requests' frequency, presence and repetition penalties (--no-...: a "
+                "request that sets one gets a 400 naming it)"})
+    enable_min_tokens: bool = field(default=True, metadata={
+        "help": "Honour requests' min_tokens: stop tokens are masked until that many are "
+                "generated (--no-...: a request that sets it gets a 400)"})
     enable_structured_output: bool = field(default=True, metadata={
         "help": "Constrained decoding: response_format json_schema/json_object, structured_outputs, "
                 "guided_* (off: such requests get a 400 naming the field)"})

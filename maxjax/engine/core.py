@@ -40,7 +40,9 @@ from maxjax.graphs.step import RowSlice
 from maxjax.structured.backend import backend_for
 
 log = logging.getLogger("maxjax.engine")
-DEFAULT_MAX_LENGTH_CAP = 4096
+# A default pool holds every row at up to this many tokens (with --max-length unset the limit
+# is the model's max_position_embeddings; rows that long share the pool instead).
+DEFAULT_ROW_TOKENS = 4096
 # An embedding request's SamplingParams: never sampled (its rows have no sample slot).
 EMBEDDING_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)
 KV_CACHE_FORMATS = ("float32", "bfloat16", "float16")
@@ -64,9 +66,10 @@ class EngineLayout:
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
-    limit = model_cfg.max_position_embeddings
+    """--max-length, else the model's max_position_embeddings (`plan_layout` lowers the default
+    to what the KV pool holds)."""
     if cfg.max_length is None:
-        return min(limit, DEFAULT_MAX_LENGTH_CAP)
+        return model_cfg.max_position_embeddings
     if cfg.max_length < 2:
         raise UserError(f"--max-length must be >= 2 (got {cfg.max_length})")
     return cfg.max_length
@@ -87,6 +90,11 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
     mesh = params_mesh(model.params)     # the mesh the model's params are placed on
     if cfg.kv_cache_page_size < 1:
         raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
+    seed = cfg.kv_cache_hash_seed
+    if seed is not None and (len(seed) != 64 or any(c not in "0123456789abcdefABCDEF"
+                                                    for c in seed)):
+        raise UserError(f"--kv-cache-hash-seed: expected 64 hex digits (32 bytes), got "
+                        f"{len(seed)} characters")
     if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
         raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
     attention = backend_for_platform(platform)
@@ -118,10 +126,19 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
                         f"{local_platform()} machine cannot measure that device's memory")
     else:
-        # No more than every row at max_length could use, plus the scratch page.
+        # No more than every row at max_length could use (up to DEFAULT_ROW_TOKENS by default),
+        # plus the scratch page.
+        row_tokens = max_length if cfg.max_length else min(max_length, DEFAULT_ROW_TOKENS)
         plan = memory.layout_plan(cfg, mc, model.params, page, buckets,
-                                  cfg.max_batch_size * per_row + 1, kv_itemsize, mesh)
+                                  cfg.max_batch_size * math.ceil(row_tokens / page) + 1,
+                                  kv_itemsize, mesh)
         num_pages, report = plan.num_pages, plan.report()
+    if cfg.max_length is None and 2 <= num_pages <= per_row:
+        lowered = (num_pages - 1) * page
+        log.info("max length %d (the model's max_position_embeddings is %d): the KV pool "
+                 "holds %d pages of %d tokens (--max-length, --device-memory-utilization, "
+                 "--num-kv-pages)", lowered, max_length, num_pages - 1, page)
+        max_length, per_row = lowered, num_pages - 1
     if num_pages < 2 and cfg.num_kv_pages is not None:
         raise UserError(f"--num-kv-pages {num_pages}: the KV pool needs at least 2 pages")
     if num_pages < 2:
@@ -274,7 +291,8 @@ class EngineCore:
         return PoolingParams(pooling_type or self.cfg.pooling_type)
 
     def _limits(self) -> EngineLimits:
-        return EngineLimits(self.model.config.vocab_size, self.max_length, self.eos_token_ids)
+        return EngineLimits(self.model.config.vocab_size, self.max_length, self.eos_token_ids,
+                            self.cfg.enable_penalties, self.cfg.enable_min_tokens)
 
     def _adapter(self, lora: str | None) -> str | None:
         return None if lora is None else self._lora_manager("model").resolve(lora)

@@ -49,12 +49,18 @@ class EngineLimits:
     vocab_size: int
     max_length: int
     eos_token_ids: tuple[int, ...] = ()
+    penalties: bool = True      # --enable-penalties
+    min_tokens: bool = True     # --enable-min-tokens
+
+
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
 def check_request(prompt_token_ids: Sequence[int], params: SamplingParams,
                   limits: EngineLimits) -> None:
     """Raise RequestError for the first limit the request breaks."""
     check_params(params)
+    _check_enabled(params, limits)
     vocab = limits.vocab_size
     if not prompt_token_ids:
         raise RequestError("prompt", "must not be empty")
@@ -74,6 +80,18 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams,
             raise RequestError("stop_token_ids", f"at most {MAX_SUPPRESS - len(eos)} ids besides "
                                                  f"EOS with min_tokens (got "
                                                  f"{len(set(params.stop_token_ids) - eos)})")
+
+
+def _check_enabled(params: SamplingParams, limits: EngineLimits) -> None:
+    off = SamplingParams()
+    if not limits.penalties:
+        for name in PENALTIES:
+            if getattr(params, name) != getattr(off, name):
+                raise RequestError(name, "penalties are off on this server "
+                                         "(--no-enable-penalties)")
+    if not limits.min_tokens and params.min_tokens:
+        raise RequestError("min_tokens", "min_tokens is off on this server "
+                                         "(--no-enable-min-tokens)")
 
 
 def check_embedding_input(prompt_token_ids: Sequence[int], pooling: PoolingParams,

@@ -218,8 +218,11 @@ def backend_for(cfg, model) -> GrammarBackend | None:
     """The engine's grammar backend from its config (None: structured output off, or a model
     without a tokenizer); a UserError for an unknown backend name."""
     if cfg.structured_output_backend not in BACKENDS:
-        raise UserError(f"--structured-output-backend {cfg.structured_output_backend!r}: "
-                        f"supported: {', '.join(BACKENDS)}")
+        why = (" (xgrammar imports torch and pulls triton at import time, which a JAX server "
+               "does not install; llguidance enforces the same JSON schemas, regexes and "
+               "grammars)" if cfg.structured_output_backend == "xgrammar" else "")
+        raise UserError(f"--structured-output-backend {cfg.structured_output_backend}: not "
+                        f"supported{why}; supported: {', '.join(BACKENDS)}")
     if cfg.structured_output_compile_timeout <= 0:
         raise UserError("--structured-output-compile-timeout must be > 0")
     if not cfg.enable_structured_output or model.tokenizer is None:
