@@ -257,3 +257,33 @@ def test_gpu_plugin_without_a_gpu(monkeypatch):
     monkeypatch.setattr(devices, "_gpu_plugins", lambda: [])
     assert "pip install 'maxjax[cuda]'" in devices._no_backend(devices.parse("gpu:0"),
                                                                AssertionError())
+
+
+def test_max_length_defaults_to_max_position_embeddings(host):
+    """--max-length unset: the model's max_position_embeddings (not capped at 4096), while the
+    default pool holds every row at up to 4096 tokens (and at least one at the model's length),
+    not every row at the model's length."""
+    import dataclasses
+    long = dataclasses.replace(SMALL, max_position_embeddings=32768)
+    layout = plan_layout(EngineConfig(max_batch_size=4), FakeModel(long))
+    assert layout.max_length == 32768
+    assert layout.max_pages_per_row == 32768 // 32
+    assert layout.num_pages == 32768 // 32 + 1          # one row at max length
+    wide = plan_layout(EngineConfig(max_batch_size=32), FakeModel(long))
+    assert wide.max_length == 32768 and wide.num_pages == 32 * 4096 // 32 + 1
+    given = plan_layout(EngineConfig(max_batch_size=4, max_length=1024), FakeModel(long))
+    assert given.max_length == 1024 and given.num_pages == 4 * 1024 // 32 + 1
+
+
+def test_max_length_default_lowered_to_the_pool_with_a_log_line(host, caplog):
+    import dataclasses
+    import logging
+    long = dataclasses.replace(SMALL, max_position_embeddings=32768)
+    with caplog.at_level(logging.INFO, logger="maxjax.engine"):
+        layout = plan_layout(EngineConfig(max_batch_size=4, num_kv_pages=101), FakeModel(long))
+    assert layout.max_length == 100 * 32 and layout.max_pages_per_row == 100
+    (line,) = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert line.startswith("max length 3200 (the model's max_position_embeddings is 32768)")
+    # given explicitly, --max-length is the user's: not lowered
+    assert plan_layout(EngineConfig(max_batch_size=4, num_kv_pages=101, max_length=8192),
+                       FakeModel(long)).max_length == 8192

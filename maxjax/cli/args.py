@@ -138,6 +138,8 @@ class ModelOptions:
                 "go first (default: $MAXJAX_CACHE_MAX_SIZE, else 10G)"})
     log_level: str = field(default="INFO", metadata={
         "help": "DEBUG, INFO, WARNING or ERROR"})
+    log_prefix: str | None = field(default=None, metadata={
+        "help": "Text put before every log line of this process (e.g. a replica's name)"})
 
 
 @dataclass

@@ -29,7 +29,9 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
     reference_flags.check(build(reference_flags.ReferenceOnly, args, base))
     model_opts = build(ModelOptions, args, base)
     level = getattr(logging, model_opts.log_level.upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prefix = (model_opts.log_prefix or "").replace("%", "%%")
+    logging.basicConfig(level=level,
+                        format=prefix + "%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries(level)
     engine_cfg = build(EngineConfig, args, base)
     if model_opts.precompiled_artifacts and args.command != "warm-cache":

@@ -126,12 +126,11 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
                         f"{local_platform()} machine cannot measure that device's memory")
     else:
-        # No more than every row at max_length could use (up to DEFAULT_ROW_TOKENS by default),
-        # plus the scratch page.
+        # No more than every row at max_length could use (up to DEFAULT_ROW_TOKENS by default,
+        # but at least one row at max_length), plus the scratch page.
         row_tokens = max_length if cfg.max_length else min(max_length, DEFAULT_ROW_TOKENS)
-        plan = memory.layout_plan(cfg, mc, model.params, page, buckets,
-                                  cfg.max_batch_size * math.ceil(row_tokens / page) + 1,
-                                  kv_itemsize, mesh)
+        most = max(cfg.max_batch_size * math.ceil(row_tokens / page), per_row) + 1
+        plan = memory.layout_plan(cfg, mc, model.params, page, buckets, most, kv_itemsize, mesh)
         num_pages, report = plan.num_pages, plan.report()
     if cfg.max_length is None and 2 <= num_pages <= per_row:
         lowered = (num_pages - 1) * page
