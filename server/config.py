@@ -41,8 +41,10 @@ class ServeConfig:
         "help": "Cap on requests waiting for their first token; beyond it new requests get "
                 "HTTP 429 with Retry-After (default: unbounded)"})
     max_pending_requests: int | None = field(default=None, metadata={
-        "help": "Cap on the scheduler's pending (not yet running) requests; the request queue "
-                "backs up behind it (default: unbounded)"})
+        "help": "Cap on the scheduler's pending (not yet running) requests: the engine takes "
+                "no more from its request queue while it holds this many, so the queue backs up "
+                "(no request is refused for it; --max-queue-size answers 429). Should be at "
+                "least --max-batch-size (default: unbounded)"})
     enable_echo: bool = field(default=True, metadata={
         "help": "Serve /v1/completions' echo (the prompt before the completion, with its "
                 "logprobs when asked; --no-...: a request with echo gets a 400)"})

@@ -131,3 +131,79 @@ def test_stop_string_ends_the_stream(engine):
     assert out.finish_reason == "stop" and got_text == text[:text.index(stop)]
     assert got == tokens[:len(got)] and len(got) <= 5
     wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "pages to return")
+
+
+# ---- --max-pending-requests (backpressure) and --ce-delay-ms, on an engine of their own --------
+CE_DELAY_MS = 300
+MAX_PENDING = 2
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory):
+    core = tiny_core(tmp_path_factory.mktemp("tiny"), ce_delay_ms=CE_DELAY_MS)
+    eng = AsyncEngine(core, core.model.tokenizer, "tiny", None, max_pending_requests=MAX_PENDING)
+    plans, waiting = [], []
+    schedule, add = core.scheduler.schedule, core.scheduler.add
+
+    def recording_schedule():
+        plan = schedule()
+        if plan is not None and plan.num_admitted:
+            plans.append([r.request.request_id for r in plan.rows])
+        return plan
+
+    def recording_add(req):
+        add(req)
+        waiting.append(core.scheduler.num_waiting)
+    core.scheduler.schedule, core.scheduler.add = recording_schedule, recording_add
+    eng.start()
+    wait_until(lambda: core.primed, "priming to finish")
+    yield eng, plans, waiting
+    eng.shutdown()
+
+
+def test_max_pending_requests_backs_the_queue_up_instead_of_refusing(paced, engine):
+    eng, _, waiting = paced
+    prompts = PROMPTS + [[3, 4, 5, 6], [7, 8]]
+    singles = [asyncio.run(collect(engine, f"bp-single{i}", p)) for i, p in enumerate(prompts)]
+    waiting.clear()
+
+    async def together():
+        return await asyncio.gather(*[collect(eng, f"bp{i}", p) for i, p in enumerate(prompts)])
+    assert list(asyncio.run(together())) == singles        # none refused, none changed
+    # All five arrive within the first step's --ce-delay-ms: without the cap all would wait.
+    assert len(waiting) == len(prompts) and max(waiting) == MAX_PENDING
+    wait_until(lambda: eng.stats()["kv_pages_used"] == 0, "pages to return")
+
+
+def test_max_pending_requests_below_one_is_refused():
+    from maxjax.engine.async_engine import check_max_pending
+    from maxjax.errors import UserError
+    with pytest.raises(UserError, match=r"^--max-pending-requests 0: must be >= 1"):
+        check_max_pending(0)
+
+
+def test_ce_delay_waits_on_the_engine_thread_for_requests_to_join(paced):
+    eng, plans, _ = paced
+    plans.clear()
+    gaps = []
+
+    async def scenario():
+        async def ticker():
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        tick = asyncio.create_task(ticker())
+        t0 = time.monotonic()
+        first = asyncio.create_task(collect(eng, "ce-x", PROMPTS[0]))
+        await asyncio.sleep(CE_DELAY_MS / 3000)       # arrives inside the delay
+        await collect(eng, "ce-y", PROMPTS[2])
+        await first
+        tick.cancel()
+        return time.monotonic() - t0
+    elapsed = asyncio.run(scenario())
+    assert plans[0] == ["ce-x", "ce-y"]       # one prefill batch: the delay waited for y
+    assert elapsed >= CE_DELAY_MS / 1000
+    assert max(gaps) < 0.15                   # the event loop was never blocked by the wait

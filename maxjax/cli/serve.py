@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 
-from maxjax.engine.async_engine import AsyncEngine
+from maxjax.engine.async_engine import AsyncEngine, check_max_pending
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.replicas import ReplicatedEngine
 from maxjax.errors import UserError
@@ -44,6 +44,9 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
     `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py);
     `on_death`: called once every replica's engine thread has died."""
     from maxjax.engine.build import build_core, load, replica_mesh
+    from maxjax.engine.step_policy import check_flags
+    check_flags(engine_cfg)
+    check_max_pending(serve_cfg.max_pending_requests)
     model = model_opts.model_path
     if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
         model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,

@@ -10,6 +10,11 @@ A request with a grammar waits for its compilation here, on the caller's side (t
 workers of maxjax/structured/backend.py), before it is sent to the engine thread.
 A fault in a step fails only the requests it is traced to (EngineCore); should a step raise
 anyway (a fault outside those guards), every unfinished request fails and the engine goes on.
+--max-pending-requests M: the loop hands a request from its intake (the arrival order) to the
+scheduler only while the scheduler holds fewer than M not-yet-running requests, so the backlog
+waits in the intake (and counts against the server's --max-queue-size, which answers 429).
+--ce-delay-ms: EngineCore waits before a step that begins a prefill batch by running this loop's
+commands until the delay is over, so requests arriving meanwhile join that batch.
 Should the loop thread itself die (a BaseException, a bug in the loop), `dead` holds the cause,
 every request ends with an error, new ones are refused (EngineDeadError), `is_ready` turns False
 and `on_death` is called: `maxjax serve` then stops and exits non-zero.
@@ -23,13 +28,14 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from typing import AsyncIterator
 
 from maxjax.engine import faults
 from maxjax.engine.core import EngineCore
 from maxjax.engine.output import merge_outputs
 from maxjax.engine.types import RequestOutput, SamplingParams
-from maxjax.errors import EngineDeadError, QueueFullError, RequestError
+from maxjax.errors import EngineDeadError, RequestError, UserError
 
 log = logging.getLogger("maxjax.engine")
 UNLOAD_POLL_SECONDS = 0.02
@@ -52,6 +58,13 @@ def _settle(fut: concurrent.futures.Future, fn, *args) -> None:
         pass
 
 
+def check_max_pending(n: int | None) -> None:
+    """--max-pending-requests: None (unbounded) or >= 1."""
+    if n is not None and n < 1:
+        raise UserError(f"--max-pending-requests {n}: must be >= 1 (the engine would take no "
+                        "request)")
+
+
 def kernels_info(core) -> dict | None:
     """What of the step runs in maxjax's CPU kernels (None: XLA's path throughout)."""
     if not core.cfg.use_experimental_kernels:
@@ -69,7 +82,10 @@ class AsyncEngine:
         self.model_name = model_name
         self.chat_template = chat_template
         self.max_length = core.max_length
+        check_max_pending(max_pending_requests)
         self.max_pending_requests = max_pending_requests
+        self._intake: deque = deque()     # add/embed commands not yet handed to the scheduler
+        core.sleep = self._run_commands_for
         self.is_ready = False
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -102,6 +118,7 @@ class AsyncEngine:
             self.dead, self.is_ready = e, False
             log.critical("the engine thread died: %s: %s", type(e).__name__, e, exc_info=e)
             try:
+                self._flush_intake()
                 for out in self._end_all("error", f"the engine thread died: {e}"):
                     self._deliver(out)
             finally:
@@ -111,7 +128,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         priming = True
         while not self._stop.is_set():
-            block = not self.core.has_unfinished() and not priming
+            block = not self.core.has_unfinished() and not priming and not self._intake
             try:
                 cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
             except queue.Empty:
@@ -122,6 +139,7 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
+            self._pull()
             if not self.core.has_unfinished():
                 self._stats = self.core.stats()
                 if priming:   # idle: run the next executable's first run before a request does
@@ -140,24 +158,57 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
             self._stats = self.core.stats()
+        self._flush_intake()
         for out in self._end_all("abort"):
             self._deliver(out)
 
     def _run_command(self, cmd) -> None:
         kind = cmd[0]
-        if kind == "add":
-            _, rid, prompt, params, salt, grammar, lora, fut = cmd
-            _settle(fut, self.core.add_request, rid, prompt, params, salt, grammar, lora)
-        elif kind == "embed":
-            _, rid, prompt, pooling, lora, fut = cmd
-            _settle(fut, self.core.add_embedding, rid, prompt, pooling, lora)
+        if kind in ("add", "embed"):
+            self._intake.append(cmd)
         elif kind == "lora":
             _, fn, args, fut = cmd
             _settle(fut, fn, *args)
         elif kind == "abort":
+            held = next((c for c in self._intake if c[1] == cmd[1]), None)
+            if held is not None:    # handed over to be ended the usual way (its final output)
+                self._intake.remove(held)
+                self._hand_over(held)
             out = self.core.abort(cmd[1])
             if out is not None:
                 self._deliver(out)
+
+    def _hand_over(self, cmd) -> None:
+        """An add/embed command from the intake to the scheduler."""
+        if cmd[0] == "add":
+            _, rid, prompt, params, salt, grammar, lora, fut = cmd
+            _settle(fut, self.core.add_request, rid, prompt, params, salt, grammar, lora)
+        else:
+            _, rid, prompt, pooling, lora, fut = cmd
+            _settle(fut, self.core.add_embedding, rid, prompt, pooling, lora)
+
+    def _pull(self) -> None:
+        """Hand requests over in arrival order while the scheduler holds fewer than
+        --max-pending-requests not-yet-running ones (backpressure: the rest wait here)."""
+        cap = self.max_pending_requests
+        while self._intake and (cap is None or self.core.scheduler.num_waiting < cap):
+            self._hand_over(self._intake.popleft())
+
+    def _flush_intake(self) -> None:
+        """Every request still in the intake to the scheduler, to be ended with the others."""
+        while self._intake:
+            self._hand_over(self._intake.popleft())
+
+    def _run_commands_for(self, seconds: float) -> None:
+        """EngineCore's wait for --ce-delay-ms: run the commands that arrive until it is over."""
+        end = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+            try:
+                cmd = self._commands.get(timeout=left)
+            except queue.Empty:
+                break
+            self._run_command(cmd)
+            self._pull()
 
     def _end_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
         return [self.core.abort(rid, reason, error) for rid in list(self.core.scheduler.requests)]
@@ -231,10 +282,6 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread died ({type(self.dead).__name__}); the "
                                   "server is shutting down")
-        if self.max_pending_requests is not None and \
-                self._stats.get("waiting", 0) >= self.max_pending_requests:
-            raise QueueFullError(f"{self._stats.get('waiting')} requests are pending "
-                                 f"(--max-pending-requests {self.max_pending_requests})")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -67,7 +67,9 @@ def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
     `progress`: log lines for loading and compiling. `replica`: which of the
     --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
     from maxjax.aot import cache
+    from maxjax.engine.step_policy import check_flags
     phases = {"start": since_process_start()}
+    check_flags(engine_cfg)
     resolve_kernels(engine_cfg, precompiled_artifacts)
     use_cache = cache.enabled(compile_cache)
     request = _request(model, engine_cfg, chat_template) if use_cache and \

@@ -36,6 +36,44 @@ class EngineConfig:
         "help": "Split long prompts into chunks that fit the token budget"})
     chunked_prefill_min_chunk_size: int = field(default=0, metadata={
         "help": "Smallest prefill chunk worth scheduling (0: no floor)"})
+    # Step composition (maxjax/engine/step_policy.py checks these and decides each step's kind).
+    max_batch_total_tokens: int | None = field(default=None, metadata={
+        "help": "Cap on the sum of the rows' page-aligned context lengths in one step (rounded "
+                "up to --kv-cache-page-size); a decode that does not fit waits a step, a prompt "
+                "that alone exceeds it is refused (400 naming prompt) and an output stops with "
+                "finish_reason length where it would (default: no cap)"})
+    max_request_input_tokens: int = field(default=0, metadata={
+        "help": "Most tokens of one request prefilled in one step, so short prompts share the "
+                "step with a long one's chunk (0: no cap; needs chunked prefill)"})
+    enable_in_flight_batching: bool = field(default=True, metadata={
+        "help": "Decodes and prefill chunks share a step (--no-enable-in-flight-batching: a "
+                "step is prefill only (CE) or decode only (TG))"})
+    enable_prioritize_first_decode: bool = field(default=False, metadata={
+        "help": "With --no-enable-in-flight-batching, the step after a prefill step that "
+                "finished some prompts is a decode step carrying them (with in-flight batching "
+                "the next step already carries every new decode)"})
+    max_queue_size_tg: int | None = field(default=None, metadata={
+        "help": "Most requests decoding (or prefilling, each becomes a decode) at once: no "
+                "request is admitted beyond it; in either batching mode (default: "
+                "--max-batch-size, at most that)"})
+    min_batch_size_tg: int | None = field(default=None, metadata={
+        "help": "Soft floor on the decode batch: while at least this many requests decode, "
+                "steps stay decode (no new prompt admitted; without in-flight batching a "
+                "decode step runs), below it new prompts are admitted first (default: "
+                "--max-queue-size-tg)"})
+    prefill_coalesce_min_pending: int = field(default=0, metadata={
+        "help": "Hold queued fresh prompts while decodes run until this many are queued, so "
+                "they share one step; a step with no decode admits them regardless "
+                "(0: hold nothing)"})
+    prefill_coalesce_max_held_steps: int = field(default=0, metadata={
+        "help": "Decode steps a held prompt waits at most before it is admitted however few "
+                "are queued (0: --prefill-coalesce-min-pending)"})
+    prefill_schedule_interval: int = field(default=1, metadata={
+        "help": "Prefill (new prompts and further chunks) only on every Nth step; a step with "
+                "no decode work prefills regardless"})
+    ce_delay_ms: float = field(default=0.0, metadata={
+        "help": "Milliseconds the engine loop waits before a step that begins a prefill batch "
+                "(requests arriving meanwhile join it); the HTTP server keeps serving"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Reuse KV pages of identical prompt prefixes across requests"})
     kv_cache_page_size: int = field(default=32, metadata={

@@ -215,6 +215,9 @@ class EngineCore:
                                   self.lora, lay.attention, lay.kv_dtype, lay.mesh)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
+        # How a step waits out --ce-delay-ms; the AsyncEngine takes commands meanwhile.
+        self.sleep = time.sleep
+        self._ce_waited = False     # the delay was spent; no other until a prefill batch begins
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
         self._priming = None
@@ -328,6 +331,7 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._ce_delay()
         t0 = time.perf_counter()
         if self.speculator:
             before = compile_counter.count()
@@ -340,6 +344,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
             return []
+        if plan.num_admitted:
+            self._ce_waited = False
         t_sched = time.perf_counter() - t0
         outputs: list[RequestOutput] = []          # first those of the requests that failed
         self.runner.last_bucket = None
@@ -372,6 +378,13 @@ class EngineCore:
         prof["steps"] += 1
         prof["tokens"] += plan.num_tokens
         return outputs + processed
+
+    def _ce_delay(self) -> None:
+        """--ce-delay-ms: wait once before a step that begins a prefill batch, so requests
+        arriving meanwhile join it."""
+        if self.cfg.ce_delay_ms > 0 and not self._ce_waited and self.scheduler.begins_prefill():
+            self._ce_waited = True
+            self.sleep(self.cfg.ce_delay_ms / 1000)
 
     def _row_input(self, row: ScheduledRow) -> RowRequest:
         req = row.request

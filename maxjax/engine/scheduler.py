@@ -14,6 +14,11 @@ max_batch_input_tokens tokens in at most max_batch_size rows, filled in this ord
      chunk or pages do not fit, so a big request is never overtaken (no starvation). A request
      whose LoRA adapter finds every device slot held by running requests is passed over (it
      keeps its place and is admitted first once a slot frees): it holds up no one behind it.
+The step policy (maxjax/engine/step_policy.py) may leave out some of these kinds of work in a
+step (--no-enable-in-flight-batching, --min-batch-size-tg, prefill coalescing and interval), but
+never leaves a step empty while work could run. --max-batch-total-tokens caps the sum of the rows'
+page-aligned contexts (a decode that does not fit waits a step), --max-request-input-tokens one
+row's prefill chunk, --max-queue-size-tg the running requests.
 When a running request needs a page and none is left, the newest running request not yet in this
 step is preempted by recompute: its pages are freed and it goes back to the front of the queue, its
 generated tokens kept and re-prefilled with its prompt. add() rejects requests that could never fit.
@@ -41,6 +46,7 @@ import numpy as np
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request, RequestStatus
+from maxjax.engine.step_policy import ALL, StepPolicy
 from maxjax.errors import RequestError
 
 
@@ -74,9 +80,23 @@ class StepPlan:
     num_tokens: int
     preempted: list[Request] = field(default_factory=list)   # sent back to the queue by this plan
 
+    num_admitted: int = 0      # waiting requests this plan admitted
+
     @property
     def num_rows(self) -> int:
         return len(self.rows)
+
+
+@dataclass
+class _StepState:
+    """A step being planned: what is left of its budgets and what it holds so far."""
+    budget: int                  # tokens left (max_batch_input_tokens)
+    total_left: int | None       # page-aligned context left (max_batch_total_tokens)
+    rows: list[ScheduledRow] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)
+    preempted: list[Request] = field(default_factory=list)
+    num_decode: int = 0
+    num_admitted: int = 0
 
 
 class Scheduler:
@@ -98,6 +118,12 @@ class Scheduler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
         self.lora = lora
+        self.policy = StepPolicy(cfg)
+        total = cfg.max_batch_total_tokens
+        ps = block_manager.page_size
+        # With a cap on the step's context a request can grow only to what fits it alone.
+        self.length_limit = max_length if total is None else min(max_length, total // ps * ps + 1)
+        self.input_cap = cfg.max_request_input_tokens or cfg.max_batch_input_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}    # every unfinished request
@@ -119,7 +145,12 @@ class Scheduler:
             raise RequestError("prompt", f"{n} tokens, more than max_batch_input_tokens "
                                          f"{self.cfg.max_batch_input_tokens}, and chunked "
                                          "prefill is off")
-        final = min(n + req.sampling.max_new_tokens - req.num_output_tokens, self.max_length)
+        total = self.cfg.max_batch_total_tokens
+        if total is not None and self.bm.pages_for(n) * self.bm.page_size > total:
+            raise RequestError("prompt", f"{n} tokens fill {self.bm.pages_for(n)} KV pages of "
+                                         f"{self.bm.page_size}, more than --max-batch-total-tokens "
+                                         f"{total}")
+        final = min(n + req.sampling.max_new_tokens - req.num_output_tokens, self.length_limit)
         # The last sampled token is never fed back, so the cache holds at most final - 1 tokens
         # (an embedding request samples none: its prompt is all it holds).
         need = self.bm.pages_for(n if req.is_embedding else final - 1)
@@ -224,71 +255,114 @@ class Scheduler:
         while self.running:
             self._preempt_newest(set(), [])
 
-    def schedule(self) -> StepPlan | None:
-        budget, max_rows = self.cfg.max_batch_input_tokens, self.cfg.max_batch_size
-        rows: list[ScheduledRow] = []
-        scheduled: set[str] = set()
-        preempted: list[Request] = []
+    def _room(self, st: _StepState, start: int) -> int:
+        """Tokens a row whose computed part is `start` tokens may compute in this step: the
+        step's token budget, and its page-aligned context budget."""
+        if st.total_left is None:
+            return st.budget
         ps = self.bm.page_size
+        return min(st.budget, st.total_left // ps * ps - start)
 
-        # 1. decodes. Victims come from the tail, which this pass has not reached yet.
+    def _add_row(self, st: _StepState, row: ScheduledRow) -> None:
+        st.rows.append(row)
+        st.scheduled.add(row.request.request_id)
+        st.budget -= len(row.token_ids)
+        if st.total_left is not None:
+            st.total_left -= self.bm.pages_for(row.start_pos + len(row.token_ids)) * \
+                self.bm.page_size
+
+    def schedule(self) -> StepPlan | None:
+        kinds = self._kinds()
+        st = _StepState(self.cfg.max_batch_input_tokens, self.cfg.max_batch_total_tokens)
+        phases = ((kinds.decode, self._schedule_decodes), (kinds.prefill, self._schedule_chunks),
+                  (kinds.admit, self._schedule_admissions))
+        for on, phase in phases:
+            if on:
+                phase(st)
+        if not st.rows and kinds != ALL:      # never an empty step while some work could run
+            for on, phase in phases:
+                if not on:
+                    phase(st)
+        if not st.rows:
+            return None
+        self.policy.done(kinds, st.num_decode, st.num_admitted,
+                         any(r.sample for r in st.rows[st.num_decode:]))
+        num_tokens = self.cfg.max_batch_input_tokens - st.budget
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_tokens
+        self.num_scheduled_rows += len(st.rows)
+        self.num_decode_tokens += st.num_decode
+        self.num_prefill_tokens += num_tokens - st.num_decode
+        return StepPlan(st.rows, num_tokens, st.preempted, st.num_admitted)
+
+    def _schedule_decodes(self, st: _StepState) -> None:
+        """Running decodes, one token each (plus drafts), oldest first. Victims come from the
+        tail, which this pass has not reached yet."""
+        max_rows = self.cfg.max_batch_size
         i = 0
-        while i < len(self.running) and len(rows) < max_rows and budget > 0:
+        while i < len(self.running) and len(st.rows) < max_rows and st.budget > 0:
             req = self.running[i]
-            if req.is_prefilling:
+            room = self._room(st, req.num_computed_tokens)
+            if req.is_prefilling or req.request_id in st.scheduled or room < 1:
                 i += 1
                 continue
-            drafts = self._drafts(req, budget)
+            drafts = self._drafts(req, st.budget)[:room - 1]
             while not self.bm.allocate(req, 1 + len(drafts)):
                 if drafts:
                     drafts = []       # drafts never preempt anyone
                     continue
-                if self._preempt_newest(scheduled, preempted) is req:
+                if self._preempt_newest(st.scheduled, st.preempted) is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                rows.append(self._row(req, 1, drafts))
-                scheduled.add(req.request_id)
-                budget -= 1 + len(drafts)
+                self._add_row(st, self._row(req, 1, drafts))
+                st.num_decode += 1
                 i += 1
-        n_decode = len(rows)
 
-        # 2. partial prefills: a chunk shrinks to the pages left; with none left, preempt.
+    def _schedule_chunks(self, st: _StepState) -> None:
+        """Running partial prefills, the next chunk each: a chunk shrinks to the pages left;
+        with none left, preempt."""
+        max_rows, ps = self.cfg.max_batch_size, self.bm.page_size
         i = 0
-        while i < len(self.running) and len(rows) < max_rows and budget > 0:
+        while i < len(self.running) and len(st.rows) < max_rows and st.budget > 0:
             req = self.running[i]
-            if req.request_id in scheduled or not req.is_prefilling:
+            if req.request_id in st.scheduled or not req.is_prefilling:
                 i += 1
                 continue
             remaining = req.num_uncomputed_tokens
-            if self._chunk(req, budget, remaining) == 0:
+            limit = min(self._room(st, req.num_computed_tokens), self.input_cap)
+            if limit < 1 or self._chunk(req, limit, remaining) == 0:
                 i += 1                      # budget too small for a chunk this step
                 continue
             while True:
                 fit = (len(req.pages) + self.bm.num_free_pages) * ps - req.num_computed_tokens
-                chunk = self._chunk(req, min(budget, fit), remaining)
+                chunk = self._chunk(req, min(limit, fit), remaining)
                 if chunk:
                     if not self.bm.allocate(req, chunk):
                         raise RuntimeError(f"{chunk} tokens fit the free pages but allocation failed")
                     break
-                if self._preempt_newest(scheduled, preempted) is req:
+                if self._preempt_newest(st.scheduled, st.preempted) is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                rows.append(self._row(req, chunk))
-                scheduled.add(req.request_id)
-                budget -= chunk
+                self._add_row(st, self._row(req, chunk))
                 i += 1
 
-        # 3. admissions, FCFS: stop at the first that does not fit. Running requests are capped
-        # at max_batch_size too, so every decode finds a row in every step. A request whose
-        # adapter finds every slot held by running requests is passed over, keeping its place.
+    def _schedule_admissions(self, st: _StepState) -> None:
+        """Waiting requests, FCFS: stop at the first that does not fit. Running requests are
+        capped at max_batch_size (and --max-queue-size-tg) too, so every decode finds a row in
+        every step. A request whose adapter finds every slot held by running requests is passed
+        over, keeping its place."""
+        max_rows, ps = self.cfg.max_batch_size, self.bm.page_size
         passed: list[Request] = []
-        while self.waiting and len(self.running) < max_rows and len(rows) < max_rows and budget > 0:
+        while self.waiting and len(self.running) < self.policy.tg_cap and \
+                len(st.rows) < max_rows and st.budget > 0:
             req = self.waiting[0]
             if self.lora is not None and not self.lora.can_acquire(req):
                 passed.append(self.waiting.popleft())
                 continue
             prefix = self.bm.match_prefix(req)
-            chunk = self._chunk(req, budget, req.num_tokens - len(prefix.pages) * ps)
+            start = len(prefix.pages) * ps
+            limit = min(self._room(st, start), self.input_cap)
+            chunk = self._chunk(req, limit, req.num_tokens - start) if limit > 0 else 0
             if chunk == 0 or not self.bm.allocate(req, chunk, prefix):
                 break
             if self.lora is not None:
@@ -299,20 +373,21 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            rows.append(self._row(req, chunk))
-            scheduled.add(req.request_id)
-            budget -= chunk
+            self._add_row(st, self._row(req, chunk))
+            st.num_admitted += 1
         self.waiting.extendleft(reversed(passed))
 
-        if not rows:
-            return None
-        num_tokens = self.cfg.max_batch_input_tokens - budget
-        self.num_steps += 1
-        self.num_scheduled_tokens += num_tokens
-        self.num_scheduled_rows += len(rows)
-        self.num_decode_tokens += n_decode
-        self.num_prefill_tokens += num_tokens - n_decode
-        return StepPlan(rows, num_tokens, preempted)
+    def begins_prefill(self) -> bool:
+        """Whether the next schedule() would likely admit a waiting request (--ce-delay-ms):
+        the step policy allows it and a page is free (the prefix cache is not consulted)."""
+        if not self.waiting or self.bm.num_free_pages == 0:
+            return False
+        return self._kinds().admit and len(self.running) < self.policy.tg_cap
+
+    def _kinds(self):
+        num_decoding = sum(not r.is_prefilling for r in self.running)
+        return self.policy.kinds(self.num_steps, num_decoding, len(self.running) - num_decoding,
+                                 self.waiting, len(self.running))
 
     def update(self, plan: StepPlan, sampled) -> list[StepUpdate]:
         """Apply a step's results. `sampled[i]`: row i's sampled tokens, one per sample slot
@@ -371,7 +446,7 @@ class Scheduler:
                 return "stop"
             if token in sp.stop_token_ids:
                 return "stop"
-        if n >= sp.max_new_tokens or req.num_tokens >= self.max_length:
+        if n >= sp.max_new_tokens or req.num_tokens >= self.length_limit:
             return "length"
         return None
 
