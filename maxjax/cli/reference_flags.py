@@ -114,9 +114,8 @@ REFUSED = [
             "set the request's temperature", float, (None,)),
     Refused("use-subgraphs", "maxjax unrolls the layer loop (a scan over layers made XLA:CPU "
             "copy the KV pool every step)", bool, (None, False)),
-    Refused("use-vendor-blas", "XLA picks its matmul libraries", str, (None, "false", "False")),
-    Refused("use-vendor-ccl", "XLA picks its collective libraries", str,
-            (None, "false", "False")),
+    Refused("use-vendor-blas", "XLA picks its matmul libraries"),
+    Refused("use-vendor-ccl", "XLA picks its collective libraries"),
     Refused("vision-cache-utilization", _VISION, float, (None,)),
     Refused("vision-config-overrides", _VISION, str, (None,)),
 ]
