@@ -206,7 +206,7 @@ GPU_FLAGS = ["--max-batch-size", "4", "--max-batch-input-tokens", "16", "--max-l
 
 
 def test_warm_cache_for_cuda_on_this_cpu_loads_for_the_cpu(root, model_dir):
-    """`warm-cache --target cuda cpu` here: graphs planned for CUDA (the Pallas kernel, its
+    """`warm-cache --target cuda:sm_90 cpu` here: graphs planned for CUDA (the Pallas kernel, its
     blocks) exported for both platforms; the CUDA half holds the Triton call. Loaded on this CPU
     (through the query-block algorithm on the kernel's blocks), generate equals a cold CPU run."""
     env, cwd = machine_env(root, "machine-g", cache=False)
@@ -215,11 +215,15 @@ def test_warm_cache_for_cuda_on_this_cpu_loads_for_the_cpu(root, model_dir):
                 "--artifacts-dir", d], env, cwd)
     assert r.returncode == 2 and "--num-kv-pages is needed for graphs that run on cuda" in r.stderr
     r = maxjax(["warm-cache", "--model-path", model_dir, *GPU_FLAGS, "--num-kv-pages", "32",
-                "--target", "cuda", "cpu", "--artifacts-dir", d], env, cwd)
+                "--target", "cuda:sm_9x", "cpu", "--artifacts-dir", d], env, cwd)
+    assert r.returncode == 2 and "an architecture is cuda:sm_NN" in r.stderr
+    r = maxjax(["warm-cache", "--model-path", model_dir, *GPU_FLAGS, "--num-kv-pages", "32",
+                "--target", "cuda:sm_90", "cpu", "--artifacts-dir", d], env, cwd)
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(d, MANIFEST)) as f:
         data = json.load(f)
     assert data["targets"] == ["cuda", "cpu"] and data["compiled_for"]["platform"] == "cpu"
+    assert data["target_archs"] == {"cuda": "sm_90"}     # refused on another GPU (load.py)
     assert (data["engine"]["platform"], data["engine"]["attention"]) == ("cuda", "pallas_paged")
     *steps, kv_init = data["graphs"]
     for g in steps:
@@ -440,3 +444,17 @@ def test_export_engine_round_trips(tmp_path, model):
     assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "step_t2_r2", "kv_init"]
     assert all(set(g["files"]) == {"export", "executable"} for g in data["graphs"])
     assert data["engine"]["buckets"] == [[1, 1, 1], [2, 2, 2]]
+
+
+def test_target_arch_is_refused_on_another_gpu(monkeypatch):
+    """Artifacts pinned to `--target cuda:sm_90` on a GPU of another architecture (or on none)."""
+    from maxjax.aot import load as aot_load
+    monkeypatch.setattr(jax.export, "default_export_platform", lambda: "cuda")
+    monkeypatch.setattr(aot_load, "device_arch", lambda: "sm_80")
+    with pytest.raises(UserError, match=r"^DIR: built for --target cuda:sm_90, this GPU is "
+                                        r"sm_80; warm the cache again with --target cuda:sm_80"):
+        aot_load.check_target_arch({"cuda": "sm_90"}, "DIR")
+    aot_load.check_target_arch({"cuda": "sm_80"}, "DIR")
+    aot_load.check_target_arch({}, "DIR")
+    assert aot_export.normalize_targets(["cpu,cuda:sm_90a"]) == (["cpu", "cuda"],
+                                                                  {"cuda": "sm_90a"})

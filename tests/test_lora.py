@@ -216,7 +216,11 @@ def test_flag_errors_are_one_line(setup):
     with pytest.raises(UserError, match=r"^--lora-paths x: \S+missing: no adapter_config.json") as e:
         make_lora_manager(cfg, setup.model)
     assert "\n" not in str(e.value)
-    with pytest.raises(UserError, match="NAME=PATH"):
-        make_lora_manager(EngineConfig(enable_lora=True, lora_paths=["nopath"]), setup.model)
+    with pytest.raises(UserError, match="PATH or NAME=PATH"):
+        make_lora_manager(EngineConfig(enable_lora=True, lora_paths=["=x"]), setup.model)
+    # a bare path, as max serve's --lora-paths takes it: the adapter is named by the path
+    bare = make_lora_manager(EngineConfig(enable_lora=True, max_lora_rank=8,
+                                          lora_paths=[setup.paths["a"]]), setup.model)
+    assert bare.resolve(setup.paths["a"]) is not None
     with pytest.raises(UserError, match="needs --enable-lora"):
         make_lora_manager(EngineConfig(lora_paths=["a=b"]), setup.model)

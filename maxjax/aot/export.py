@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import threading
@@ -110,7 +111,8 @@ def compile_order(specs: list) -> list:
 
 def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
                 jobs: int = 1, on_graph: Callable[[int, int, str], None] | None = None,
-                store_weights: bool = False, shared: bool = False) -> tuple[dict, dict]:
+                store_weights: bool = False, shared: bool = False,
+                archs: dict | None = None) -> tuple[dict, dict]:
     """Export (and compile locally) every graph of `layout` into the existing, empty `directory`,
     with `store_weights` the converted weights (maxjax/aot/weights.py), manifest last. `shared`:
     every process of a group writes into this one directory (group.py); else each process
@@ -138,6 +140,8 @@ def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platfor
             "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
             "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
             "graphs": [entries[s.name] for s in specs], "serve": serve_flags(model, engine_cfg)}
+    if archs:
+        data["target_archs"] = dict(archs)
     if store_weights:
         data["weights"] = aot_weights.save(directory, model)
     if shared:
@@ -149,7 +153,8 @@ def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platfor
 
 
 def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
-                    jobs: int = 1, progress: bool = True, store_weights: bool | None = None) -> dict:
+                    jobs: int = 1, progress: bool = True, store_weights: bool | None = None,
+                    archs: dict | None = None) -> dict:
     """Every graph of `layout` into `directory`, built in a temp dir and renamed into place
     (replacing an artifact directory that is there); `store_weights` None: weights.stored's
     default (on)."""
@@ -168,7 +173,7 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
                 bar.set_postfix_str(name)
                 bar.update()
             data, _ = build_entry(tmp, model, engine_cfg, layout, platforms, jobs, on_graph,
-                                  aot_weights.stored(store_weights), shared=True)
+                                  aot_weights.stored(store_weights), shared=True, archs=archs)
         if group.is_leader():
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
@@ -180,18 +185,27 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
 
 
 # ---- warm-cache ----------------------------------------------------------------------------------
-def normalize_targets(targets: list[str] | None) -> list[str]:
+def normalize_targets(targets: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The platforms to export for, and the GPU architecture pinned for a platform (`--target
+    cuda:sm_90`): StableHLO is the same for every architecture, but artifacts that name one are
+    refused on another (load.py `check_target_arch`)."""
     if not targets:
-        return [jax.export.default_export_platform()]
-    out = []
+        return [jax.export.default_export_platform()], {}
+    out, archs = [], {}
     for t in targets:
-        for name in t.split(","):
-            name = name.strip().lower()
+        for item in t.split(","):
+            name, _, arch = item.strip().lower().partition(":")
             if name not in TARGETS:
-                raise UserError(f"--target {name!r}: expected one of cpu, cuda, rocm, tpu")
+                raise UserError(f"--target {item!r}: expected one of cpu, cuda, rocm, tpu "
+                                f"(a GPU with its architecture: cuda:sm_90)")
+            if arch and (TARGETS[name] != "cuda" or not re.fullmatch(r"sm_\d{2,3}[a-z]?", arch)):
+                raise UserError(f"--target {item!r}: an architecture is cuda:sm_NN (e.g. "
+                                f"cuda:sm_90)")
             if TARGETS[name] not in out:
                 out.append(TARGETS[name])
-    return out
+            if arch:
+                archs[TARGETS[name]] = arch
+    return out, archs
 
 
 # What `serve --precompiled-artifacts DIR` takes from the manifest when left unset (load.py
@@ -268,11 +282,13 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     from maxjax.aot import cache
     from maxjax.engine.build import load, on_devices, resolve_kernels
     from maxjax.engine.core import plan_layout
-    platforms = normalize_targets(targets)
+    platforms, archs = normalize_targets(targets)
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1 (got {jobs})")
     local = jax.export.default_export_platform()
+    from maxjax.aot.load import check_target_arch
+    check_target_arch(archs, "--target")       # a local GPU must be the architecture named
     if artifacts_dir is None and local not in platforms:
         raise UserError(f"--target {' '.join(platforms)}: the compile cache holds graphs for this "
                         f"machine ({local}); pass --artifacts-dir for another machine's")
@@ -301,7 +317,8 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     else:
         directory = os.path.abspath(artifacts_dir)
         data = write_artifacts(directory, model, engine_cfg, layout, platforms, jobs,
-                               progress=group.is_leader(), store_weights=store_weights)
+                               progress=group.is_leader(), store_weights=store_weights,
+                               archs=archs)
     took = time.perf_counter() - t0
     kinds = "exports + executables" if data["compiled_for"] else "exports"
     print(f"wrote {len(data['graphs'])} graphs ({kinds} for {', '.join(platforms)}) in {took:.1f} s")

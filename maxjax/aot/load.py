@@ -157,6 +157,7 @@ def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: boo
         if local["platform"] not in m.data.get("targets", []):
             raise UserError(f"{m.path}: built for {', '.join(m.data.get('targets', []))}, this machine "
                             f"is {local['platform']}; recreate with: {fix(None)}")
+        check_target_arch(m.data.get("target_archs", {}), m.path)
         mf.check_files(m, fix(None))        # every sha256, before anything is deserialized
         this = plan_layout(engine_cfg, model, pinned.get("platform"))
         run_fp = mf.engine_fingerprint(this, engine_cfg, model.dtype)
@@ -271,3 +272,19 @@ def _load_graphs(manifests, model, layout, local, require_compiled,
              len(out), ", ".join(m.directory for m in manifests), time.perf_counter() - t0,
              counts["executable"], early, counts["export"])
     return graphs.engine_graphs(out, model, layout)
+
+
+def device_arch() -> str | None:
+    """This machine's GPU architecture as `--target cuda:sm_NN` names it (None: not CUDA)."""
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    return f"sm_{cc.replace('.', '')}" if dev.platform == "gpu" and cc else None
+
+
+def check_target_arch(archs: dict, where: str) -> None:
+    """Graphs pinned to a GPU architecture (`--target cuda:sm_90`) run on that one only."""
+    want = archs.get(jax.export.default_export_platform())
+    have = device_arch() if want else None
+    if want and have != want:
+        raise UserError(f"{where}: built for --target cuda:{want}, this GPU is "
+                        f"{have or 'not that'}; warm the cache again with --target cuda:{have}")

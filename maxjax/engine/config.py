@@ -122,7 +122,8 @@ class EngineConfig:
         "help": "Serve LoRA adapters: a request's `model` names one (--lora-paths, or loaded at "
                 "run time with POST /v1/load_lora_adapter)"})
     lora_paths: list[str] = field(default_factory=list, metadata={
-        "help": "Adapters to load at start, each NAME=PATH (a PEFT directory)"})
+        "help": "Adapters to load at start, each NAME=PATH or PATH (a PEFT directory; a "
+                "request's `model` names it by NAME, else by PATH as given)"})
     max_num_loras: int = field(default=4, metadata={
         "help": "Adapters active in one batch (device slots; more loaded ones swap in, LRU)"})
     max_lora_rank: int = field(default=16, metadata={

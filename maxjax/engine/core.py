@@ -184,8 +184,10 @@ def make_lora_manager(cfg: EngineConfig, model):
                           cfg.max_lora_rank, cfg.max_cpu_loras)
     for item in cfg.lora_paths:
         name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise UserError(f"--lora-paths {item!r}: expected NAME=PATH")
+        if not sep:             # a bare path, as max serve takes it: requests name it so
+            name = path = item
+        if not name or not path:
+            raise UserError(f"--lora-paths {item!r}: expected PATH or NAME=PATH")
         try:
             manager.load(name, path, "--lora-paths")
         except RequestError as e:
