@@ -77,10 +77,12 @@ def local_platform() -> str:
     return jax.export.default_export_platform()
 
 
-def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> EngineLayout:
+def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
+                resident: bool = True) -> EngineLayout:
     """The layout for graphs that run on `platform` (None: this machine's): its attention
     backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
-    platform's memory cannot be measured here)."""
+    platform's memory cannot be measured here). `resident` False: the model's params are
+    ShapeDtypeStructs, not in memory yet (`maxjax suggest`, maxjax/cli/suggest.py)."""
     from maxjax.graphs.sharding import params_mesh
     mc = model.config
     platform = platform or local_platform()
@@ -113,14 +115,15 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         num_pages = cfg.num_kv_pages
         report = f"KV pool of --num-kv-pages {num_pages}"
         if platform == local_platform() == "cpu":   # the host's memory, before the pool is made
-            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh)
+            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh,
+                                      resident)
     elif platform != local_platform():
         raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
                         f"{local_platform()} machine cannot measure that device's memory")
     else:
         # No more than every row at max_length could use, plus the scratch page.
         plan = memory.layout_plan(cfg, mc, model.params, page, buckets,
-                                  cfg.max_batch_size * per_row + 1, kv_itemsize, mesh)
+                                  cfg.max_batch_size * per_row + 1, kv_itemsize, mesh, resident)
         num_pages, report = plan.num_pages, plan.report()
     if num_pages < 2 and cfg.num_kv_pages is not None:
         raise UserError(f"--num-kv-pages {num_pages}: the KV pool needs at least 2 pages")
