@@ -131,15 +131,16 @@ def test_plan_is_what_the_engine_allocates(capsys, monkeypatch, tiny):
     compile cache is found, by this start's request and by its manifest."""
     from maxjax.engine.build import build_core
     from maxjax.engine.config import EngineConfig
-    free = 3 << 20
+    flags = ["--max-batch-size", "2", "--max-batch-input-tokens", "4", "--kv-cache-page-size", "8"]
+    free = 1 << 20        # 1 MiB: 80 of the 129 pages the cap allows
     monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: free)
-    code, r = suggest(capsys, "--model", tiny, *TINY_FLAGS)
+    code, r = suggest(capsys, "--model", tiny, *flags)
     plan = r["plan"]
     assert code == 0 and "capped" not in plan["memory"]
-    assert 2 < plan["num_kv_pages"] < 4 * plan["max_pages_per_row"] + 1
+    assert 2 < plan["num_kv_pages"] < 2 * plan["max_pages_per_row"] + 1
     monkeypatch.setattr(memory, "device_free_bytes",
                         lambda device=None: free - r["weights"]["bytes"])
-    core = build_core(tiny, EngineConfig(max_batch_size=4, max_batch_input_tokens=16,
+    core = build_core(tiny, EngineConfig(max_batch_size=2, max_batch_input_tokens=4,
                                          kv_cache_page_size=8))
     lay = core.layout
     assert (lay.num_pages, lay.max_length, lay.page_size, lay.max_pages_per_row) == \
@@ -150,15 +151,15 @@ def test_plan_is_what_the_engine_allocates(capsys, monkeypatch, tiny):
     assert core.cfg.quantization_encoding == r["encodings"]["serving"]
     assert lay.memory_report == plan["memory"]
     monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: free)
-    _, again = suggest(capsys, "--model", tiny, *TINY_FLAGS)
+    _, again = suggest(capsys, "--model", tiny, *flags)
     cache = again["compile_cache"]
     assert cache["entry"] and cache["found_by"] == "this request's last start"
     assert not any("compile cache" in n for n in again["notes"])
     # another request (a LoRA flag without --enable-lora), the same graphs: by the manifest
-    _, other = suggest(capsys, "--model", tiny, *TINY_FLAGS, "--max-num-loras", "3")
+    _, other = suggest(capsys, "--model", tiny, *flags, "--max-num-loras", "3")
     assert other["compile_cache"]["entry"] == cache["entry"]
     assert other["compile_cache"]["found_by"] == "model config, weights and engine layout"
-    _, bigger = suggest(capsys, "--model", tiny, *TINY_FLAGS[2:], "--max-batch-size", "8")
+    _, bigger = suggest(capsys, "--model", tiny, *flags[2:], "--max-batch-size", "4")
     assert bigger["compile_cache"]["entry"] is None
 
 
