@@ -21,7 +21,7 @@ from collections import Counter
 
 from maxjax.errors import UserError
 
-GB = 1e9
+GiB = float(1 << 30)
 
 
 def run(args, model_opts, engine_cfg) -> int:
@@ -345,16 +345,17 @@ def render(r: dict) -> str:
                      f"serving {e['serving']}; checkpoint: {e['checkpoint']})")
     if r["weights"]:
         w = r["weights"]
-        per = f", {w['per_device_bytes'] / GB:.2f} GB a device" \
+        per = f", {w['per_device_bytes'] / GiB:.2f} GiB a device" \
             if r["plan"]["mesh_devices"] > 1 else ""
-        lines.append(f"weights        {w['bytes'] / GB:.3f} GB ({w['encoding']}{per})")
+        lines.append(f"weights        {w['bytes'] / GiB:.3f} GiB ({w['encoding']}{per})")
     p = r["plan"]
     if p:
-        lines += [f"devices        {p['platform']}: {p['devices']} ({p['mesh_devices']} in the "
-                  f"mesh), attention {p['attention']}, CPU kernels "
-                  f"{'on' if p['cpu_kernels'] else 'off'}",
+        n = p["mesh_devices"]
+        lines += [f"devices        {p['platform']} ({p['devices']}): {n} device{'s' * (n > 1)}"
+                  f"{' a replica' if p['data_parallel_degree'] > 1 else ''}, attention "
+                  f"{p['attention']}, CPU kernels {'on' if p['cpu_kernels'] else 'off'}",
                   f"kv pool        {p['num_kv_pages']} pages x {p['kv_cache_page_size']} tokens "
-                  f"({p['kv_tokens']} tokens, {p['kv_pool_bytes'] / GB:.3f} GB "
+                  f"({p['kv_tokens']} tokens, {p['kv_pool_bytes'] / GiB:.3f} GiB "
                   f"{p['kv_cache_format']})",
                   f"max length     {p['max_length']}",
                   f"batch          {p['max_batch_size']} rows, {p['max_batch_input_tokens']} "
