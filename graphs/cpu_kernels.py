@@ -183,12 +183,15 @@ def pack_weight(w, transposed: bool = False):
     scale and `offset` (now the whole low end of the block, offset - 8 * scale) [out/64,
     in/32, 64]; no `requant`."""
     from maxjax.graphs.quant import QuantizedWeight
+    rows, cols = w.q.shape[::-1] if transposed else w.q.shape
+    i, o = (rows * 2, cols) if w.bits == 4 else (rows, cols)
+    if o % TILE or i % BLOCK:
+        return None
+    if isinstance(w.q, jax.ShapeDtypeStruct):     # planning only (maxjax suggest): the shapes
+        return _packed_shapes(w, i, o)
     put = lambda a: jax.device_put(np.ascontiguousarray(a))      # noqa: E731
     q = np.asarray(jax.device_get(w.q))
     q = q.T if transposed else q
-    i, o = (q.shape[0] * 2, q.shape[1]) if w.bits == 4 else q.shape
-    if o % TILE or i % BLOCK:
-        return None
     if w.bits == 8:
         u = (q.astype(np.int16) + 128).astype(np.uint8)
         return dataclasses.replace(w, q=put(u.reshape(i // GROUP, GROUP, o // TILE, TILE)
@@ -199,6 +202,17 @@ def pack_weight(w, transposed: bool = False):
     packed = q.reshape(i // BLOCK, 4, 4, o // TILE, TILE).transpose(3, 0, 1, 4, 2)
     return QuantizedWeight(put(packed.reshape(o // TILE, i // 8, TILE, 4)), put(blocks(scale)),
                            put(blocks(low)), None, bits=4)
+
+
+def _packed_shapes(w, i: int, o: int):
+    """pack_weight's result as ShapeDtypeStructs, for a weight of `i` inputs and `o` outputs."""
+    from maxjax.graphs.quant import QuantizedWeight
+    sds = jax.ShapeDtypeStruct
+    if w.bits == 8:
+        return dataclasses.replace(w, q=sds((o // TILE, i // GROUP, TILE, GROUP), np.uint8))
+    blocks = sds((o // TILE, i // BLOCK, TILE), np.float32)
+    return QuantizedWeight(sds((o // TILE, i // 8, TILE, 4), np.uint8), blocks, blocks, None,
+                           bits=4)
 
 
 def pack_params(params: dict) -> dict:

@@ -138,7 +138,8 @@ def tensor_parallel_layout(cfg, params, degree: int):
              "w_gate_up": (gate_up, (cfg.intermediate_size,) * 2)}
 
     def per_shard(w, parts, shards):    # an array, or each of a QuantizedWeight's: [..., out]
-        return jax.tree.map(lambda a: fuse_per_shard(np.asarray(a), parts, shards), w)
+        return jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else  # a shape
+                            fuse_per_shard(np.asarray(a), parts, shards), w)
 
     layers = []
     for layer in params["layers"]:

@@ -1,4 +1,4 @@
-"""The `maxjax` command: serve, warm-cache, generate, cache, list, benchmark.
+"""The `maxjax` command: serve, suggest, warm-cache, generate, cache, list, benchmark.
 
 User errors (bad flag, model, checkpoint, artifact) print one line and exit 2, never a traceback.
 """
@@ -21,7 +21,9 @@ from maxjax.engine.distributed import DistributedOptions
 from maxjax.errors import RequestError, UserError
 
 
-def _setup(args) -> tuple[ModelOptions, EngineConfig]:
+def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
+    """The model options and engine config of a model command, JAX started on its platform;
+    `register`: the --custom-architectures registered (suggest does it itself, to report)."""
     base = {}
     if getattr(args, "config_file", None):
         base = read_config_file(args.config_file)
@@ -48,7 +50,7 @@ def _setup(args) -> tuple[ModelOptions, EngineConfig]:
                             start=group and (lambda: distributed.initialize(group)))
     engine_cfg.target(None)
     from maxjax.models import registry
-    for spec in model_opts.custom_architectures:
+    for spec in model_opts.custom_architectures if register else ():
         registry.register_custom(spec)
     return model_opts, engine_cfg
 
@@ -170,6 +172,12 @@ def cmd_serve(args) -> int:
     return serve(model_opts, engine_cfg, serve_cfg, args.group)
 
 
+def cmd_suggest(args) -> int:
+    from maxjax.cli import suggest
+    model_opts, engine_cfg = _setup(args, register=False)
+    return suggest.run(args, model_opts, engine_cfg)
+
+
 def cmd_warm_cache(args) -> int:
     model_opts, engine_cfg = _setup(args)
     from maxjax.aot import export as aot_export
@@ -246,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(sp, GenerateOptions, "generation")
     add_dataclass_args(sp, SamplingFlags, "sampling")
     sp.set_defaults(func=cmd_generate)
+
+    sp = model_cmd("suggest", "Inspect a model and print the `maxjax serve` command for it: "
+                   "architecture, parameters, encodings, this machine's memory plan, compile "
+                   "cache, notes (reads the config only: no weights, no compile)")
+    sp.add_argument("--json", action="store_true", help="Print one JSON object")
+    sp.set_defaults(func=cmd_suggest, log_level="WARNING")
 
     sp = model_cmd("warm-cache", "Compile every graph for a config and save the artifacts")
     sp.add_argument("--artifacts-dir", help="Where to write (default: the compile cache, "

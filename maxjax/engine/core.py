@@ -80,10 +80,12 @@ def local_platform() -> str:
     return jax.export.default_export_platform()
 
 
-def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> EngineLayout:
+def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
+                resident: bool = True) -> EngineLayout:
     """The layout for graphs that run on `platform` (None: this machine's): its attention
     backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
-    platform's memory cannot be measured here)."""
+    platform's memory cannot be measured here). `resident` False: the model's params are
+    ShapeDtypeStructs, not in memory yet (`maxjax suggest`, maxjax/cli/suggest.py)."""
     from maxjax.graphs.sharding import params_mesh
     mc = model.config
     platform = platform or local_platform()
@@ -121,7 +123,8 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         num_pages = cfg.num_kv_pages
         report = f"KV pool of --num-kv-pages {num_pages}"
         if platform == local_platform() == "cpu":   # the host's memory, before the pool is made
-            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh)
+            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh,
+                                      resident)
     elif platform != local_platform():
         raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
                         f"{local_platform()} machine cannot measure that device's memory")
@@ -130,7 +133,8 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None) -> Engine
         # but at least one row at max_length), plus the scratch page.
         row_tokens = max_length if cfg.max_length else min(max_length, DEFAULT_ROW_TOKENS)
         most = max(cfg.max_batch_size * math.ceil(row_tokens / page), per_row) + 1
-        plan = memory.layout_plan(cfg, mc, model.params, page, buckets, most, kv_itemsize, mesh)
+        plan = memory.layout_plan(cfg, mc, model.params, page, buckets, most, kv_itemsize, mesh,
+                                  resident)
         num_pages, report = plan.num_pages, plan.report()
     if cfg.max_length is None and 2 <= num_pages <= per_row:
         lowered = (num_pages - 1) * page

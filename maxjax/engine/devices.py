@@ -222,6 +222,10 @@ def place_model(model, mesh):
     elif max(cfg.qkv_shards, cfg.gate_up_shards) != mesh.size:
         raise UserError(f"the model's weights are laid out for {max(cfg.qkv_shards, cfg.gate_up_shards)} "
                         f"devices, not {mesh.size}")
+    if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):    # shapes: a plan
+        placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              params, sharding.shardings(specs, mesh, rules))
+        return dataclasses.replace(model, config=cfg, params=placed)
     # From host arrays: resharding device arrays would compile a program per shape.
     params = jax.tree.map(np.asarray, params)
     placed = sharding.place(params, specs, mesh, rules)

@@ -162,12 +162,13 @@ def _devices(mesh, device):
 
 def plan_pool(mc, params, page_size: int, utilization: float, buckets, max_pages: int,
               device=None, kv_itemsize: int | None = None, mesh=None, replicas: int = 1,
-              kv_shards: int = 1, replica: int = 0) -> MemoryPlan:
+              kv_shards: int = 1, replica: int = 0, resident: bool = True) -> MemoryPlan:
     """The pool for `mc` with `params` resident on `device` (default: the first JAX device) or on
     every device of `mesh`, at most `max_pages` pages, each of `kv_itemsize` bytes per value
     (default: the embedding's). `kv_shards`: the devices the pool is split over by kv heads.
     On the CPU the host plan (`host_plan`) of replica `replica` of `replicas`; elsewhere the
-    least free device counts."""
+    least free device counts. `resident`: False when the weights are not in memory yet (`maxjax
+    suggest` plans before loading), so the free memory is already what it was before them."""
     devices = _devices(mesh, device)
     dev = devices[0]
     itemsize = kv_itemsize or np.dtype(params["embed"].dtype).itemsize
@@ -176,9 +177,9 @@ def plan_pool(mc, params, page_size: int, utilization: float, buckets, max_pages
     act = activation_bytes(mc, largest, itemsize)
     if dev.platform == "cpu":
         return host_plan(mc, params, pb, utilization, largest, act, max_pages, devices,
-                         replicas, replica, kv_shards)
+                         replicas, replica, kv_shards, resident)
     weights = weight_bytes(params)
-    free = min(device_free_bytes(d) for d in devices) + weights
+    free = min(device_free_bytes(d) for d in devices) + (weights if resident else 0)
     budget = (int(free * utilization) - weights - act) * kv_shards
     fit = max(budget, 0) // pb
     rounded = round_down(fit)
@@ -188,12 +189,13 @@ def plan_pool(mc, params, page_size: int, utilization: float, buckets, max_pages
 
 
 def host_plan(mc, params, pb: int, utilization: float, largest, act: int, max_pages: int,
-              devices, replicas: int = 1, replica: int = 0, kv_shards: int = 1) -> MemoryPlan:
+              devices, replicas: int = 1, replica: int = 0, kv_shards: int = 1,
+              resident: bool = True) -> MemoryPlan:
     """The CPU's plan: every device and every replica out of one host MemAvailable (the module
     docstring)."""
     n = len(devices)
     weights = resident_weight_bytes(params, n)
-    free = device_free_bytes(devices[0]) + weights
+    free = device_free_bytes(devices[0]) + (weights if resident else 0)
     allowance = min(COMPILER_ALLOWANCE, free // ALLOWANCE_SHARE)
     engines = max(1, replicas - replica)
     copies = max(1, n // max(1, kv_shards))
@@ -223,7 +225,7 @@ def check_host_pages(num_pages: int, plan: MemoryPlan) -> None:
 
 
 def layout_plan(cfg, mc, params, page_size: int, buckets, max_pages: int, kv_itemsize: int,
-                mesh) -> MemoryPlan:
+                mesh, resident: bool = True) -> MemoryPlan:
     """`plan_pool` for engine/core.py `plan_layout`: the pool split over the mesh when its kv
     heads are (graphs/sharding.py `tensor_parallel_rules`, as graphs/program.py places it, on
     every platform), and which of the --data-parallel-degree replicas this engine is."""
@@ -234,15 +236,17 @@ def layout_plan(cfg, mc, params, page_size: int, buckets, max_pages: int, kv_ite
     replica = devices.replica_index(cfg.devices, cfg.data_parallel_degree, mesh)
     return plan_pool(mc, params, page_size, cfg.device_memory_utilization, buckets, max_pages,
                      kv_itemsize=kv_itemsize, mesh=mesh, replicas=cfg.data_parallel_degree,
-                     kv_shards=kv_shards, replica=replica)
+                     kv_shards=kv_shards, replica=replica, resident=resident)
 
 
-def check_layout_pages(cfg, mc, params, page_size: int, buckets, kv_itemsize: int, mesh) -> None:
+def check_layout_pages(cfg, mc, params, page_size: int, buckets, kv_itemsize: int, mesh,
+                       resident: bool = True) -> None:
     """--num-kv-pages on the local CPU: a UserError before the pool is allocated when it does not
     fit the host plan. A later replica's pages were pinned (or checked, for all the replicas) by
     the first one, whose memory is already in use: not checked again."""
     if cfg.num_kv_pages < 2:
         return
-    plan = layout_plan(cfg, mc, params, page_size, buckets, cfg.num_kv_pages, kv_itemsize, mesh)
+    plan = layout_plan(cfg, mc, params, page_size, buckets, cfg.num_kv_pages, kv_itemsize, mesh,
+                       resident)
     if plan.host and plan.engines == max(1, cfg.data_parallel_degree):
         check_host_pages(cfg.num_kv_pages, plan)

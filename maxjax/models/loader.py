@@ -107,27 +107,16 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
         quantize.check_name(dtype)      # before reading anything; whether the file has it below
     path = resolve_model_path(model)
     t0 = time.perf_counter()
-    if os.path.isfile(path):
-        from maxjax.models import gguf
-        hf, reader, make_tokenizer, template = gguf.open_gguf(path, tokenizer=False)
-        arch, cfg = model_config(hf, path)
-        types = reader.matrix_types()
-        dtype = dtype or quantize.gguf_encoding(types, kernels)
-    else:
+    ckpt = open_checkpoint(path)
+    arch, cfg, reader, template = ckpt.arch, ckpt.config, ckpt.reader, ckpt.template
+    dtype = serving_encoding(dtype, ckpt.types, platform, kernels)
+    if reader is None:
         from maxjax.models import hf as hfw
-        hf = hfw.read_config(path)
-        arch, cfg = model_config(hf, path)       # fail before reading weights or the tokenizer
         reader = hfw.SafetensorsReader(path)
-        template = None
-
-        def make_tokenizer():
-            return load_hf_tokenizer(path)
-        types, dtype = None, dtype or default_dtype(platform)
-    quantize.check_encoding(dtype, types)
     # The tokenizer (transformers' import and conversion: Python) builds on a thread while the
     # weights convert (numpy, which releases the GIL): ~1 s of a start on two cores.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenizer") as pool:
-        tokenizing = pool.submit(make_tokenizer)
+        tokenizing = pool.submit(ckpt.make_tokenizer)
         stored = params_source(arch, cfg, dtype, path) if params_source else None
         if stored is not None:
             cfg, params = stored
@@ -139,9 +128,73 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
     template = template or getattr(tokenizer, "chat_template", None)
     if chat_template:
         template = read_chat_template_file(chat_template)
-    name = EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
-    return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype, name,
+    return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype, model_name(model, path),
                        time.perf_counter() - t0)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint's header: what its config and tensor list say, no tensor read."""
+    path: str
+    arch: Architecture
+    config: ModelConfig
+    hf: dict                       # config.json (a GGUF's: made from its metadata)
+    types: list[str] | None        # a GGUF's 2-D tensor types; None: an HF (float) checkpoint
+    reader: Any                    # a GGUF's tensor reader; None for HF (opened by load_model)
+    template: str | None           # the GGUF's chat template
+    make_tokenizer: Any
+
+    def tensor_types(self, hf_names: list[str]) -> list[str] | None:
+        """The GGUF types of these HF-named tensors (None: an HF checkpoint)."""
+        if self.reader is None:
+            return None
+        tensors = self.reader.gf.tensors
+        return [tensors[n][0].name if n in tensors else "?"
+                for n in map(self.reader.gguf_name, hf_names)]
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """The Checkpoint of a GGUF file or HF directory on disk; UserError for an architecture
+    that is not registered or a config it cannot run."""
+    if os.path.isfile(path):
+        from maxjax.models import gguf
+        hf, reader, make_tokenizer, template = gguf.open_gguf(path, tokenizer=False)
+        arch, cfg = model_config(hf, path)
+        return Checkpoint(path, arch, cfg, hf, reader.matrix_types(), reader, template,
+                          make_tokenizer)
+    from maxjax.models import hf as hfw
+    hf = hfw.read_config(path)
+    arch, cfg = model_config(hf, path)       # fail before reading weights or the tokenizer
+    return Checkpoint(path, arch, cfg, hf, None, None, None, lambda: load_hf_tokenizer(path))
+
+
+def serving_encoding(dtype: str | None, types: list[str] | None, platform: str | None = None,
+                     kernels: bool = False) -> str:
+    """The --quantization-encoding `dtype` checked against a checkpoint whose 2-D tensors have
+    GGUF `types` (None: an HF float one), or its default (see `load_model`)."""
+    if dtype is None:
+        dtype = quantize.gguf_encoding(types, kernels) if types is not None else \
+            default_dtype(platform)
+    quantize.check_encoding(dtype, types)
+    return dtype
+
+
+def abstract_model(ckpt: Checkpoint, dtype: str, name: str) -> LoadedModel:
+    """`load_model`'s LoadedModel in encoding `dtype` (`serving_encoding`) from the checkpoint's
+    header alone: its params the ShapeDtypeStructs the conversion would give
+    (maxjax/models/quantize.py `abstract_params`), no tokenizer. What `maxjax suggest` plans
+    with (maxjax/cli/suggest.py)."""
+    from maxjax.graphs.decoder import hf_layer_names
+    names = hf_layer_names(ckpt.config.post_norms)
+
+    def types_of(i: int, key: str):
+        return ckpt.tensor_types([n.format(i=i) for n in names.get(key, ())])
+    params = quantize.abstract_params(ckpt.arch.param_specs(ckpt.config), dtype, types_of)
+    return LoadedModel(ckpt.arch, ckpt.config, params, None, ckpt.template, ckpt.path, dtype, name)
+
+
+def model_name(model: str | None, path: str) -> str:
+    return EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
 
 
 def model_config(hf: dict, path: str) -> tuple[Architecture, ModelConfig]:

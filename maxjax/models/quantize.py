@@ -69,6 +69,56 @@ def check_encoding(encoding: str, source_types: list[str] | None) -> None:
                         f"{Q4_TYPES[encoding]} weights (it serves as: {options})")
 
 
+def supported_encodings(source_types: list[str] | None) -> list[str]:
+    """The encodings `check_encoding` accepts for a source of these 2-D tensor types."""
+    ok = []
+    for encoding in ENCODINGS:
+        try:
+            check_encoding(encoding, source_types)
+        except UserError:
+            continue
+        ok.append(encoding)
+    return ok
+
+
+def abstract_params(specs: dict, encoding: str, types_of=None) -> dict:
+    """The ShapeDtypeStructs of the params pytree that graphs/decoder.py `params_from_hf` (with a
+    `Quantizer` for a quantized encoding) makes from a checkpoint, from the architecture's
+    `param_specs` (nothing read): float weights all in the encoding; quantized ones float32 but
+    for the 2-D tensors, each a QuantizedWeight like `Quantizer.matrix` / `table` makes it.
+    `types_of(layer, key)`: the GGUF types of the tensors fused into that layer's matrix (None:
+    not a GGUF), which decide whether a 4-bit encoding keeps its blocks."""
+    import jax
+
+    from maxjax.graphs.quant import QuantizedWeight
+    sds = jax.ShapeDtypeStruct
+    if not is_quantized(encoding):
+        from maxjax.graphs.sharding import abstract
+        return abstract(specs, jax.numpy.dtype(encoding))
+
+    def int8(shape, out_axis):
+        return QuantizedWeight(sds(shape, np.int8), sds((shape[out_axis],), np.float32))
+
+    def matrix(spec, i, key):
+        types = (types_of(i, key) if types_of else None) or ["?"]
+        if encoding not in Q4_TYPES or not all(t in Q4_TYPES.values() for t in types):
+            return int8(spec.shape, -1)
+        d_in, d_out = spec.shape
+        blocks = sds((d_in // BLOCK, d_out), np.float32)
+        offset = None if all(t == "Q4_0" for t in types) else blocks
+        return QuantizedWeight(sds((d_in // 2, d_out), np.uint8), blocks, offset,
+                               sds((d_out,), np.float32), bits=4)
+
+    def leaf(spec, i=None, key=None):
+        if len(spec.shape) != 2:
+            return sds(spec.shape, np.float32)
+        return int8(spec.shape, spec.out_axis % 2) if i is None else matrix(spec, i, key)
+    out = {k: leaf(v) for k, v in specs.items() if k != "layers"}
+    out["layers"] = [{k: leaf(v, i, k) for k, v in layer.items()}
+                     for i, layer in enumerate(specs["layers"])]
+    return {k: out[k] for k in specs}
+
+
 # --- int8 per channel -------------------------------------------------------------------------
 
 def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
