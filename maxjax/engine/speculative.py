@@ -77,8 +77,8 @@ def build(cfg, layout, model=None) -> "Speculator | None":
         return None
     if cfg.speculative_method == "draft":
         from maxjax.engine import draft
-        proposer = draft.DraftProposer(draft.load_draft(cfg, model), layout, cfg.max_batch_size,
-                                       cfg.max_batch_input_tokens)
+        proposer = draft.DraftProposer(draft.load_draft(cfg, model, layout.max_length), layout,
+                                       cfg.max_batch_size, cfg.max_batch_input_tokens)
     else:
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,

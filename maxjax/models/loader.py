@@ -11,7 +11,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from maxjax.models import quantize, registry
+from maxjax.models import quantize, registry, source
+from maxjax.models.source import ModelSource
 from maxjax.graphs.config import ModelConfig
 from maxjax.errors import UserError, read_user_file
 from maxjax.graphs.arch import Architecture
@@ -34,6 +35,9 @@ class LoadedModel:
     name: str
     load_seconds: float = 0.0
     info: dict = field(default_factory=dict)
+    # What the user called it (--model-path as given; the server's default model id); `name`,
+    # the file or directory's, is what artifacts and logs record and requests may still use.
+    served_name: str = ""
 
     @property
     def compute_dtype(self):
@@ -62,23 +66,9 @@ def default_dtype(platform: str | None = None) -> str:
     return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
-def resolve_model_path(model: str | None) -> str:
-    if not model:
-        return embedded_model_path()
-    if os.path.exists(model):
-        return os.path.abspath(model)
-    if model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") != 1:
-        raise UserError(f"model path {model!r} does not exist")
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(model, local_files_only=True)
-    except Exception:
-        pass
-    try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
-    except Exception as e:
-        raise UserError(f"model {model!r} is not in the local Hugging Face cache and the hub "
-                        f"cannot be reached ({type(e).__name__})") from e
+def resolve_model_path(model, encoding: str | None = None) -> str:
+    """The local file or directory holding `model`'s config (maxjax/models/source.py)."""
+    return source.resolve(model, encoding).config
 
 
 def read_chat_template_file(path: str) -> str:
@@ -94,34 +84,40 @@ def read_chat_template_file(path: str) -> str:
     return text
 
 
-def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
-               progress: bool = True, params_source=None,
+def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
+               chat_template: str | None = None, progress: bool = True, params_source=None,
                platform: str | None = None, kernels: bool = False) -> LoadedModel:
-    """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: for a quantized
-    GGUF int8, or its own 4-bit blocks with --use-experimental-kernels (`kernels`), else float32
-    on CPU, bfloat16 on GPU: `platform`'s, None this machine's, `default_dtype`). params_source(arch, cfg, dtype, path)
-    -> (config, params) or None: converted weights stored with precompiled artifacts
-    (maxjax/aot/weights.py; on a mesh laid out and placed already), used instead of converting
-    the checkpoint."""
+    """`model`: a ModelSource (maxjax/models/source.py), or its path alone (a GGUF file, an HF
+    directory or repo id, None: the embedded default). `dtype`: the --quantization-encoding
+    (maxjax/models/quantize.py; None: for a quantized GGUF int8, or its own 4-bit blocks with
+    --use-experimental-kernels (`kernels`), else float32 on CPU, bfloat16 on GPU: `platform`'s,
+    None this machine's, `default_dtype`). params_source(arch, cfg, dtype, path) -> (config,
+    params) or None: converted weights stored with precompiled artifacts (maxjax/aot/weights.py;
+    on a mesh laid out and placed already), used instead of converting the checkpoint."""
     if dtype is not None:
         quantize.check_name(dtype)      # before reading anything; whether the file has it below
-    path = resolve_model_path(model)
+    src = source.as_source(model)
+    files = source.resolve(src, dtype)
+    path = files.config
     t0 = time.perf_counter()
-    if os.path.isfile(path):
+    if files.is_gguf:
         from maxjax.models import gguf
         hf, reader, make_tokenizer, template = gguf.open_gguf(path, tokenizer=False)
-        arch, cfg = model_config(hf, path)
+        check_rope_type(src, gguf_rope_type(reader))
+        arch, cfg = model_config(hf, path, src)
         types = reader.matrix_types()
         dtype = dtype or quantize.gguf_encoding(types, kernels)
     else:
         from maxjax.models import hf as hfw
+        check_rope_type(src, None)
         hf = hfw.read_config(path)
-        arch, cfg = model_config(hf, path)       # fail before reading weights or the tokenizer
-        reader = hfw.SafetensorsReader(path)
+        check_remote_code(src, path)
+        arch, cfg = model_config(hf, path, src)  # fail before reading weights or the tokenizer
+        reader = hfw.SafetensorsReader(files.weights)
         template = None
 
         def make_tokenizer():
-            return load_hf_tokenizer(path)
+            return load_hf_tokenizer(files.tokenizer, src.trust_remote_code)
         types, dtype = None, dtype or default_dtype(platform)
     quantize.check_encoding(dtype, types)
     # The tokenizer (transformers' import and conversion: Python) builds on a thread while the
@@ -137,19 +133,72 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
             params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
         tokenizer = tokenizing.result()
     template = template or getattr(tokenizer, "chat_template", None)
+    if not template and not files.is_gguf:
+        template = jinja_template(files.tokenizer)
     if chat_template:
         template = read_chat_template_file(chat_template)
-    name = EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
+    name = EMBEDDED_NAME if not src.model_path else \
+        os.path.basename(path.rstrip("/")).removesuffix(".gguf")
     return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype, name,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, served_name=src.model_path or EMBEDDED_NAME)
 
 
-def model_config(hf: dict, path: str) -> tuple[Architecture, ModelConfig]:
-    arch = registry.get_architecture(hf["architectures"][0])
+def jinja_template(directory: str) -> str | None:
+    """An HF directory's chat_template.jinja (newer checkpoints keep the template there)."""
+    path = os.path.join(directory, "chat_template.jinja")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def gguf_rope_type(reader) -> str:
+    """A GGUF's rope layout as llama.cpp names it: "normal" (llama's permuted rows) or "neox"."""
+    return "normal" if reader.permute else "neox"
+
+
+def check_rope_type(src: ModelSource, own: str | None) -> None:
+    """--rope-type: only the model's own layout is served (`own` None: not a GGUF)."""
+    if src.rope_type is None:
+        return
+    if own is None:
+        raise UserError(f"{src.flag('rope_type')} {src.rope_type}: only applies to GGUF weights "
+                        "(an HF checkpoint's config sets its rope)")
+    if src.rope_type != own:
+        raise UserError(f"{src.flag('rope_type')} {src.rope_type}: this GGUF's rope layout is "
+                        f"{own!r}; another is not supported")
+
+
+def check_remote_code(src: ModelSource, path: str) -> None:
+    """A config.json naming custom code (`auto_map`) is loaded only with --trust-remote-code
+    (maxjax still runs its own JAX graph of architectures[0]: it never runs that code's model)."""
     try:
-        return arch, arch.config_from_hf(hf)
+        with open(os.path.join(path, "config.json")) as f:
+            custom = "auto_map" in json.load(f)
+    except (OSError, ValueError):
+        return
+    if custom and not src.trust_remote_code:
+        raise UserError(f"{path}: config.json asks for custom code (auto_map): pass "
+                        f"{src.flag('trust_remote_code')} to load it")
+
+
+def model_config(hf: dict, path: str, src: ModelSource | None = None
+                 ) -> tuple[Architecture, ModelConfig]:
+    """The architecture and its config; --sliding-window replaces the HF config's
+    `sliding_window`, refused where the architecture puts it on no layer."""
+    arch = registry.get_architecture(hf["architectures"][0])
+    window = src.sliding_window if src else None
+    if window is not None:
+        hf = dict(hf, sliding_window=window)
+    try:
+        cfg = arch.config_from_hf(hf)
     except (KeyError, ValueError) as e:   # an architecture file's word on a config it cannot run
         raise UserError(f"{path}: {arch.name}: unsupported config: {e}") from e
+    if window is not None and window not in cfg.layer_windows:
+        raise UserError(f"{src.flag('sliding_window')} {window}: {arch.name} as configured has no "
+                        "sliding-window layers to apply it to (MistralForCausalLM, Gemma3, or "
+                        "Qwen2/Qwen3 with use_sliding_window have)")
+    return arch, cfg
 
 
 def load_params(arch: Architecture, cfg: ModelConfig, reader, encoding: str, progress: bool,
@@ -169,9 +218,9 @@ def load_params(arch: Architecture, cfg: ModelConfig, reader, encoding: str, pro
                 reader.close()
 
 
-def load_hf_tokenizer(path: str):
+def load_hf_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise UserError(f"{path}: cannot load the tokenizer: {' '.join(str(e).split())}") from e
