@@ -418,3 +418,14 @@ def test_draft_revisions_from_the_cache(tiny_repo, tmp_path):
     np.testing.assert_allclose(embedding(draft), 2 * embedding(target), rtol=1e-6)
     one_line("--draft-force-download", load_draft,
              _draft_cfg("org/tiny", draft_force_download=True), target, 64)
+
+
+@pytest.mark.parametrize("options, flag", [
+    (dict(draft_subfolder="x"), "--draft-subfolder"),
+    (dict(draft_trust_remote_code=True), "--draft-trust-remote-code"),
+    (dict(draft_max_length=64), "--draft-max-length"),
+    (dict(speculative_method="ngram", draft_sliding_window=4), "--draft-sliding-window")])
+def test_draft_flags_need_a_draft_model(options, flag):
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.speculative import draft_tokens
+    one_line(f"{flag} goes with --draft-model-path", draft_tokens, EngineConfig(**options))

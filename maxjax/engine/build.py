@@ -34,9 +34,9 @@ def load(model: str | ModelSource | LoadedModel | None, quantization_encoding: s
          progress: bool = False, mesh=None, platform: str | None = None,
          kernels: bool = False) -> LoadedModel:
     """A LoadedModel as it is; else `load_model(model, ...)` (a ModelSource, or its path: a GGUF
-    file, a HF directory or repo id, None for the embedded default). With `precompiled_artifacts` that store the
-    converted weights for `mesh` (the engine's, `replica_mesh`), they are restored onto it
-    instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
+    file, a HF directory or repo id, None for the embedded default). With
+    `precompiled_artifacts` that store the converted weights for `mesh` (the engine's,
+    `replica_mesh`), they are restored onto it instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
     terminal). `platform`: whose default encoding (None: this machine's); `kernels`:
     --use-experimental-kernels (a quantized GGUF's default encoding is then its own)."""
     if isinstance(model, LoadedModel):

@@ -50,6 +50,13 @@ def draft_tokens(cfg) -> int:
     UserError for flags that do not go together."""
     method = cfg.speculative_method
     k = cfg.num_speculative_tokens
+    draft_flags = [f"--draft-{n.replace('_', '-')}" for n in cfg.draft_source().options()]
+    if draft_flags and cfg.draft_model_path is None:
+        raise UserError(f"{draft_flags[0]} goes with --draft-model-path (--speculative-method "
+                        "draft)")
+    if cfg.draft_max_length is not None and cfg.draft_model_path is None:
+        raise UserError("--draft-max-length goes with --draft-model-path (--speculative-method "
+                        "draft)")
     if method is None:
         for flag, v in (("--num-speculative-tokens", k),
                         ("--draft-model-path", cfg.draft_model_path)):

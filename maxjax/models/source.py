@@ -166,7 +166,8 @@ def snapshot(src: ModelSource, repo: str, revision: str | None, encoding: str | 
     except UserError:
         raise
     except Exception as e:
-        why = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        why = ("HF_HUB_OFFLINE is set" if type(e).__name__ == "OfflineModeIsEnabled" else
+               f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
         if src.force_download:
             raise UserError(f"{src.flag('force_download')}: model {repo!r}{at} cannot be "
                             f"downloaded again from the Hugging Face hub ({why})") from None
