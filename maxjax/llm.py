@@ -6,6 +6,7 @@ embeddings of prompts through the same engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import PoolingParams, SamplingParams, TokenLogprob
 from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel
+from maxjax.models.source import ModelSource
 
 
 @dataclass
@@ -39,7 +41,8 @@ _ids = itertools.count()
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel | None = None, *, quantization_encoding: str | None = None,
+    def __init__(self, model: str | ModelSource | LoadedModel | None = None, *,
+                 quantization_encoding: str | None = None,
                  chat_template: str | None = None, custom_architectures=(), progress: bool = False,
                  precompiled_artifacts=(), require_compiled_artifacts: bool = False,
                  compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
@@ -51,7 +54,11 @@ class LLM:
                                           **engine_options)
         if precompiled_artifacts and not isinstance(model, LoadedModel):
             from maxjax.aot.load import adopt_flags
-            model = adopt_flags(precompiled_artifacts, model, self.engine_config)
+            if isinstance(model, ModelSource):
+                model = dataclasses.replace(model, model_path=adopt_flags(
+                    precompiled_artifacts, model.model_path, self.engine_config))
+            else:
+                model = adopt_flags(precompiled_artifacts, model, self.engine_config)
         self.engine_config.target(None)
         if self.engine_config.data_parallel_degree != 1:
             raise UserError("--data-parallel-degree: replicas run behind `maxjax serve`; the "

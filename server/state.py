@@ -83,8 +83,11 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter `model` names (None: the base model); 404 for an unknown one."""
+        """The LoRA adapter `model` names (None: the base model, by its id or an alias the
+        engine accepts: the name maxjax served it by before); 404 for an unknown one."""
         if model is None or model == self.model_id:
+            return None
+        if not self.cfg.served_model_name and model in getattr(self.engine, "model_aliases", ()):
             return None
         if model in self.engine.lora_adapters():
             return model

@@ -35,7 +35,7 @@ def truncated_gguf(tmp_path):
 
 
 def test_bad_models_exit_2(capsys, tmp_path, truncated_gguf):
-    one_line_error(capsys, "does not exist", "generate", "--model", str(tmp_path / "no.gguf"),
+    one_line_error(capsys, "cannot be found", "generate", "--model", str(tmp_path / "no.gguf"),
                    "--prompt", "hi")
     one_line_error(capsys, "no config.json", "generate", "--model", str(tmp_path), "--prompt", "hi")
     one_line_error(capsys, "truncated", "generate", "--model", truncated_gguf, "--prompt", "hi")

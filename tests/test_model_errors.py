@@ -19,8 +19,8 @@ def raises_one_line(match, fn, *args, **kwargs):
 
 
 def test_missing_path(tmp_path):
-    raises_one_line("does not exist", load_model, str(tmp_path / "nope.gguf"), "float32")
-    raises_one_line("does not exist", load_model, "./no/such/dir", "float32")
+    raises_one_line("cannot be found", load_model, str(tmp_path / "nope.gguf"), "float32")
+    raises_one_line("cannot be found", load_model, "./no/such/dir", "float32")
 
 
 def test_directory_without_config(tmp_path):

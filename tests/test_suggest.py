@@ -86,6 +86,7 @@ def test_weights_as_shapes_match_the_loaded_ones(tmp_path, tiny):
     from maxjax.aot.manifest import weight_signature
     from maxjax.engine.build import experimental_kernels
     from maxjax.graphs import cpu_kernels
+    from maxjax.models import source
     from maxjax.models.loader import abstract_model, load_model, open_checkpoint
     cases = [(tiny, "float32"), (tiny, "bfloat16"), (tiny, "int8")]
     for qt, enc in ((T.Q4_0, "q4_0"), (T.Q4_K, "q4_k")):
@@ -93,7 +94,8 @@ def test_weights_as_shapes_match_the_loaded_ones(tmp_path, tiny):
         cases += [(gguf, enc), (gguf, "int8")]
     for path, enc in cases:
         loaded = load_model(path, enc, progress=False)
-        shapes = abstract_model(open_checkpoint(path), enc, loaded.name)
+        src = source.as_source(path)
+        shapes = abstract_model(open_checkpoint(source.resolve(src), src), enc, loaded.name)
         assert weight_signature(shapes.params) == weight_signature(loaded.params), (path, enc)
         if cpu_kernels.unavailable() is None and enc != "float32":
             assert weight_signature(experimental_kernels(shapes).params) == \

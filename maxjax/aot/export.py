@@ -299,7 +299,7 @@ def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
     # and its attention backend; the other targets get exports of the same graphs.
     engine_cfg.target(platforms[0])
     resolve_kernels(engine_cfg, platforms=platforms)
-    model = load(model_opts.model_path, engine_cfg.quantization_encoding,
+    model = load(model_opts.source(), engine_cfg.quantization_encoding,
                  model_opts.chat_template, progress=True, platform=platforms[0],
                  kernels=engine_cfg.use_experimental_kernels)
     engine_cfg.quantization_encoding = model.dtype

@@ -30,9 +30,11 @@ log = logging.getLogger("maxjax.cache")
 REQUESTS = ".requests"
 
 
-def request_key(model_path: str, engine_cfg, chat_template: str | None) -> str:
+def request_key(model_path: str, engine_cfg, chat_template: str | None,
+                source: dict | None = None) -> str:
     """What a start asks for, known before its model loads: the checkpoint's files (names,
-    sizes, modification times), every engine flag, the versions, graph code and device."""
+    sizes, modification times), the model source's other flags (`source`: ModelSource.options),
+    every engine flag, the versions, graph code and device."""
     files = []
     if os.path.isfile(model_path):
         files = [model_path]
@@ -41,7 +43,8 @@ def request_key(model_path: str, engine_cfg, chat_template: str | None) -> str:
     stats = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
              if os.path.isfile(f)]
     from maxjax.graphs import cpu_kernels
-    return mf.digest({"model": [model_path, stats], "chat_template": chat_template,
+    model = [model_path, stats] + ([source] if source else [])
+    return mf.digest({"model": model, "chat_template": chat_template,
                       "engine": dataclasses.asdict(engine_cfg), "versions": mf.versions(),
                       "code": mf.code_digest(), "device": mf.local_device(),
                       "kernel_isa": cpu_kernels.isa()})[:32]

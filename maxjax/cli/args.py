@@ -116,6 +116,28 @@ class ModelOptions:
     model_path: str | None = field(default=None, metadata={
         "args": ["--model-path", "--model"],
         "help": "HF repo id, HF directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)"})
+    # The rest of the model's source (maxjax/models/source.py; the draft's twins in EngineConfig).
+    huggingface_model_revision: str | None = field(default=None, metadata={
+        "help": "Branch, tag or commit of the Hugging Face repo (config, tokenizer and weights)"})
+    huggingface_weight_revision: str | None = field(default=None, metadata={
+        "help": "Branch, tag or commit of the Hugging Face repo to take the weights from"})
+    force_download: bool = field(default=False, metadata={
+        "help": "Download the Hugging Face repo's files again even when they are cached"})
+    subfolder: str | None = field(default=None, metadata={
+        "help": "Subdirectory of the model holding config.json and the weights "
+                "({model_path}/{subfolder}/)"})
+    weight_path: str | None = field(default=None, metadata={
+        "help": "Weights from this local safetensors file or directory instead of the model's "
+                "(a URL is refused: nothing is fetched at run time)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Allow a checkpoint that names custom code (auto_map) and pass trust_remote_code "
+                "to its tokenizer; the model still runs maxjax's own JAX architecture"})
+    rope_type: str | None = field(default=None, metadata={
+        "choices": ["none", "normal", "neox", "longrope", "yarn"],
+        "help": "A GGUF's rope layout: only its own is accepted (llama: normal, others: neox)"})
+    sliding_window: int | None = field(default=None, metadata={
+        "help": "Sliding-window attention of this many tokens on the layers the architecture "
+                "windows (Mistral: all, Gemma3: its local ones), replacing the config's"})
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template file, or JSON with a chat_template key, overriding the model's"})
     custom_architectures: list[str] = field(default_factory=list, metadata={
@@ -140,6 +162,11 @@ class ModelOptions:
         "help": "DEBUG, INFO, WARNING or ERROR"})
     log_prefix: str | None = field(default=None, metadata={
         "help": "Text put before every log line of this process (e.g. a replica's name)"})
+
+    def source(self):
+        """The model's ModelSource (maxjax/models/source.py)."""
+        from maxjax.models.source import ModelSource
+        return ModelSource.of(self)
 
 
 @dataclass

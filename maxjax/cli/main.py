@@ -120,7 +120,7 @@ def cmd_generate(args) -> int:
     except RequestError as e:
         raise UserError(f"--{e.param.replace('_', '-')}: {e.reason}") from e
     prompts = _read_prompts(gen)
-    llm = LLM(model_opts.model_path, chat_template=model_opts.chat_template,
+    llm = LLM(model_opts.source(), chat_template=model_opts.chat_template,
               precompiled_artifacts=model_opts.precompiled_artifacts,
               require_compiled_artifacts=model_opts.require_compiled_artifacts,
               compile_cache=model_opts.compile_cache,

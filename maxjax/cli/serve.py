@@ -47,7 +47,7 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
     from maxjax.engine.step_policy import check_flags
     check_flags(engine_cfg)
     check_max_pending(serve_cfg.max_pending_requests)
-    model = model_opts.model_path
+    model = model_opts.source()
     if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
         model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,
                      model_opts.precompiled_artifacts, progress,
@@ -67,15 +67,25 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
         if model_opts.export_artifacts and replica == 0:
             from maxjax.aot import export as aot_export
             aot_export.export_engine(model_opts.export_artifacts, core)
-        engines.append(AsyncEngine(core, core.model.tokenizer,
-                                   serve_cfg.served_model_name or core.model.name,
-                                   core.model.chat_template, serve_cfg.max_pending_requests))
+        name, aliases = served_names(core.model, serve_cfg.served_model_name)
+        engines.append(AsyncEngine(core, core.model.tokenizer, name, core.model.chat_template,
+                                   serve_cfg.max_pending_requests, model_aliases=aliases))
     engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
     if on_death is not None:
         for e in engines:
             e.on_death = lambda: on_death() if engine.dead is not None else None
     engine.start()
     return engine
+
+
+def served_names(model, override: str | None) -> tuple[str, tuple[str, ...]]:
+    """(the model id /v1/models lists, other ids requests may use): --served-model-name alone,
+    else --model-path as the user gave it, with the file or directory's name (what maxjax
+    served before) still accepted."""
+    if override:
+        return override, ()
+    name = model.served_name or model.name
+    return name, (model.name,) if model.name != name else ()
 
 
 def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
@@ -85,7 +95,8 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
     if group is not None and group.process_id > 0:
         from maxjax.engine.distributed import run_follower
         return run_follower(model_opts, engine_cfg, group)
-    lazy = LoadingEngine(serve_cfg.served_model_name)
+    from maxjax.models.loader import EMBEDDED_NAME
+    lazy = LoadingEngine(serve_cfg.served_model_name or model_opts.model_path or EMBEDDED_NAME)
     stop_holder: dict = {}
     channel: dict = {}
 

@@ -48,18 +48,19 @@ def given_flags(args) -> dict:
 
 def inspect(model_opts, engine_cfg, given: dict) -> dict:
     """The report (see the module docstring) as a JSON-able dict; `given`: `given_flags`."""
-    from maxjax.models.loader import resolve_model_path
+    from maxjax.models import source
     notes: list[str] = []
     drop: set[str] = set()
     customs = register_customs(model_opts.custom_architectures, notes, drop)
-    path = resolve_model_path(model_opts.model_path)
+    files = source.resolve(model_opts.source(), engine_cfg.quantization_encoding)
+    path = files.config
     report = {"model": model_opts.model_path, "path": path,
               "format": "gguf" if os.path.isfile(path) else "hf", "architecture": None,
               "parameters": None, "encodings": None, "weights": None, "plan": None,
               "compile_cache": None, "precompiled_artifacts": None, "notes": notes,
               "command": None}
     try:
-        plan_into(report, model_opts, engine_cfg, customs, drop)
+        plan_into(report, model_opts, engine_cfg, customs, drop, files)
     except UserError as e:
         notes.append(f"serve refuses this: {e}")
         report["command"] = None
@@ -87,7 +88,7 @@ def register_customs(specs: list[str], notes: list, drop: set) -> dict[str, str]
     return customs
 
 
-def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set) -> None:
+def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, files) -> None:
     """Fill `report` as serve would plan (maxjax/engine/build.py build_core's order)."""
     from maxjax.engine.build import on_devices, resolve_kernels
     from maxjax.engine.core import plan_layout
@@ -97,7 +98,7 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set) ->
     artifacts = model_opts.precompiled_artifacts
     resolve_kernels(engine_cfg, artifacts)
     request = cache_request(model_opts, engine_cfg, path)
-    ckpt = open_or_explain(path, report, customs)
+    ckpt = open_or_explain(files, model_opts.source(), report, customs)
     report["parameters"] = sum(math.prod(s) for s in _leaves(ckpt.arch.param_shapes(ckpt.config)))
     kernels = engine_cfg.use_experimental_kernels
     supported = quantize.supported_encodings(ckpt.types)
@@ -129,15 +130,15 @@ def _leaves(shapes) -> list:
     return jax.tree.leaves(shapes, is_leaf=lambda s: isinstance(s, tuple))
 
 
-def open_or_explain(path: str, report: dict, customs: dict):
+def open_or_explain(files, src, report: dict, customs: dict):
     """The checkpoint (maxjax/models/loader.py open_checkpoint), its architecture in `report`;
     a UserError (serve's) when it is not registered or its config is not supported."""
     from maxjax.models import registry
     from maxjax.models.loader import open_checkpoint
     try:
-        ckpt = open_checkpoint(path)
+        ckpt = open_checkpoint(files, src)
     except UserError:
-        name = raw_architecture(path)
+        name = raw_architecture(files.config)
         report["architecture"] = {"name": name, "registered": name in registry.architectures()
                                   or any(name in a.gguf_archs
                                          for a in registry.architectures().values()),
@@ -201,7 +202,8 @@ def cache_request(model_opts, engine_cfg, path: str) -> str | None:
     from maxjax.aot import cache, prefetch
     if not cache.enabled(model_opts.compile_cache) or model_opts.precompiled_artifacts:
         return None
-    return prefetch.request_key(path, engine_cfg, model_opts.chat_template)
+    return prefetch.request_key(path, engine_cfg, model_opts.chat_template,
+                                model_opts.source().options())
 
 
 def cache_entry(model_opts, model, engine_cfg, layout, request: str | None) -> dict:

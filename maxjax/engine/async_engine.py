@@ -76,10 +76,11 @@ def kernels_info(core) -> dict | None:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, tokenizer, model_name: str, chat_template: str | None,
-                 max_pending_requests: int | None = None):
+                 max_pending_requests: int | None = None, model_aliases: tuple[str, ...] = ()):
         self.core = core
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_aliases = tuple(model_aliases)   # other ids requests may name the model by
         self.chat_template = chat_template
         self.max_length = core.max_length
         check_max_pending(max_pending_requests)

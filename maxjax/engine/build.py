@@ -23,19 +23,20 @@ from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore, plan_layout
 from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel, load_model
+from maxjax.models.source import ModelSource
 
 log = logging.getLogger("maxjax.engine")
 HEARTBEAT_SECONDS = 15.0
 
 
-def load(model: str | LoadedModel | None, quantization_encoding: str | None = None,
+def load(model: str | ModelSource | LoadedModel | None, quantization_encoding: str | None = None,
          chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
          progress: bool = False, mesh=None, platform: str | None = None,
          kernels: bool = False) -> LoadedModel:
-    """A LoadedModel as it is; else `load_model(model, ...)` (a GGUF file, a HF directory or
-    repo id, None for the embedded default). With `precompiled_artifacts` that store the
-    converted weights for `mesh` (the engine's, `replica_mesh`), they are restored onto it
-    instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
+    """A LoadedModel as it is; else `load_model(model, ...)` (a ModelSource, or its path: a GGUF
+    file, a HF directory or repo id, None for the embedded default). With
+    `precompiled_artifacts` that store the converted weights for `mesh` (the engine's,
+    `replica_mesh`), they are restored onto it instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
     terminal). `platform`: whose default encoding (None: this machine's); `kernels`:
     --use-experimental-kernels (a quantized GGUF's default encoding is then its own)."""
     if isinstance(model, LoadedModel):
@@ -45,7 +46,8 @@ def load(model: str | LoadedModel | None, quantization_encoding: str | None = No
         from maxjax.aot import weights as aot_weights
         stored = aot_weights.params_source(precompiled_artifacts, mesh)
     if progress:
-        log.info("Loading weights: %s", model or "the embedded SmolLM2-135M-Instruct")
+        log.info("Loading weights: %s", getattr(model, "model_path", model)
+                 or "the embedded SmolLM2-135M-Instruct")
     loaded = load_model(model, quantization_encoding, chat_template,
                         progress=progress and sys.stderr.isatty(), params_source=stored,
                         platform=platform, kernels=kernels)
@@ -54,7 +56,7 @@ def load(model: str | LoadedModel | None, quantization_encoding: str | None = No
     return loaded
 
 
-def build_core(model: str | LoadedModel | None, engine_cfg: EngineConfig, *,
+def build_core(model: str | ModelSource | LoadedModel | None, engine_cfg: EngineConfig, *,
                chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
                require_compiled: bool = False, progress: bool = False,
                compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
@@ -220,8 +222,10 @@ def _request(model, engine_cfg: EngineConfig, chat_template: str | None) -> str 
         return None
     from maxjax.aot import prefetch
     from maxjax.models.loader import resolve_model_path
+    from maxjax.models.source import as_source
     try:
-        return prefetch.request_key(resolve_model_path(model), engine_cfg, chat_template)
+        return prefetch.request_key(resolve_model_path(model, engine_cfg.quantization_encoding),
+                                    engine_cfg, chat_template, as_source(model).options())
     except (UserError, OSError):
         return None
 

@@ -170,6 +170,28 @@ class EngineConfig:
     draft_model_path: str | None = field(default=None, metadata={
         "help": "draft: the draft model (GGUF file, HF directory or repo id) sharing the "
                 "target's vocabulary"})
+    # The draft's model source: the target's flags (maxjax/cli/args.py ModelOptions) for the
+    # draft, read as one ModelSource by `draft_source` (maxjax/models/source.py).
+    draft_huggingface_model_revision: str | None = field(default=None, metadata={
+        "help": "draft: branch, tag or commit of the draft's Hugging Face repo"})
+    draft_huggingface_weight_revision: str | None = field(default=None, metadata={
+        "help": "draft: branch, tag or commit of the draft's repo to take its weights from"})
+    draft_force_download: bool = field(default=False, metadata={
+        "help": "draft: download the draft's repo files again even when they are cached"})
+    draft_subfolder: str | None = field(default=None, metadata={
+        "help": "draft: subdirectory of the draft model holding config.json and the weights"})
+    draft_weight_path: str | None = field(default=None, metadata={
+        "help": "draft: weights from this local safetensors file or directory"})
+    draft_trust_remote_code: bool = field(default=False, metadata={
+        "help": "draft: allow a draft checkpoint that names custom code (auto_map)"})
+    draft_rope_type: str | None = field(default=None, metadata={
+        "choices": ["none", "normal", "neox", "longrope", "yarn"],
+        "help": "draft: a GGUF draft's rope layout (only its own is accepted)"})
+    draft_sliding_window: int | None = field(default=None, metadata={
+        "help": "draft: sliding-window attention of this many tokens (see --sliding-window)"})
+    draft_max_length: int | None = field(default=None, metadata={
+        "help": "draft: its maximum length; must be >= the target's (the draft sees every "
+                "position the target does, and runs with the target's)"})
     draft_quantization_encoding: str | None = field(default=None, metadata={
         "help": "draft: compute dtype of the draft model (default: the target's)"})
     draft_devices: str | None = field(default=None, metadata={
@@ -181,6 +203,11 @@ class EngineConfig:
         # --devices and jax.distributed may (the CLI and LLM call target(None) once they have).
         self._platform_defaults: dict = {}
         self.target("cpu")
+
+    def draft_source(self):
+        """The draft model's ModelSource (maxjax/models/source.py)."""
+        from maxjax.models.source import ModelSource
+        return ModelSource.of(self, "draft_")
 
     def target(self, platform: str | None) -> None:
         """Fill the settings left unset with the defaults of the platform the graphs will run on

@@ -270,7 +270,7 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
         raise UserError("--data-parallel-degree with --num-processes: not supported yet (run "
                         "one group per replica behind a load balancer)")
     artifacts = model_opts.precompiled_artifacts
-    model = load(model_opts.model_path, engine_cfg.quantization_encoding,
+    model = load(model_opts.source(), engine_cfg.quantization_encoding,
                  model_opts.chat_template, artifacts, progress,
                  replica_mesh(engine_cfg) if artifacts else None)
     model = on_devices(model, engine_cfg)

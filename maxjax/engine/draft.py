@@ -31,9 +31,13 @@ _GREEDY = SamplingParams(temperature=0.0)
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
-def load_draft(cfg, target):
-    """The draft LoadedModel; UserError if it cannot draft for `target`."""
+def load_draft(cfg, target, max_length: int | None = None):
+    """The draft LoadedModel, loaded from the draft's ModelSource (--draft-* flags); UserError if
+    it cannot draft for `target` of `max_length` (--draft-max-length below it)."""
     from maxjax.models.loader import load_model
+    if cfg.draft_max_length is not None and max_length and cfg.draft_max_length < max_length:
+        raise UserError(f"--draft-max-length {cfg.draft_max_length}: must be >= the target's max "
+                        f"length ({max_length}): the draft sees every position the target does")
     if cfg.draft_devices is not None:
         kind = _PLATFORMS.get(cfg.draft_devices.split(":")[0].lower())
         if kind != _PLATFORMS.get(jax.default_backend(), jax.default_backend()):
@@ -41,7 +45,7 @@ def load_draft(cfg, target):
                             f"the target's devices ({jax.default_backend()})")
     # A quantized target's encoding may not exist in the draft's checkpoint: it takes its own.
     same = target.dtype if target.dtype in FLOAT_ENCODINGS else None
-    draft = load_model(cfg.draft_model_path, cfg.draft_quantization_encoding or same,
+    draft = load_model(cfg.draft_source(), cfg.draft_quantization_encoding or same,
                        progress=False)
     check_vocabulary(draft, target, cfg.draft_model_path)
     return draft

@@ -31,6 +31,7 @@ class ReplicatedEngine:
         self.replicas = replicas
         first = replicas[0]
         self.tokenizer, self.model_name = first.tokenizer, first.model_name
+        self.model_aliases = first.model_aliases
         self.chat_template, self.max_length = first.chat_template, first.max_length
         self.in_flight = [0] * len(replicas)
         self.routed = [0] * len(replicas)          # requests sent to each replica

@@ -50,6 +50,13 @@ def draft_tokens(cfg) -> int:
     UserError for flags that do not go together."""
     method = cfg.speculative_method
     k = cfg.num_speculative_tokens
+    draft_flags = [f"--draft-{n.replace('_', '-')}" for n in cfg.draft_source().options()]
+    if draft_flags and cfg.draft_model_path is None:
+        raise UserError(f"{draft_flags[0]} goes with --draft-model-path (--speculative-method "
+                        "draft)")
+    if cfg.draft_max_length is not None and cfg.draft_model_path is None:
+        raise UserError("--draft-max-length goes with --draft-model-path (--speculative-method "
+                        "draft)")
     if method is None:
         for flag, v in (("--num-speculative-tokens", k),
                         ("--draft-model-path", cfg.draft_model_path)):
@@ -77,8 +84,8 @@ def build(cfg, layout, model=None) -> "Speculator | None":
         return None
     if cfg.speculative_method == "draft":
         from maxjax.engine import draft
-        proposer = draft.DraftProposer(draft.load_draft(cfg, model), layout, cfg.max_batch_size,
-                                       cfg.max_batch_input_tokens)
+        proposer = draft.DraftProposer(draft.load_draft(cfg, model, layout.max_length), layout,
+                                       cfg.max_batch_size, cfg.max_batch_input_tokens)
     else:
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,

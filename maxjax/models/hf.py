@@ -29,6 +29,8 @@ def read_config(path: str) -> dict:
 
 
 def safetensors_files(path: str) -> list[str]:
+    if os.path.isfile(path):        # --weight-path FILE
+        return [path]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:

@@ -11,7 +11,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from maxjax.models import quantize, registry
+from maxjax.models import quantize, registry, source
+from maxjax.models.source import ModelSource
 from maxjax.graphs.config import ModelConfig
 from maxjax.errors import UserError, read_user_file
 from maxjax.graphs.arch import Architecture
@@ -34,6 +35,9 @@ class LoadedModel:
     name: str
     load_seconds: float = 0.0
     info: dict = field(default_factory=dict)
+    # What the user called it (--model-path as given; the server's default model id); `name`,
+    # the file or directory's, is what artifacts and logs record and requests may still use.
+    served_name: str = ""
 
     @property
     def compute_dtype(self):
@@ -62,23 +66,9 @@ def default_dtype(platform: str | None = None) -> str:
     return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
-def resolve_model_path(model: str | None) -> str:
-    if not model:
-        return embedded_model_path()
-    if os.path.exists(model):
-        return os.path.abspath(model)
-    if model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") != 1:
-        raise UserError(f"model path {model!r} does not exist")
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(model, local_files_only=True)
-    except Exception:
-        pass
-    try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
-    except Exception as e:
-        raise UserError(f"model {model!r} is not in the local Hugging Face cache and the hub "
-                        f"cannot be reached ({type(e).__name__})") from e
+def resolve_model_path(model, encoding: str | None = None) -> str:
+    """The local file or directory holding `model`'s config (maxjax/models/source.py)."""
+    return source.resolve(model, encoding).config
 
 
 def read_chat_template_file(path: str) -> str:
@@ -94,29 +84,33 @@ def read_chat_template_file(path: str) -> str:
     return text
 
 
-def load_model(model: str | None = None, dtype: str | None = None, chat_template: str | None = None,
-               progress: bool = True, params_source=None,
+def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
+               chat_template: str | None = None, progress: bool = True, params_source=None,
                platform: str | None = None, kernels: bool = False) -> LoadedModel:
-    """`dtype`: the --quantization-encoding (maxjax/models/quantize.py; None: for a quantized
-    GGUF int8, or its own 4-bit blocks with --use-experimental-kernels (`kernels`), else float32
-    on CPU, bfloat16 on GPU: `platform`'s, None this machine's, `default_dtype`). params_source(arch, cfg, dtype, path)
-    -> (config, params) or None: converted weights stored with precompiled artifacts
-    (maxjax/aot/weights.py; on a mesh laid out and placed already), used instead of converting
-    the checkpoint."""
+    """`model`: a ModelSource (maxjax/models/source.py), or its path alone (a GGUF file, an HF
+    directory or repo id, None: the embedded default). `dtype`: the --quantization-encoding
+    (maxjax/models/quantize.py; None: for a quantized GGUF int8, or its own 4-bit blocks with
+    --use-experimental-kernels (`kernels`), else float32 on CPU, bfloat16 on GPU: `platform`'s,
+    None this machine's, `default_dtype`). params_source(arch, cfg, dtype, path) -> (config,
+    params) or None: converted weights stored with precompiled artifacts (maxjax/aot/weights.py;
+    on a mesh laid out and placed already), used instead of converting the checkpoint."""
     if dtype is not None:
         quantize.check_name(dtype)      # before reading anything; whether the file has it below
-    path = resolve_model_path(model)
+    src = source.as_source(model)
+    files = source.resolve(src, dtype)
+    path = files.config
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(files, src)
     arch, cfg, reader, template = ckpt.arch, ckpt.config, ckpt.reader, ckpt.template
+    make_tokenizer = ckpt.make_tokenizer
     dtype = serving_encoding(dtype, ckpt.types, platform, kernels)
     if reader is None:
         from maxjax.models import hf as hfw
-        reader = hfw.SafetensorsReader(path)
+        reader = hfw.SafetensorsReader(files.weights)
     # The tokenizer (transformers' import and conversion: Python) builds on a thread while the
     # weights convert (numpy, which releases the GIL): ~1 s of a start on two cores.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenizer") as pool:
-        tokenizing = pool.submit(ckpt.make_tokenizer)
+        tokenizing = pool.submit(make_tokenizer)
         stored = params_source(arch, cfg, dtype, path) if params_source else None
         if stored is not None:
             cfg, params = stored
@@ -126,10 +120,13 @@ def load_model(model: str | None = None, dtype: str | None = None, chat_template
             params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
         tokenizer = tokenizing.result()
     template = template or getattr(tokenizer, "chat_template", None)
+    if not template and not files.is_gguf:
+        template = jinja_template(files.tokenizer)
     if chat_template:
         template = read_chat_template_file(chat_template)
-    return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype, model_name(model, path),
-                       time.perf_counter() - t0)
+    return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype,
+                       model_name(src.model_path, path), time.perf_counter() - t0,
+                       served_name=src.model_path or EMBEDDED_NAME)
 
 
 @dataclass
@@ -153,19 +150,26 @@ class Checkpoint:
                 for n in map(self.reader.gguf_name, hf_names)]
 
 
-def open_checkpoint(path: str) -> Checkpoint:
-    """The Checkpoint of a GGUF file or HF directory on disk; UserError for an architecture
-    that is not registered or a config it cannot run."""
-    if os.path.isfile(path):
+def open_checkpoint(files, src: ModelSource) -> Checkpoint:
+    """The Checkpoint of resolved files (maxjax/models/source.py `resolve`): a GGUF file or an
+    HF directory; UserError for an architecture that is not registered, a config it cannot run,
+    or a source flag the checkpoint refuses (--rope-type, --trust-remote-code,
+    --sliding-window)."""
+    path = files.config
+    if files.is_gguf:
         from maxjax.models import gguf
         hf, reader, make_tokenizer, template = gguf.open_gguf(path, tokenizer=False)
-        arch, cfg = model_config(hf, path)
+        check_rope_type(src, gguf_rope_type(reader))
+        arch, cfg = model_config(hf, path, src)
         return Checkpoint(path, arch, cfg, hf, reader.matrix_types(), reader, template,
                           make_tokenizer)
     from maxjax.models import hf as hfw
+    check_rope_type(src, None)
     hf = hfw.read_config(path)
-    arch, cfg = model_config(hf, path)       # fail before reading weights or the tokenizer
-    return Checkpoint(path, arch, cfg, hf, None, None, None, lambda: load_hf_tokenizer(path))
+    check_remote_code(src, path)
+    arch, cfg = model_config(hf, path, src)   # fail before reading weights or the tokenizer
+    return Checkpoint(path, arch, cfg, hf, None, None, None,
+                      lambda: load_hf_tokenizer(files.tokenizer, src.trust_remote_code))
 
 
 def serving_encoding(dtype: str | None, types: list[str] | None, platform: str | None = None,
@@ -194,15 +198,67 @@ def abstract_model(ckpt: Checkpoint, dtype: str, name: str) -> LoadedModel:
 
 
 def model_name(model: str | None, path: str) -> str:
+    """The name artifacts and the compile cache know a model by (its served name is what the
+    user passed: LoadedModel.served_name)."""
     return EMBEDDED_NAME if not model else os.path.basename(path.rstrip("/")).removesuffix(".gguf")
 
 
-def model_config(hf: dict, path: str) -> tuple[Architecture, ModelConfig]:
-    arch = registry.get_architecture(hf["architectures"][0])
+def jinja_template(directory: str) -> str | None:
+    """An HF directory's chat_template.jinja (newer checkpoints keep the template there)."""
+    path = os.path.join(directory, "chat_template.jinja")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def gguf_rope_type(reader) -> str:
+    """A GGUF's rope layout as llama.cpp names it: "normal" (llama's permuted rows) or "neox"."""
+    return "normal" if reader.permute else "neox"
+
+
+def check_rope_type(src: ModelSource, own: str | None) -> None:
+    """--rope-type: only the model's own layout is served (`own` None: not a GGUF)."""
+    if src.rope_type is None:
+        return
+    if own is None:
+        raise UserError(f"{src.flag('rope_type')} {src.rope_type}: only applies to GGUF weights "
+                        "(an HF checkpoint's config sets its rope)")
+    if src.rope_type != own:
+        raise UserError(f"{src.flag('rope_type')} {src.rope_type}: this GGUF's rope layout is "
+                        f"{own!r}; another is not supported")
+
+
+def check_remote_code(src: ModelSource, path: str) -> None:
+    """A config.json naming custom code (`auto_map`) is loaded only with --trust-remote-code
+    (maxjax still runs its own JAX graph of architectures[0]: it never runs that code's model)."""
     try:
-        return arch, arch.config_from_hf(hf)
+        with open(os.path.join(path, "config.json")) as f:
+            custom = "auto_map" in json.load(f)
+    except (OSError, ValueError):
+        return
+    if custom and not src.trust_remote_code:
+        raise UserError(f"{path}: config.json asks for custom code (auto_map): pass "
+                        f"{src.flag('trust_remote_code')} to load it")
+
+
+def model_config(hf: dict, path: str, src: ModelSource | None = None
+                 ) -> tuple[Architecture, ModelConfig]:
+    """The architecture and its config; --sliding-window replaces the HF config's
+    `sliding_window`, refused where the architecture puts it on no layer."""
+    arch = registry.get_architecture(hf["architectures"][0])
+    window = src.sliding_window if src else None
+    if window is not None:
+        hf = dict(hf, sliding_window=window)
+    try:
+        cfg = arch.config_from_hf(hf)
     except (KeyError, ValueError) as e:   # an architecture file's word on a config it cannot run
         raise UserError(f"{path}: {arch.name}: unsupported config: {e}") from e
+    if window is not None and window not in cfg.layer_windows:
+        raise UserError(f"{src.flag('sliding_window')} {window}: {arch.name} as configured has no "
+                        "sliding-window layers to apply it to (MistralForCausalLM, Gemma3, or "
+                        "Qwen2/Qwen3 with use_sliding_window have)")
+    return arch, cfg
 
 
 def load_params(arch: Architecture, cfg: ModelConfig, reader, encoding: str, progress: bool,
@@ -222,9 +278,9 @@ def load_params(arch: Architecture, cfg: ModelConfig, reader, encoding: str, pro
                 reader.close()
 
 
-def load_hf_tokenizer(path: str):
+def load_hf_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise UserError(f"{path}: cannot load the tokenizer: {' '.join(str(e).split())}") from e

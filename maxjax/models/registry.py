@@ -35,8 +35,8 @@ def architectures() -> dict[str, Architecture]:
 def get_architecture(name: str) -> Architecture:
     archs = architectures()
     if name not in archs:
-        raise UserError(f"unsupported architecture {name!r} (supported: {', '.join(sorted(archs))}; "
-                        "add one with --custom-architectures)")
+        raise UserError(f"unsupported architecture {name!r}: not found in registry (supported: "
+                        f"{', '.join(sorted(archs))}; add one with --custom-architectures)")
     return archs[name]
 
 
