@@ -131,6 +131,7 @@ EXISTING = {
 
 _SK = "tests/test_scheduler_knobs.py::"
 _RF = "tests/test_reference_flags.py::"
+_MS = "tests/test_model_source.py::"
 
 ADDED = {
     # step composition (maxjax/engine/step_policy.py)
@@ -167,6 +168,28 @@ ADDED = {
     "--max-length": ["tests/test_memory_plan.py::test_max_length_defaults_to_max_position_embeddings",
                      "tests/test_memory_plan.py::test_max_length_default_lowered_to_the_pool_with_a_log_line"],
     "--config-file": ["tests/test_flag_walk.py::test_a_max_serve_config_file_loads"],
+    # where the model comes from and what it is called (maxjax/models/source.py)
+    "--model": [_MS + "test_serve_repo_id_answers_to_it", _MS + "test_gguf_repo",
+                _MS + "test_download_patterns_fetch_templates_and_tokenizer_model"],
+    "--served-model-name": [_MS + "test_served_name_of_paths_and_override",
+                            _MS + "test_override_drops_the_aliases"],
+    "--huggingface-model-revision": [_MS + "test_huggingface_model_revision"],
+    "--huggingface-weight-revision": [_MS + "test_huggingface_weight_revision"],
+    "--force-download": [_MS + "test_force_download_bypasses_the_cache"],
+    "--subfolder": [_MS + "test_subfolder"],
+    "--weight-path": [_MS + "test_weight_path"],
+    "--trust-remote-code": [_MS + "test_trust_remote_code"],
+    "--rope-type": [_MS + "test_rope_type"],
+    "--sliding-window": [_MS + "test_sliding_window_matches_transformers",
+                         _MS + "test_sliding_window_refusals"],
+    "--draft-max-length": [_MS + "test_draft_max_length"],
+    **{f"--draft-{flag}": [_MS + "test_flags_build_the_model_source",
+                           _MS + "test_draft_loads_through_its_source",
+                           _MS + "test_draft_flags_need_a_draft_model"]
+       for flag in ("force-download", "subfolder", "weight-path", "trust-remote-code",
+                    "rope-type", "sliding-window")},
+    **{f"--draft-huggingface-{kind}-revision": [_MS + "test_draft_revisions_from_the_cache"]
+       for kind in ("model", "weight")},
 }
 
 FLAG_TESTS = {flag: EXISTING.get(flag, []) + ADDED.get(flag, [])
