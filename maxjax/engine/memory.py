@@ -58,7 +58,7 @@ class MemoryPlan:
     weight_bytes: int        # GPU: per device; CPU: this engine's, over all its devices
     activation_bytes: int    # of one device
     largest_bucket: str
-    capped: bool             # True: the pool is every row at max length (memory allows more)
+    capped: bool             # True: the pool is all the rows can use (memory allows more)
     platform: str
     # The CPU's host plan (`host_plan`): host is True, the rest as counted there.
     host: bool = False
@@ -72,7 +72,7 @@ class MemoryPlan:
         pool = self.num_pages * self.page_bytes
         if self.host:
             return self._host_report()
-        how = "every row at max length" if self.capped else (
+        how = "all the rows can use" if self.capped else (
             f"{self.free_bytes / GiB:.1f} GiB free x {self.utilization:.2f} - weights "
             f"{self.weight_bytes / GiB:.2f} GiB - activations of {self.largest_bucket} "
             f"~{self.activation_bytes / GiB:.2f} GiB")
@@ -87,7 +87,8 @@ class MemoryPlan:
             return f"{b / GiB:.2f} GiB" + (f" x {n} devices" if n > 1 else "")
         copies = "" if n == 1 else " (split by kv heads)" if self.pool_copies == 1 else \
             " (replicated)"
-        cap = ", capped at every row at max length" if self.capped else ""
+        cap = (", capped at what the rows can use (every row at max length, up to "
+               "4096 tokens a row unless --max-length is given)") if self.capped else ""
         total = self.free_bytes * self.utilization
         each = f", / {e} replicas = {total / e / GiB:.1f} GiB each" if e > 1 else ""
         return (f"KV pool {pool / GiB:.2f} GiB on {self.platform}{copies}: host MemAvailable "
