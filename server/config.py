@@ -76,14 +76,14 @@ class ServeConfig:
                 "/stats and /stats/stream stay)"})
 
     tool_parser: str | None = field(default=None, metadata={
-        "choices": ["hermes", "llama3_json", "mistral", "pythonic", "none"],
+        "choices": ["hermes", "llama3_json", "mistral", "pythonic", "none"], "any_case": True,
         "help": "Tool-call format parsed out of chat outputs (default: chosen from the chat "
                 "template: mistral, llama3_json, else hermes; none: tools get a 400)"})
     enable_tool_call_constrained_decode: bool = field(default=True, metadata={
         "help": "Force tool_choice required / a named function with a grammar in the tool "
                 "parser's format, so the call's arguments match the tool's schema"})
     reasoning_parser: str | None = field(default=None, metadata={
-        "choices": ["qwen3", "deepseek_r1", "none"],
+        "choices": ["qwen3", "deepseek_r1", "none"], "any_case": True,
         "help": "Split <think>...</think> out of chat outputs into the reasoning field "
                 "(default: none)"})
     emit_reasoning_content: bool | None = field(default=None, metadata={

@@ -43,6 +43,12 @@ def test_bool_flags_take_max_serves_value_form():
     assert parse("--compile-cache", "off", cls=ModelOptions).compile_cache is False
 
 
+def test_parser_names_take_any_case():
+    """`none` is case-insensitive in the reference (--reasoning-parser, --tool-parser)."""
+    cfg = parse("--reasoning-parser", "None", "--tool-parser", "NONE", cls=ServeConfig)
+    assert (cfg.reasoning_parser, cfg.tool_parser) == ("none", "none")
+
+
 def one_error_line(capsys, *argv) -> str:
     code = cli.main(list(argv))
     err = capsys.readouterr().err

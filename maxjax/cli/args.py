@@ -76,6 +76,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None =
             kw["type"] = base
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
+            if f.metadata.get("any_case"):
+                kw["type"] = str.lower
         group.add_argument(*names, **kw)
 
 
