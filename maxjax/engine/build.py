@@ -161,7 +161,8 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
         if engine_cfg.speculative_method == "draft" and (
                 mesh.size > 1 or engine_cfg.data_parallel_degree > 1):
             raise UserError(f"--speculative-method draft with --devices {engine_cfg.devices} or "
-                            "--data-parallel-degree: the draft model runs on one device only")
+                            "--data-parallel-degree: with a draft model the target runs on one "
+                            "device only (the draft's: --draft-devices)")
     return devices.place_model(model, mesh)
 
 

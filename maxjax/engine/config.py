@@ -16,9 +16,9 @@ def platform_defaults(platform: str) -> dict:
 @dataclass
 class EngineConfig:
     devices: str | None = field(default=None, metadata={
-        "help": "Devices of each process: cpu, cpu:N (N host devices), gpu, gpu:all or "
-                "gpu:ID[,ID...]; several form a tensor-parallel mesh (default: the first device "
-                "of the first platform JAX finds)"})
+        "help": "Devices of each process: cpu, cpu:N (N host devices), cpu:id=ID[,ID...], gpu, "
+                "gpu:all or gpu:ID[,ID...]; several form a tensor-parallel mesh (default: the "
+                "first device of the first platform JAX finds)"})
     data_parallel_degree: int = field(default=1, metadata={
         "help": "Engine replicas on disjoint groups of --devices behind one server; a request "
                 "goes to the replica caching its longest prefix, else the least loaded"})
