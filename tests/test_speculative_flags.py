@@ -101,7 +101,7 @@ TWO = {0: {"a": list(range(30, 41)), "b": list(range(50, 55))}}
 STREAM = {3 * i: {f"r{i}": list(range(10 * i + 1, 10 * i + 7))} for i in range(6)}
 
 
-# ---- --num-speculative-tokens-per-batch-size ------------------------------------------------------
+# ---- --num-speculative-tokens-per-batch-size --------------------------------------------------
 def test_per_batch_size_schedule_caps_drafts_per_row():
     schedule = ('[{"batch_start": 1, "batch_end": 1, "num_tokens": 3},'
                 ' {"batch_start": 2, "batch_end": 8, "num_tokens": 1}]')
@@ -121,7 +121,7 @@ def test_per_batch_size_schedule_of_zero_turns_drafts_off():
     assert spec.num_draft_tokens == 0 and spec.cap(2, False) == 0 and spec.cap(5, False) == K
 
 
-# ---- --enable-spec-decode-mixed-batches, --num-speculative-tokens-mixed-batch -----------------------
+# ---- --enable-spec-decode-mixed-batches, --num-speculative-tokens-mixed-batch -------------------
 def mixed_drafts(steps) -> list[int]:
     return [x for n, p, d in steps if p for x in d]
 
@@ -292,3 +292,20 @@ def test_draft_devices_place_the_draft_model(tmp_path):
                                         "target's platform"):
         tiny_core(tmp_path / "m", speculative_method="draft", draft_model_path=path,
                   draft_devices="gpu:1")
+
+
+@pytest.mark.slow
+def test_synthetic_acceptance_through_the_engine(tmp_path):
+    """EngineCore.step applies --synthetic-acceptance-rate (ngram drafts on a random model are
+    nearly always wrong: at 1.0 all stand, at 0.0 none)."""
+    from tiny_llama import tiny_core
+    for rate in (1.0, 0.0):
+        core = tiny_core(tmp_path / "m", speculative_method="ngram", num_speculative_tokens=2,
+                         prompt_lookup_min=1, synthetic_acceptance_rate=rate)
+        core.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6],
+                         SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+        while core.has_unfinished():
+            core.step()
+        spec = core.speculator
+        assert spec.num_draft_tokens > 0
+        assert spec.num_accepted_tokens == (spec.num_draft_tokens if rate else 0)

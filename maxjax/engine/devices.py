@@ -2,7 +2,8 @@
 
 `--devices` names a platform and which of its devices each process uses: `cpu` (one), `cpu:N`
 (N host devices: JAX is started with N), `cpu:id=2` (host devices by index, maxjax's own form:
-`cpu:N` is a count), `gpu` (the first), `gpu:all`, `gpu:0,1` (by local index). With `--num-processes` the devices of every process together form the mesh. D replicas
+`cpu:N` is a count), `gpu` (the first), `gpu:all`, `gpu:0,1` (by local index). With
+`--num-processes` the devices of every process together form the mesh. D replicas
 split the devices, in order, into D equal groups; each group is one engine's tensor-parallel
 mesh (one axis, `model`), and a single device with one replica is no mesh at all (the
 single-device graphs, unchanged).
