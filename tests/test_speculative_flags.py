@@ -216,6 +216,8 @@ def test_greedy_acceptance_verifies_greedy_requests_only(flags, greedy_only):
         '[{"batch_start": 1, "batch_end": 4, "num_tokens": 1},'
         ' {"batch_start": 4, "batch_end": 8, "num_tokens": 2}]')), "1-4 and 4-8 overlap"),
     (dict(draft_devices="cpu"), "--draft-devices goes with --speculative-method draft"),
+    (dict(speculative_method="draft", draft_model_path="x", draft_devices="cpu:0,2"),
+     "--draft-devices 'cpu:0,2': cpu:N takes one count"),
     (dict(draft_quantization_encoding="float32"), "--draft-quantization-encoding goes with"),
 ])
 def test_refused_values_are_one_line_errors(options, message):

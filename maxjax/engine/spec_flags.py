@@ -43,6 +43,8 @@ def check(cfg, k: int) -> None:
         for name in given(cfg, DRAFT_ONLY)[:1]:
             raise UserError(f"{flag(name)} goes with --speculative-method draft (not "
                             f"{cfg.speculative_method})")
+    from maxjax.engine import devices
+    devices.parse(cfg.draft_devices, "--draft-devices")     # its devices: draft.draft_mesh
     if cfg.draft_proposal != "argmax":
         raise UserError(f"--draft-proposal {cfg.draft_proposal}: the draft proposes its argmax "
                         f"only (a sampled proposal needs its distribution in verification, not "

@@ -3,6 +3,7 @@ drafts a step verifies, and the acceptance counters. EngineCore.step calls, arou
 
     speculator.propose(scheduler)          # sets draft_token_ids of the decoding requests
     plan = scheduler.schedule(); results = runner.run(...)   # [last, d1..dk] -> k+1 sample slots
+    speculator.verify(plan.rows, results)  # only --synthetic-acceptance-rate rewrites samples
     speculator.observe(plan.rows, results, bucket, seconds)   # acceptance and step-time estimates
 
 Verification is plain sampling at every slot, with the same seed hash at the same output
@@ -21,7 +22,10 @@ total draft count that maximizes expected tokens per second, from the measured d
 each bucket (learned online; a bucket not yet timed is assumed to cost what the next smaller
 measured one does, so it is tried; one decision in 64 is a random count, to measure again) and each request's estimated acceptance (a draft at position j is
 worth a^j; a: the request's kept / verified drafts, with the running average as prior). Drafts
-only use the budget that pending prefills leave.
+only use the budget that pending prefills leave, and none at all in a step with prefill chunks
+unless --enable-spec-decode-mixed-batches; per request at most --num-speculative-tokens, or the
+--num-speculative-tokens-per-batch-size cap for the step's number of decoding requests, or in a
+mixed step --num-speculative-tokens-mixed-batch (`Speculator.cap`).
 """
 from __future__ import annotations
 
