@@ -47,7 +47,8 @@ def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
                         f"warm-cache` only (not {args.command})")
     args.group = group
     devices.select_platform(engine_cfg.devices,
-                            start=group and (lambda: distributed.initialize(group)))
+                            start=group and (lambda: distributed.initialize(group)),
+                            draft=engine_cfg.draft_devices)
     engine_cfg.target(None)
     from maxjax.models import registry
     for spec in model_opts.custom_architectures if register else ():

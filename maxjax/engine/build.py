@@ -72,6 +72,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, engine_cfg: Engine
     from maxjax.engine.step_policy import check_flags
     phases = {"start": since_process_start()}
     check_flags(engine_cfg)
+    from maxjax.engine import speculative
+    speculative.draft_tokens(engine_cfg)          # its flags checked before the weights load
     resolve_kernels(engine_cfg, precompiled_artifacts)
     use_cache = cache.enabled(compile_cache)
     request = _request(model, engine_cfg, chat_template) if use_cache and \
@@ -160,9 +162,11 @@ def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
         if engine_cfg.enable_lora:
             raise UserError(f"--enable-lora with --devices {engine_cfg.devices} or "
                             "--data-parallel-degree: LoRA runs on one device only for now")
-        if engine_cfg.speculative_method == "draft":
+        if engine_cfg.speculative_method == "draft" and (
+                mesh.size > 1 or engine_cfg.data_parallel_degree > 1):
             raise UserError(f"--speculative-method draft with --devices {engine_cfg.devices} or "
-                            "--data-parallel-degree: the draft model runs on one device only")
+                            "--data-parallel-degree: with a draft model the target runs on one "
+                            "device only (the draft's: --draft-devices)")
     return devices.place_model(model, mesh)
 
 

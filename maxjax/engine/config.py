@@ -16,9 +16,9 @@ def platform_defaults(platform: str) -> dict:
 @dataclass
 class EngineConfig:
     devices: str | None = field(default=None, metadata={
-        "help": "Devices of each process: cpu, cpu:N (N host devices), gpu, gpu:all or "
-                "gpu:ID[,ID...]; several form a tensor-parallel mesh (default: the first device "
-                "of the first platform JAX finds)"})
+        "help": "Devices of each process: cpu, cpu:N (N host devices), cpu:id=ID[,ID...], gpu, "
+                "gpu:all or gpu:ID[,ID...]; several form a tensor-parallel mesh (default: the "
+                "first device of the first platform JAX finds)"})
     data_parallel_degree: int = field(default=1, metadata={
         "help": "Engine replicas on disjoint groups of --devices behind one server; a request "
                 "goes to the replica caching its longest prefix, else the least loaded"})
@@ -154,9 +154,9 @@ class EngineConfig:
                 "with its `pooling_type` field"})
     # Speculative decoding (maxjax/engine/speculative.py).
     speculative_method: str | None = field(default=None, metadata={
-        "choices": ["ngram", "draft"],
         "help": "Propose draft tokens and verify them in one step: ngram (prompt lookup) or "
-                "draft (a smaller model, --draft-model-path)"})
+                "draft (a smaller model, --draft-model-path); the reference's eagle, mtp, "
+                "dflash and dflash2 are refused"})
     num_speculative_tokens: int | None = field(default=None, metadata={
         "help": "Most draft tokens verified per request and step (default: 7 for ngram, 4 for "
                 "draft); fewer, or none, when the measured step times say they do not pay"})
@@ -165,8 +165,10 @@ class EngineConfig:
     prompt_lookup_max: int = field(default=4, metadata={
         "help": "ngram: longest suffix looked up in the request's tokens"})
     use_greedy_acceptance: bool = field(default=False, metadata={
-        "help": "Speculate only for greedy requests (temperature 0 or top_k 1); others decode "
-                "one token per step"})
+        "help": "Greedy (argmax) draft acceptance only, for greedy serving: drafts are verified "
+                "for greedy requests (temperature 0 or top_k 1), kept while they equal the "
+                "target's argmax; a sampled request decodes one token per step without drafts "
+                "(its output stays the target's distribution)"})
     draft_model_path: str | None = field(default=None, metadata={
         "help": "draft: the draft model (GGUF file, HF directory or repo id) sharing the "
                 "target's vocabulary"})
@@ -195,8 +197,39 @@ class EngineConfig:
     draft_quantization_encoding: str | None = field(default=None, metadata={
         "help": "draft: compute dtype of the draft model (default: the target's)"})
     draft_devices: str | None = field(default=None, metadata={
-        "help": "draft: devices of the draft model (default: --devices; only the same is "
-                "supported)"})
+        "help": "draft: devices of the draft model, in --devices' syntax (cpu:id=ID names one "
+                "host device; default: the target's, --devices)"})
+    draft_proposal: str = field(default="argmax", metadata={
+        "choices": ["argmax", "sampled"],
+        "help": "How the draft proposes tokens: argmax (sampled is refused)"})
+    rejection_sampling_strategy: str | None = field(default=None, metadata={
+        "choices": ["greedy", "residual", "typical-acceptance", "logit-comparison"],
+        "help": "Draft verification rule. Default and residual: a draft is kept with the "
+                "target's probability of it, else the token is sampled from the rest (exact "
+                "speculative sampling; for a greedy request, argmax acceptance); greedy: as "
+                "--use-greedy-acceptance. typical-acceptance and logit-comparison are refused"})
+    num_speculative_tokens_per_batch_size: str | None = field(default=None, metadata={
+        "help": "Most drafts verified per request by the step's number of decoding requests, "
+                "as JSON inclusive ranges: '[{\"batch_start\": 1, \"batch_end\": 16, "
+                "\"num_tokens\": 3}, ...]' (a size in no range: --num-speculative-tokens)"})
+    num_speculative_tokens_mixed_batch: int | None = field(default=None, metadata={
+        "help": "Most drafts verified per request in a step that also carries prefill chunks "
+                "(default: what a pure decode step of as many requests would)"})
+    enable_spec_decode_mixed_batches: bool = field(default=False, metadata={
+        "help": "Let decoding requests verify drafts in steps that also carry prefill chunks "
+                "(default off: such steps decode one token per request)"})
+    use_relaxed_acceptance_for_thinking: bool = field(default=False, metadata={
+        "help": "Relaxed (top-N) acceptance inside <think>: refused (not implemented)"})
+    relaxed_delta: float | None = field(default=None, metadata={
+        "help": "Relaxed acceptance's probability gap (needs "
+                "--use-relaxed-acceptance-for-thinking)"})
+    relaxed_topk: int | None = field(default=None, metadata={
+        "help": "Relaxed acceptance's top-N (needs --use-relaxed-acceptance-for-thinking)"})
+    synthetic_acceptance_rate: float | None = field(default=None, metadata={
+        "help": "Benchmarking, 0.0 to 1.0: instead of comparing drafts with the target's "
+                "samples, keep each draft with a calibrated probability so the mean joint "
+                "acceptance over --num-speculative-tokens positions is this value (the output "
+                "is then not the model's)"})
 
     def __post_init__(self):
         # The CPU's until the platform is known: asking JAX here would start its backend before

@@ -363,6 +363,8 @@ class EngineCore:
                                      res.prompt_logprobs)
             if res is not None and res.pooled is not None:
                 row.request.add_pooled(row.start_pos, *res.pooled)
+        if self.speculator:
+            self.speculator.verify(plan.rows, results)
         updates = self.scheduler.update(plan, [None if res is None else res.token_ids
                                                 for res in results])
         self._advance_grammars(updates)

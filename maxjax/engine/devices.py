@@ -1,8 +1,9 @@
 """Which devices an engine runs on: `--devices` in max serve's syntax, and `--data-parallel-degree`.
 
 `--devices` names a platform and which of its devices each process uses: `cpu` (one), `cpu:N`
-(N host devices: JAX is started with N), `gpu` (the first), `gpu:all`, `gpu:0,1` (by local
-index). With `--num-processes` the devices of every process together form the mesh. D replicas
+(N host devices: JAX is started with N), `cpu:id=2` (host devices by index, maxjax's own form:
+`cpu:N` is a count), `gpu` (the first), `gpu:all`, `gpu:0,1` (by local index). With
+`--num-processes` the devices of every process together form the mesh. D replicas
 split the devices, in order, into D equal groups; each group is one engine's tensor-parallel
 mesh (one axis, `model`), and a single device with one replica is no mesh at all (the
 single-device graphs, unchanged).
@@ -27,7 +28,7 @@ from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.engine")
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
-_SYNTAX = "expected cpu, cpu:N, gpu, gpu:all or gpu:ID[,ID...]"
+_SYNTAX = "expected cpu, cpu:N, cpu:id=ID[,ID...], gpu, gpu:all or gpu:ID[,ID...]"
 
 
 @dataclass(frozen=True)
@@ -38,40 +39,50 @@ class DeviceSpec:
     ids: tuple[int, ...] | None = None   # local device indices (gpu:0,1)
 
 
-def parse(text: str | None) -> DeviceSpec:
+def parse(text: str | None, name: str = "--devices") -> DeviceSpec:
     if text is None:
         return DeviceSpec("", None)
     m = re.fullmatch(r"\s*([a-z]+)\s*(?::\s*(.*?))?\s*", text.lower())
     if not m or m.group(1) not in PLATFORMS:
-        raise UserError(f"--devices {text!r}: {_SYNTAX}")
+        raise UserError(f"{name} {text!r}: {_SYNTAX}")
     platform, rest = PLATFORMS[m.group(1)], m.group(2)
     if rest is None or rest == "":
         return DeviceSpec(text, platform)
     if rest == "all":
         return DeviceSpec(text, platform, None)
-    parts = [p.strip() for p in rest.split(",")]
+    by_id = platform == "cpu" and rest.startswith("id=")
+    parts = [p.strip() for p in rest[3 if by_id else 0:].split(",")]
     if not all(p.isdigit() for p in parts):
-        raise UserError(f"--devices {text!r}: {_SYNTAX}")
+        raise UserError(f"{name} {text!r}: {_SYNTAX}")
     nums = tuple(int(p) for p in parts)
-    if platform == "cpu":
+    if platform == "cpu" and not by_id:
         if len(nums) != 1 or nums[0] < 1:
-            raise UserError(f"--devices {text!r}: cpu:N takes one count N >= 1")
+            raise UserError(f"{name} {text!r}: cpu:N takes one count N >= 1 (cpu:id=ID[,ID...] "
+                            f"names devices)")
         return DeviceSpec(text, platform, nums[0])
     if len(set(nums)) != len(nums):
-        raise UserError(f"--devices {text!r}: a device is listed twice")
+        raise UserError(f"{name} {text!r}: a device is listed twice")
     return DeviceSpec(text, platform, len(nums), nums)
 
 
-def select_platform(text: str | None, start=None) -> None:
-    """Before JAX starts its backends: the platform, and for cpu:N the host device count; then
-    `start()` (joining a multi-host group) and the backend."""
+def host_devices(spec: DeviceSpec) -> int:
+    """How many host devices a cpu spec needs JAX to start with."""
+    return max(spec.ids) + 1 if spec.ids is not None else spec.count or 1
+
+
+def select_platform(text: str | None, start=None, draft: str | None = None) -> None:
+    """Before JAX starts its backends: the platform, and for cpu:N or cpu:id= the host device
+    count (`draft`: --draft-devices, on the same platform); then `start()` (joining a
+    multi-host group) and the backend."""
     spec = parse(text)
     import jax
     try:
         if spec.platform is not None:
             jax.config.update("jax_platforms", spec.platform)
-        if spec.platform == "cpu" and spec.count and spec.count > 1 and not _backends_started():
-            jax.config.update("jax_num_cpu_devices", max(spec.count, _forced_cpu_devices()))
+        cpus = max([host_devices(s) for s in (spec, parse(draft, "--draft-devices"))
+                    if s.platform == "cpu"], default=1)
+        if cpus > 1 and not _backends_started():
+            jax.config.update("jax_num_cpu_devices", max(cpus, _forced_cpu_devices()))
         if start:
             start()
         if spec.platform is None and not start:
@@ -132,21 +143,23 @@ def _forced_cpu_devices() -> int:
     return int(m.group(1)) if m else 1
 
 
-def device_groups(text: str | None, data_parallel_degree: int = 1) -> list[list]:
-    """The devices of each replica, in order (every process's selection, by process)."""
+def device_groups(text: str | None, data_parallel_degree: int = 1,
+                  name: str = "--devices") -> list[list]:
+    """The devices of each replica, in order (every process's selection, by process); `name`:
+    the flag `text` came from."""
     import jax
-    spec = parse(text)
+    spec = parse(text, name)
     if data_parallel_degree < 1:
         raise UserError(f"--data-parallel-degree must be >= 1 (got {data_parallel_degree})")
     backend = spec.platform and ("gpu" if spec.platform in ("cuda", "rocm") else spec.platform)
     try:
         local = jax.local_devices(backend=backend)
     except RuntimeError as e:
-        raise UserError(f"--devices {spec.text}: no such device on this machine ({e})") from e
+        raise UserError(f"{name} {spec.text}: no such device on this machine ({e})") from e
     if spec.ids is not None:
         missing = [i for i in spec.ids if i >= len(local)]
         if missing:
-            raise UserError(f"--devices {spec.text}: no device {missing[0]} (this process has "
+            raise UserError(f"{name} {spec.text}: no device {missing[0]} (this process has "
                             f"{len(local)} {local[0].platform} devices)")
         index = list(spec.ids)
     else:
@@ -154,7 +167,7 @@ def device_groups(text: str | None, data_parallel_degree: int = 1) -> list[list]
         if n > len(local):
             hint = (f"; JAX had started before the flag applied: set XLA_FLAGS="
                     f"--xla_force_host_platform_device_count={n}") if local[0].platform == "cpu" else ""
-            raise UserError(f"--devices {spec.text}: this process has {len(local)} "
+            raise UserError(f"{name} {spec.text}: this process has {len(local)} "
                             f"{local[0].platform} devices{hint}")
         index = list(range(n))
     by_process: dict[int, list] = {}

@@ -32,23 +32,36 @@ _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "
 
 
 def load_draft(cfg, target, max_length: int | None = None):
-    """The draft LoadedModel, loaded from the draft's ModelSource (--draft-* flags); UserError if
-    it cannot draft for `target` of `max_length` (--draft-max-length below it)."""
+    """The draft LoadedModel, loaded from the draft's ModelSource (--draft-* flags), its params on
+    --draft-devices (default: --devices); UserError if it cannot draft for `target` of
+    `max_length` (--draft-max-length below it)."""
     from maxjax.models.loader import load_model
     if cfg.draft_max_length is not None and max_length and cfg.draft_max_length < max_length:
         raise UserError(f"--draft-max-length {cfg.draft_max_length}: must be >= the target's max "
                         f"length ({max_length}): the draft sees every position the target does")
-    if cfg.draft_devices is not None:
-        kind = _PLATFORMS.get(cfg.draft_devices.split(":")[0].lower())
-        if kind != _PLATFORMS.get(jax.default_backend(), jax.default_backend()):
-            raise UserError(f"--draft-devices {cfg.draft_devices}: the draft model can only run on "
-                            f"the target's devices ({jax.default_backend()})")
+    mesh = draft_mesh(cfg)
     # A quantized target's encoding may not exist in the draft's checkpoint: it takes its own.
     same = target.dtype if target.dtype in FLOAT_ENCODINGS else None
     draft = load_model(cfg.draft_source(), cfg.draft_quantization_encoding or same,
                        progress=False)
     check_vocabulary(draft, target, cfg.draft_model_path)
-    return draft
+    from maxjax.engine.devices import place_model
+    return place_model(draft, mesh)
+
+
+def draft_mesh(cfg):
+    """The mesh of --draft-devices (else --devices), None for JAX's default device; UserError
+    for devices this process does not have or another platform than the target's."""
+    from maxjax.engine import devices
+    from maxjax.graphs.sharding import mesh_over
+    name = "--draft-devices" if cfg.draft_devices is not None else "--devices"
+    text = cfg.draft_devices if cfg.draft_devices is not None else cfg.devices
+    kind = _PLATFORMS.get(devices.parse(text, name).platform or jax.default_backend())
+    if kind != _PLATFORMS.get(jax.default_backend(), jax.default_backend()):
+        raise UserError(f"{name} {text}: the draft model runs on the target's platform "
+                        f"({jax.default_backend()})")
+    [group] = devices.device_groups(text, 1, name)
+    return None if group == [jax.devices()[0]] else mesh_over(group)
 
 
 def check_vocabulary(draft, target, path) -> None:
@@ -67,9 +80,10 @@ class DraftProposer:
         self.budget = max_batch_input_tokens
         self.bm = BlockManager(layout.num_pages, layout.page_size, enable_prefix_caching=False)
         buckets = bucket_set(max_batch_input_tokens, max_batch_size)
+        from maxjax.graphs.sharding import params_mesh
         self.runner = ModelRunner(draft, buckets, layout.num_pages, layout.page_size,
                                   layout.max_pages_per_row, layout.max_length,
-                                  kv_dtype=layout.kv_dtype)
+                                  kv_dtype=layout.kv_dtype, mesh=params_mesh(draft.params))
         self.live: list[Request] = []      # requests holding draft pages
 
     def warmup(self) -> None:

@@ -3,6 +3,7 @@ drafts a step verifies, and the acceptance counters. EngineCore.step calls, arou
 
     speculator.propose(scheduler)          # sets draft_token_ids of the decoding requests
     plan = scheduler.schedule(); results = runner.run(...)   # [last, d1..dk] -> k+1 sample slots
+    speculator.verify(plan.rows, results)  # only --synthetic-acceptance-rate rewrites samples
     speculator.observe(plan.rows, results, bucket, seconds)   # acceptance and step-time estimates
 
 Verification is plain sampling at every slot, with the same seed hash at the same output
@@ -21,7 +22,10 @@ total draft count that maximizes expected tokens per second, from the measured d
 each bucket (learned online; a bucket not yet timed is assumed to cost what the next smaller
 measured one does, so it is tried; one decision in 64 is a random count, to measure again) and each request's estimated acceptance (a draft at position j is
 worth a^j; a: the request's kept / verified drafts, with the running average as prior). Drafts
-only use the budget that pending prefills leave.
+only use the budget that pending prefills leave, and none at all in a step with prefill chunks
+unless --enable-spec-decode-mixed-batches; per request at most --num-speculative-tokens, or the
+--num-speculative-tokens-per-batch-size cap for the step's number of decoding requests, or in a
+mixed step --num-speculative-tokens-mixed-batch (`Speculator.cap`).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from maxjax.engine import spec_flags
 from maxjax.engine.buckets import pick_bucket
 from maxjax.engine.ngram import propose as ngram_propose
 from maxjax.engine.request import Request
@@ -47,7 +52,7 @@ DEFAULT_TOKENS = {"ngram": 7, "draft": 4}
 
 def draft_tokens(cfg) -> int:
     """The most drafts per request and step the config asks for (0: no speculation); a
-    UserError for flags that do not go together."""
+    UserError for flags that do not go together (maxjax/engine/spec_flags.py)."""
     method = cfg.speculative_method
     k = cfg.num_speculative_tokens
     draft_flags = [f"--draft-{n.replace('_', '-')}" for n in cfg.draft_source().options()]
@@ -58,13 +63,10 @@ def draft_tokens(cfg) -> int:
         raise UserError("--draft-max-length goes with --draft-model-path (--speculative-method "
                         "draft)")
     if method is None:
-        for flag, v in (("--num-speculative-tokens", k),
-                        ("--draft-model-path", cfg.draft_model_path)):
-            if v is not None:
-                raise UserError(f"{flag} needs --speculative-method")
+        spec_flags.check_without_method(cfg)
         return 0
     if method not in DEFAULT_TOKENS:
-        raise UserError(f"--speculative-method {method!r}: expected one of "
+        raise UserError(f"--speculative-method {method}: not supported here; supported: "
                         f"{', '.join(DEFAULT_TOKENS)}")
     if k is not None and k < 1:
         raise UserError(f"--num-speculative-tokens must be >= 1 (got {k})")
@@ -74,7 +76,9 @@ def draft_tokens(cfg) -> int:
     if (method == "draft") != (cfg.draft_model_path is not None):
         raise UserError("--draft-model-path goes with --speculative-method draft, and only "
                         "with it")
-    return k or DEFAULT_TOKENS[method]
+    k = k or DEFAULT_TOKENS[method]
+    spec_flags.check(cfg, k)
+    return k
 
 
 def build(cfg, layout, model=None) -> "Speculator | None":
@@ -89,7 +93,12 @@ def build(cfg, layout, model=None) -> "Speculator | None":
     else:
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,
-                      cfg.max_batch_input_tokens, cfg.use_greedy_acceptance)
+                      cfg.max_batch_input_tokens, spec_flags.greedy_only(cfg),
+                      schedule=spec_flags.batch_schedule(
+                          cfg.num_speculative_tokens_per_batch_size, k),
+                      mixed=cfg.enable_spec_decode_mixed_batches,
+                      mixed_tokens=cfg.num_speculative_tokens_mixed_batch,
+                      synthetic_rate=cfg.synthetic_acceptance_rate)
 
 
 def may_speculate(req: Request, greedy_only: bool) -> bool:
@@ -122,9 +131,20 @@ class NgramProposer:
 
 class Speculator:
     def __init__(self, proposer, num_tokens: int, buckets, max_batch_size: int,
-                 max_batch_input_tokens: int, greedy_only: bool = False):
+                 max_batch_input_tokens: int, greedy_only: bool = False, *, schedule=(),
+                 mixed: bool = True, mixed_tokens: int | None = None,
+                 synthetic_rate: float | None = None):
+        """`schedule`: (first, last, most drafts) by the number of decoding requests;
+        `mixed`: drafts in steps that carry prefill chunks too, at most `mixed_tokens` per
+        request there (None: as a decode-only step); `synthetic_rate`: keep drafts at random
+        (--synthetic-acceptance-rate)."""
         self.proposer = proposer
         self.k = num_tokens
+        self.schedule = list(schedule)
+        self.mixed, self.mixed_tokens = mixed, mixed_tokens
+        self.synthetic = None if synthetic_rate is None else \
+            spec_flags.calibrated_rate(synthetic_rate, num_tokens)
+        self._synthetic_rng = random.Random(1)
         self.buckets = sorted(buckets)
         self.max_rows = max_batch_size
         self.budget = max_batch_input_tokens
@@ -165,10 +185,10 @@ class Speculator:
         pending = sum(r.num_uncomputed_tokens for r in scheduler.running if r.is_prefilling)
         pending += sum(r.num_tokens for r in list(scheduler.waiting)[:admit])
         n = len(decoding)
-        room = self.budget - n - pending
+        room = min(self.budget - n - pending, self.cap(n, pending > 0))
         if room <= 0:
             return
-        proposals = self.proposer.propose(spec, min(self.k, room))
+        proposals = self.proposer.propose(spec, room)
         cands = []     # (worth, position, request index)
         for i, (r, p) in enumerate(zip(spec, proposals)):
             # what the scheduler would keep: the request's remaining length and max_new_tokens
@@ -186,6 +206,18 @@ class Speculator:
             take[i] += 1
         for r, p, m in zip(spec, proposals, take):
             r.draft_token_ids = p[:m]
+
+    def cap(self, batch_size: int, mixed: bool) -> int:
+        """The most drafts per request in a step of `batch_size` decoding requests, `mixed`
+        with prefill chunks."""
+        if mixed and not self.mixed:
+            return 0
+        if mixed and self.mixed_tokens is not None:
+            return self.mixed_tokens
+        for first, last, n in self.schedule:
+            if first <= batch_size <= last:
+                return n
+        return self.k
 
     def _rate(self, r: Request) -> float:
         kept, verified = r.spec_counts
@@ -221,6 +253,24 @@ class Speculator:
         return max(counts, key=rate)
 
     # ---- after the step -------------------------------------------------------------------------
+    def verify(self, rows, results) -> None:
+        """With --synthetic-acceptance-rate, before the scheduler's acceptance: each row's
+        samples rewritten so that its drafts stand, position by position, with the calibrated
+        probability (the first refused one gets a token other than the draft)."""
+        if self.synthetic is None:
+            return
+        for row, res in zip(rows, results):
+            drafts = row.draft_token_ids
+            if not drafts or res is None:
+                continue
+            n = 0
+            while n < len(drafts) and self._synthetic_rng.random() < self.synthetic:
+                n += 1
+            for j in range(n):
+                res.samples[j].token_id = drafts[j]
+            if n < len(drafts) and res.samples[n].token_id == drafts[n]:
+                res.samples[n].token_id = drafts[n] - 1 if drafts[n] else 1
+
     def observe(self, rows, results, bucket, seconds: float | None) -> None:
         """Learn from a step: its bucket's time, and each verified row's kept drafts."""
         runs = self._runs[bucket] = self._runs.get(bucket, 0) + 1
