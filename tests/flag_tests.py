@@ -132,6 +132,7 @@ EXISTING = {
 _SK = "tests/test_scheduler_knobs.py::"
 _RF = "tests/test_reference_flags.py::"
 _MS = "tests/test_model_source.py::"
+_SF = "tests/test_speculative_flags.py::"
 
 ADDED = {
     # step composition (maxjax/engine/step_policy.py)
@@ -190,6 +191,31 @@ ADDED = {
                     "rope-type", "sliding-window")},
     **{f"--draft-huggingface-{kind}-revision": [_MS + "test_draft_revisions_from_the_cache"]
        for kind in ("model", "weight")},
+    # speculative decoding (maxjax/engine/spec_flags.py)
+    "--draft-devices": [_SF + "test_draft_devices_place_the_draft_model",
+                        _SF + "test_cpu_devices_by_id"],
+    "--num-speculative-tokens-per-batch-size": [
+        _SF + "test_per_batch_size_schedule_caps_drafts_per_row",
+        _SF + "test_per_batch_size_schedule_of_zero_turns_drafts_off"],
+    "--enable-spec-decode-mixed-batches": [
+        _SF + "test_no_mixed_batches_decode_rows_advance_draft_less",
+        _SF + "test_mixed_batches_on_by_default_verify_drafts_in_prefill_steps"],
+    "--num-speculative-tokens-mixed-batch": [_SF + "test_mixed_batch_token_count"],
+    "--synthetic-acceptance-rate": [
+        _SF + "test_synthetic_acceptance_rate_bypasses_the_comparison",
+        _SF + "test_synthetic_acceptance_rate_is_calibrated_over_the_positions",
+        _SF + "test_synthetic_acceptance_through_the_engine"],
+    "--rejection-sampling-strategy": [_SF + "test_greedy_acceptance_verifies_greedy_requests_only",
+                                      _SF + "test_refused_values_are_one_line_errors"],
+    "--use-greedy-acceptance": [_SF + "test_greedy_acceptance_verifies_greedy_requests_only",
+                                _SF + "test_speculative_flags_need_a_method"],
+    "--speculative-method": [_SF + "test_refused_values_are_one_line_errors",
+                             _SF + "test_cli_passes_reference_methods_to_the_one_line_error"],
+    # accepted at what maxjax does, else one line (argmax proposals, no relaxed acceptance)
+    **{flag: [_SF + "test_refused_values_are_one_line_errors",
+              _SF + "test_speculative_flags_need_a_method"]
+       for flag in ("--draft-proposal", "--use-relaxed-acceptance-for-thinking",
+                    "--relaxed-delta", "--relaxed-topk")},
 }
 
 FLAG_TESTS = {flag: EXISTING.get(flag, []) + ADDED.get(flag, [])

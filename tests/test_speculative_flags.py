@@ -126,17 +126,17 @@ def mixed_drafts(steps) -> list[int]:
     return [x for n, p, d in steps if p for x in d]
 
 
-def test_mixed_batches_off_by_default_decode_rows_advance_draft_less():
-    cfg, spec = speculator()
-    assert cfg.enable_spec_decode_mixed_batches is False
+def test_no_mixed_batches_decode_rows_advance_draft_less():
+    cfg, spec = speculator(enable_spec_decode_mixed_batches=False)
     _, steps = run(spec, cfg, STREAM)
     assert any(p and n for n, p, d in steps)        # there were mixed steps
     assert sum(mixed_drafts(steps)) == 0
     assert spec.num_draft_tokens > 0                # and drafts in decode-only steps
 
 
-def test_mixed_batches_on_verify_drafts_in_prefill_steps():
-    cfg, spec = speculator(enable_spec_decode_mixed_batches=True)
+def test_mixed_batches_on_by_default_verify_drafts_in_prefill_steps():
+    cfg, spec = speculator()
+    assert cfg.enable_spec_decode_mixed_batches is True
     _, steps = run(spec, cfg, STREAM)
     assert max(mixed_drafts(steps)) == K
 
@@ -233,7 +233,7 @@ def test_refused_values_are_one_line_errors(options, message):
     ("prompt_lookup_min", 3), ("draft_proposal", "sampled"),
     ("rejection_sampling_strategy", "greedy"),
     ("num_speculative_tokens_per_batch_size", "[]"), ("num_speculative_tokens_mixed_batch", 1),
-    ("enable_spec_decode_mixed_batches", True), ("use_relaxed_acceptance_for_thinking", True),
+    ("enable_spec_decode_mixed_batches", False), ("use_relaxed_acceptance_for_thinking", True),
     ("relaxed_delta", 0.1), ("relaxed_topk", 2), ("synthetic_acceptance_rate", 0.5)])
 def test_speculative_flags_need_a_method(name, value):
     flag = "--" + name.replace("_", "-")

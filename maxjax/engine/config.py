@@ -215,9 +215,11 @@ class EngineConfig:
     num_speculative_tokens_mixed_batch: int | None = field(default=None, metadata={
         "help": "Most drafts verified per request in a step that also carries prefill chunks "
                 "(default: what a pure decode step of as many requests would)"})
-    enable_spec_decode_mixed_batches: bool = field(default=False, metadata={
-        "help": "Let decoding requests verify drafts in steps that also carry prefill chunks "
-                "(default off: such steps decode one token per request)"})
+    enable_spec_decode_mixed_batches: bool = field(default=True, metadata={
+        "help": "Decoding requests keep verifying drafts in steps that also carry prefill "
+                "chunks (the reference states no default; on, as maxjax always did: under "
+                "steady arrivals most steps carry a prefill; --no-...: such steps decode one "
+                "token per request)"})
     use_relaxed_acceptance_for_thinking: bool = field(default=False, metadata={
         "help": "Relaxed (top-N) acceptance inside <think>: refused (not implemented)"})
     relaxed_delta: float | None = field(default=None, metadata={
