@@ -48,6 +48,14 @@ class ModelConfig:
     # gate|up weights laid out as this many per-device blocks, each [q_i|k_i|v_i] ([g_i|u_i]).
     qkv_shards: int = 1
     gate_up_shards: int = 1
+    # Mixture of experts (graphs/moe.py): per layer, True where the MLP is routed to
+    # `experts_per_token` of `num_experts` experts of `expert_intermediate_size` each (the
+    # top-k weights renormalised when `norm_topk_prob`); (): every layer dense.
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         if not self.layer_windows:

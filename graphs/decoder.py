@@ -21,6 +21,7 @@ from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import attention
 from maxjax.graphs import layers as L
 from maxjax.graphs import lora
+from maxjax.graphs import moe
 from maxjax.graphs import quant
 from maxjax.graphs import sharding
 from maxjax.graphs.sharding import ArraySpec
@@ -47,7 +48,8 @@ def param_specs(cfg: ModelConfig) -> dict:
         lay["post_attn_norm"] = lay["post_mlp_norm"] = norm
     table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
     specs = {"embed": table, "final_norm": norm,
-             "layers": [dict(lay) for _ in range(cfg.num_layers)]}
+             "layers": [moe.layer_specs(cfg, lay) if moe.is_moe(cfg, i) else dict(lay)
+                        for i in range(cfg.num_layers)]}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = table
     return specs
@@ -114,8 +116,11 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
         h = h + out
     with jax.named_scope("mlp"):
         x = L.rms_norm(h, p["mlp_norm"], eps, plus1)
-        out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, cfg.gate_up_shards,
-                          live)
+        if "router" in p:
+            out = moe.moe_mlp(cfg, x, p, live)
+        else:
+            out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act,
+                              cfg.gate_up_shards, live)
         if "post_mlp_norm" in p:
             out = L.rms_norm(out, p["post_mlp_norm"], eps, plus1)
         h = h + out
@@ -181,12 +186,14 @@ def hf_layer_names(post_norms: bool) -> dict:
 
 
 def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
-                   progress: Callable[[int], None] | None = None, quantizer=None) -> dict:
+                   progress: Callable[[int], None] | None = None, quantizer=None,
+                   moe_names: dict | None = None) -> dict:
     """Build the parameter pytree from HF-named tensors. `get(name)` returns a numpy array
     (any float dtype); linear weights are transposed to [in, out] and fused. `quantizer`
-    (maxjax/models/quantize.py): the matrices and embedding tables as QuantizedWeights."""
+    (maxjax/models/quantize.py): the matrices and embedding tables as QuantizedWeights.
+    `moe_names`: a routed layer's names (graphs/moe.py keys; {j}: the expert)."""
     shapes = param_shapes(cfg)
-    names = hf_layer_names(cfg.post_norms)
+    names = {**hf_layer_names(cfg.post_norms), **(moe_names or {})}
 
     def put(x):   # on the host and device_put: jnp.asarray compiles a copy per bf16 shape
         return jax.device_put(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
@@ -198,7 +205,11 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
     for i, layer_shapes in enumerate(shapes["layers"]):
         layer = {}
         for key, shape in layer_shapes.items():
-            if quantizer and len(shape) == 2:
+            if len(shape) == 3:     # stacked experts [E, in, out]
+                layer[key] = moe.stacked_experts(
+                    get, [n.format(i=i, j="{j}") for n in names[key]], shape[0], put, quantizer)
+                continue
+            if quantizer and len(shape) == 2 and key not in moe.FLOAT_MATRICES:
                 layer[key] = quantizer.matrix([n.format(i=i) for n in names[key]])
                 continue
             parts = [np.asarray(get(n.format(i=i)), np.float32) for n in names[key]]

@@ -45,8 +45,11 @@ class QuantizedWeight:
     bits: int = field(default=8, metadata={"static": True})
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The [in, out] (or, transposed, [out, in]) shape of the weight it stands for."""
+    def shape(self) -> tuple[int, ...]:
+        """The [in, out] (or, transposed, [out, in]) shape of the weight it stands for; a stack
+        of experts' int8 weights (graphs/moe.py): q [E, in, out], scale [E, out]."""
+        if self.q.ndim == 3:
+            return tuple(self.q.shape)
         if self.q.ndim == 4:                        # packed for the CPU kernels: [in, out]
             return self.q.shape[1] * (4 if self.bits == 8 else 8), self.q.shape[0] * 64
         rows, cols = self.q.shape
@@ -61,6 +64,9 @@ def specs(spec: ArraySpec, w: QuantizedWeight) -> QuantizedWeight:
     """The ArraySpecs of w's arrays, from the spec of the float weight it stands for."""
     if w.shape != spec.shape:
         raise ValueError(f"quantized weight of shape {w.shape} for a parameter of {spec.shape}")
+    if len(spec.shape) == 3:        # stacked experts: a scale per expert and output channel
+        return QuantizedWeight(spec, ArraySpec((spec.shape[0], spec.shape[2]),
+                                               (spec.axes[0], spec.axes[2])))
     out = spec.out_axis % 2
     channels = ArraySpec((spec.shape[out],), (spec.axes[out],))
     if w.bits == 8:

@@ -17,6 +17,9 @@ Logical axes of the decoder (graphs/decoder.py declares which array has which):
   mlp       the intermediate size F (w_down's input)
   head_dim  the per-head axis of the q/k norms
   layers, pages, page   the KV pool's layer, page and in-page token axes (head_dim as above)
+  router    a routed layer's router output (one logit per expert; graphs/moe.py)
+  experts   the expert axis of stacked expert weights; expert_gate_up / expert_mlp: their
+            fused gate|up output and intermediate axes (all replicated under TENSOR_PARALLEL)
 
 `TENSOR_PARALLEL` shards the fused axes too, in contiguous blocks. Laid out as they load (q, then
 k, then v), one device would hold q and the other k|v, and GSPMD would reshard after every
@@ -41,6 +44,7 @@ TENSOR_PARALLEL: Rules = {
     "embed": None, "vocab": MODEL_AXIS, "q_heads": MODEL_AXIS, "kv_heads": MODEL_AXIS,
     "qkv": MODEL_AXIS, "gate_up": MODEL_AXIS, "mlp": MODEL_AXIS, "head_dim": None,
     "layers": None, "pages": None, "page": None, "lora_slots": None, "lora_rank": None,
+    "router": None, "experts": None, "expert_gate_up": None, "expert_mlp": None,
 }
 
 

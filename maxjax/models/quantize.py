@@ -90,6 +90,7 @@ def abstract_params(specs: dict, encoding: str, types_of=None) -> dict:
     not a GGUF), which decide whether a 4-bit encoding keeps its blocks."""
     import jax
 
+    from maxjax.graphs.moe import FLOAT_MATRICES
     from maxjax.graphs.quant import QuantizedWeight
     sds = jax.ShapeDtypeStruct
     if not is_quantized(encoding):
@@ -110,7 +111,10 @@ def abstract_params(specs: dict, encoding: str, types_of=None) -> dict:
                                sds((d_out,), np.float32), bits=4)
 
     def leaf(spec, i=None, key=None):
-        if len(spec.shape) != 2:
+        if len(spec.shape) == 3:        # stacked experts (graphs/moe.py): int8 only
+            e, d_in, d_out = spec.shape
+            return QuantizedWeight(sds(spec.shape, np.int8), sds((e, d_out), np.float32))
+        if len(spec.shape) != 2 or key in FLOAT_MATRICES:
             return sds(spec.shape, np.float32)
         return int8(spec.shape, spec.out_axis % 2) if i is None else matrix(spec, i, key)
     out = {k: leaf(v) for k, v in specs.items() if k != "layers"}

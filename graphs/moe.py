@@ -1,0 +1,157 @@
+"""Mixture-of-experts MLP layers: routing, grouped expert compute, and their parameters.
+
+A layer is routed where `ModelConfig.moe_layers` says so (graphs/decoder.py asks `is_moe`). Its
+parameters replace the dense w_gate_up / w_down:
+  router           [D, E]       float always (a quantized router could flip a top-k choice)
+  experts_gate_up  [E, D, 2F]   each expert's gate|up, stacked at load time from per-expert tensors
+  experts_down     [E, F, D]
+with the logical axis "experts" first, so a mesh axis can shard experts (graphs/sharding.py).
+
+Routing (transformers' Qwen3MoeTopKRouter / MixtralTopKRouter): softmax over the router logits
+in float32, the top k, renormalised over the k when `norm_topk_prob` (Mixtral always). Every
+routed (token, expert) pair is computed; nothing is dropped for capacity.
+
+Grouped compute: the T*k pairs are sorted by expert, each expert's run padded to a multiple of a
+block of B rows, and a loop with a traced trip count runs the used blocks only, each through its
+one expert's MLP (the full gated MLP per block: one dynamic slice of the expert's weights).
+`jax.lax.ragged_dot` is the textbook form, but XLA:CPU (jax 0.10.2) lowers it to a masked dense
+dot of every expert over every row (E/k times the active compute); `grouped_ragged` keeps that
+form for comparison (tests/test_moe.py). Padding token slots of a step bucket route nowhere (an
+expert id past the last): they cost no block and come out as zeros.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxjax.graphs import layers as L
+from maxjax.graphs import quant
+from maxjax.graphs.sharding import ArraySpec
+
+# Never quantized (maxjax/models/quantize.py asks).
+FLOAT_MATRICES = ("router",)
+MAX_BLOCK = 64
+
+
+def is_moe(cfg, layer: int) -> bool:
+    return bool(cfg.moe_layers) and cfg.moe_layers[layer]
+
+
+def layer_specs(cfg, dense: dict) -> dict:
+    """A routed layer's specs: the dense layer's `dense` with its MLP swapped for experts."""
+    D, F, E = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    lay = {k: v for k, v in dense.items() if k not in ("w_gate_up", "w_down")}
+    lay["router"] = ArraySpec((D, E), ("embed", "router"))
+    lay["experts_gate_up"] = ArraySpec((E, D, 2 * F), ("experts", "embed", "expert_gate_up"))
+    lay["experts_down"] = ArraySpec((E, F, D), ("experts", "expert_mlp", "embed"))
+    return lay
+
+
+# --- routing -----------------------------------------------------------------------------------
+
+def route(x, router, k: int, norm_topk_prob: bool):
+    """(weights float32 [T, k], expert ids int32 [T, k]) of each token's top k experts."""
+    logits = jnp.matmul(x, router.astype(x.dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def routed_counts(experts, num_experts: int, live=None):
+    """Routed (token, expert) pairs per expert [E], padding slots (from `live` on) not counted."""
+    if live is not None:
+        experts = jnp.where(jnp.arange(experts.shape[0])[:, None] < live, experts, num_experts)
+    return jnp.sum(experts.reshape(-1)[:, None] == jnp.arange(num_experts), axis=0,
+                   dtype=jnp.int32)
+
+
+# --- grouped expert compute -------------------------------------------------------------------
+
+def block_rows(pairs: int, num_experts: int) -> int:
+    """The block size B for `pairs` routed rows: about the mean rows per expert (a power of
+    two), so a block is mostly real rows yet an expert's weights are read once per B rows."""
+    mean = max(1, pairs // num_experts)
+    return min(MAX_BLOCK, 1 << (mean.bit_length() - 1))
+
+
+def expert(w, e):
+    """Expert e's [in, out] matrix of a stack [E, in, out] (float or int8 QuantizedWeight)."""
+    if isinstance(w, quant.QuantizedWeight):
+        return quant.QuantizedWeight(w.q[e], w.scale[e])
+    return w[e]
+
+
+def grouped_blocks(xs, sorted_e, group_sizes, w_gate_up, w_down, act: str):
+    """Each row of xs [N, D] (sorted by expert `sorted_e`, rows past sum(group_sizes) unused)
+    through its expert's gated MLP, as blocks of rows of one expert each; -> [N, D]."""
+    N, D = xs.shape
+    E = group_sizes.shape[0]
+    B = block_rows(N, E)
+    blocks = -(-N // B) + min(E, N)          # static bound on the used blocks
+    padded = (group_sizes + B - 1) // B * B
+    pstart = jnp.cumsum(padded) - padded
+    gstart = jnp.cumsum(group_sizes) - group_sizes
+    real = jnp.arange(N) < jnp.sum(group_sizes)
+    e = jnp.minimum(sorted_e, E - 1)
+    dest = jnp.where(real, pstart[e] + jnp.arange(N) - gstart[e], blocks * B)
+    xp = jnp.zeros((blocks * B, D), xs.dtype).at[dest].set(xs, mode="drop")
+    block_end = jnp.cumsum(padded) // B
+    block_expert = jnp.searchsorted(block_end, jnp.arange(blocks), side="right")
+    used = block_end[-1]
+
+    def body(b, yp):
+        ex = block_expert[b]
+        xb = jax.lax.dynamic_slice_in_dim(xp, b * B, B)
+        out = L.gated_mlp(xb, expert(w_gate_up, ex), expert(w_down, ex), act)
+        return jax.lax.dynamic_update_slice_in_dim(yp, out.astype(yp.dtype), b * B, 0)
+
+    yp = jax.lax.fori_loop(0, used, body, jnp.zeros_like(xp))
+    return jnp.where(real[:, None], yp[jnp.minimum(dest, blocks * B - 1)], 0)
+
+
+def grouped_ragged(xs, sorted_e, group_sizes, w_gate_up, w_down, act: str):
+    """`grouped_blocks` through jax.lax.ragged_dot (float weights): rows past the groups are 0."""
+    gate_up = jax.lax.ragged_dot(xs, w_gate_up, group_sizes)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.lax.ragged_dot(L.activation(act)(gate) * up, w_down, group_sizes)
+
+
+def moe_mlp(cfg, x, p, live=None, grouped=grouped_blocks):
+    """The routed MLP of one layer: x [T, D] -> [T, D]. `live`: the leading real token slots."""
+    T, D = x.shape
+    E, k = cfg.num_experts, cfg.experts_per_token
+    weights, experts = route(x, p["router"], k, cfg.norm_topk_prob)
+    if live is not None:    # padding slots sort last and fall outside every group
+        experts = jnp.where(jnp.arange(T)[:, None] < live, experts, E)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    group_sizes = jnp.sum(flat[:, None] == jnp.arange(E), axis=0, dtype=jnp.int32)
+    ys = grouped(x[order // k], sorted_e, group_sizes, p["experts_gate_up"], p["experts_down"],
+                 cfg.hidden_act)
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, D)
+    return jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+
+
+# --- checkpoint conversion -------------------------------------------------------------------
+
+def stacked_experts(get, names: list[str], num_experts: int, put, quantizer=None):
+    """[E, in, out] from per-expert HF weights: `names` (with {j} for the expert) fused on their
+    output axis per expert, as the dense w_gate_up is. `quantizer`: int8 per expert and output
+    channel (a QuantizedWeight with q [E, in, out], scale [E, out])."""
+    per_expert = [np.concatenate([np.asarray(get(n.format(j=j)), np.float32) for n in names])
+                  for j in range(num_experts)]          # each [out, in]
+    if quantizer is None:
+        return put(np.stack([w.T for w in per_expert]))
+    if quantizer.encoding != "int8":
+        from maxjax.errors import UserError
+        raise UserError(f"--quantization-encoding {quantizer.encoding}: expert weights of a "
+                        "mixture-of-experts model quantize to int8 only; supported: float32, "
+                        "bfloat16, float16, int8")
+    from maxjax.models.quantize import int8_rows
+    qs, scales = zip(*(int8_rows(w) for w in per_expert))
+    return quant.QuantizedWeight(jax.device_put(np.ascontiguousarray(np.stack([q.T for q in qs]))),
+                                 jax.device_put(np.stack(scales)))

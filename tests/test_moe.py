@@ -1,0 +1,217 @@
+"""Mixture-of-experts families (graphs/moe.py, graphs/qwen3_moe.py, graphs/mixtral.py) against
+transformers on tiny random checkpoints: greedy parity through the paged graph with chunked
+prefill and several sequences per step, routing counts per expert against transformers' router,
+the grouped compute against a plain per-token reference, and int8 expert weights."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from maxjax.graphs import moe, quant
+from maxjax.models import quantize, registry
+from maxjax.models.hf import SafetensorsReader, read_config
+from paged_harness import paged_greedy
+from reference import assert_logits_close, hf_greedy
+
+VOCAB, NEW_TOKENS = 512, 32
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, num_hidden_layers=2, num_experts_per_tok=2)
+# float32 throughout; the grouped compute sums each token's k expert outputs in another order
+# than transformers' index_add_, which moves logits by ~1e-6 of their scale: 1e-3 of the largest
+# logit (the other parity tests' bound) leaves room for that and nothing like a wrong expert.
+LOGIT_REL_TOL = 1e-3
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    # layer 0 dense (mlp_only_layers), layer 1 routed: 8 experts, top 2, renormalised
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **COMMON, intermediate_size=128, moe_intermediate_size=32, head_dim=32, num_experts=8,
+        norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1))
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=4))
+
+
+MODELS = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def checkpoint(request, tmp_path_factory):
+    """(transformers model, directory of its safetensors checkpoint)."""
+    torch.manual_seed(0)
+    model = MODELS[request.param]().eval()
+    with torch.no_grad():
+        # Norms start at 1; randomize them, and give the router logits a spread so that routing
+        # decisions are clear (initialization leaves them near-tied).
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path)
+
+
+def _load(path, quantizer=None):
+    hf = read_config(path)
+    arch = registry.get_architecture(hf["architectures"][0])
+    cfg = arch.config_from_hf(hf)
+    reader = SafetensorsReader(path)
+    extra = {"quantizer": quantize.Quantizer("int8", reader)} if quantizer else {}
+    return arch, cfg, arch.params_from_hf(cfg, reader, jnp.float32, **extra)
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [list(map(int, rng.integers(0, VOCAB, n))) for n in (5, 40, 90)]
+
+
+def test_paged_graph_matches_transformers(checkpoint):
+    model, path = checkpoint
+    arch, cfg, params = _load(path)
+    prompts = _prompts()
+    logits, tokens = paged_greedy(arch, cfg, params, prompts, chunk=24, new_tokens=NEW_TOKENS,
+                                  page_size=16)
+    for prompt, ours, our_tokens in zip(prompts, logits, tokens):
+        ref_logits, ref_tokens = hf_greedy(model, prompt, NEW_TOKENS)
+        assert_logits_close(ours, ref_logits, rel=LOGIT_REL_TOL)
+        assert our_tokens == ref_tokens
+
+
+def test_configs_and_param_layout(checkpoint):
+    model, path = checkpoint
+    arch, cfg, params = _load(path)
+    if cfg.architecture == "Qwen3MoeForCausalLM":
+        assert cfg.moe_layers == (False, True) and cfg.qk_norm and cfg.norm_topk_prob
+        assert (cfg.num_experts, cfg.expert_intermediate_size) == (8, 32)
+        assert "w_gate_up" in params["layers"][0] and "router" not in params["layers"][0]
+    else:
+        assert cfg.moe_layers == (True, True) and cfg.norm_topk_prob
+        assert (cfg.num_experts, cfg.expert_intermediate_size) == (4, 64)
+    assert cfg.experts_per_token == 2
+    layer = params["layers"][1]
+    E, D, F = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    assert layer["experts_gate_up"].shape == (E, D, 2 * F)
+    assert layer["experts_down"].shape == (E, F, D)
+    specs = arch.param_specs(cfg)["layers"][1]
+    assert specs["experts_gate_up"].axes[0] == specs["experts_down"].axes[0] == "experts"
+
+
+def test_dense_families_keep_their_config():
+    """The new ModelConfig fields default off: a dense family's config routes nothing."""
+    hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    cfg = registry.get_architecture("Qwen3ForCausalLM").config_from_hf(hf)
+    assert cfg.moe_layers == () and cfg.num_experts == 0
+    assert all("router" not in lay for lay in
+               registry.get_architecture("Qwen3ForCausalLM").param_specs(cfg)["layers"])
+
+
+def _moe_block_and_input(model, cfg):
+    """transformers' routed block of layer 1, and the hidden states it sees for a prompt."""
+    block = model.model.layers[1].mlp if cfg.architecture == "Qwen3MoeForCausalLM" else \
+        model.model.layers[1].mlp
+    seen = {}
+    handle = block.register_forward_hook(lambda m, args, out: seen.update(x=args[0], y=out))
+    with torch.no_grad():
+        model(torch.tensor([_prompts()[2]]))
+    handle.remove()
+    return block, seen["x"][0], seen["y"][0]
+
+
+def test_routed_counts_match_transformers_router(checkpoint):
+    model, path = checkpoint
+    arch, cfg, params = _load(path)
+    block, x, y = _moe_block_and_input(model, cfg)
+    with torch.no_grad():
+        _, hf_weights, hf_idx = block.gate(x)
+    hf_counts = np.bincount(hf_idx.numpy().reshape(-1), minlength=cfg.num_experts)
+    p = params["layers"][1]
+    weights, experts = moe.route(jnp.asarray(x.numpy()), p["router"], cfg.experts_per_token,
+                                 cfg.norm_topk_prob)
+    ours = np.asarray(moe.routed_counts(experts, cfg.num_experts))
+    np.testing.assert_array_equal(ours, hf_counts)
+    assert ours.sum() == x.shape[0] * cfg.experts_per_token and (ours > 0).sum() > 1
+    np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(hf_idx.numpy(), -1))
+    np.testing.assert_allclose(np.sort(np.asarray(weights), -1),
+                               np.sort(hf_weights.numpy(), -1), rtol=1e-5, atol=1e-6)
+    # and the whole routed MLP on those states equals transformers' block
+    out = moe.moe_mlp(cfg, jnp.asarray(x.numpy()), p)
+    np.testing.assert_allclose(np.asarray(out), y.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_padding_slots_route_nowhere_and_do_not_move_real_rows(checkpoint):
+    model, path = checkpoint
+    arch, cfg, params = _load(path)
+    _, x, _ = _moe_block_and_input(model, cfg)
+    x = jnp.asarray(x.numpy())[:24]
+    padded = jnp.concatenate([x, 100.0 * jnp.ones((8, x.shape[1]), x.dtype)])
+    p = params["layers"][1]
+    run = jax.jit(lambda h, live: moe.moe_mlp(cfg, h, p, live))
+    out = np.asarray(run(padded, jnp.int32(24)))
+    np.testing.assert_allclose(out[:24], np.asarray(moe.moe_mlp(cfg, x, p)), rtol=1e-5,
+                               atol=1e-6)
+    assert not np.any(out[24:])
+    _, experts = moe.route(padded, p["router"], cfg.experts_per_token, cfg.norm_topk_prob)
+    assert int(moe.routed_counts(experts, cfg.num_experts, 24).sum()) == 24 * cfg.experts_per_token
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 200])
+def test_grouped_blocks_equal_ragged_dot_and_a_per_token_loop(checkpoint, rows):
+    _, path = checkpoint
+    arch, cfg, params = _load(path)
+    p = params["layers"][1]
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)),
+                    jnp.float32)
+    blocks = np.asarray(jax.jit(lambda h: moe.moe_mlp(cfg, h, p))(x))
+    ragged = np.asarray(moe.moe_mlp(cfg, x, p, grouped=moe.grouped_ragged))
+    np.testing.assert_allclose(blocks, ragged, rtol=1e-5, atol=1e-5)
+    weights, experts = moe.route(x, p["router"], cfg.experts_per_token, cfg.norm_topk_prob)
+    wgu, wd = np.asarray(p["experts_gate_up"]), np.asarray(p["experts_down"])
+    F = cfg.expert_intermediate_size
+    want = np.zeros_like(blocks)
+    for t in range(rows):
+        for w, e in zip(np.asarray(weights[t]), np.asarray(experts[t])):
+            gu = np.asarray(x[t]) @ wgu[e]
+            h = gu[:F] / (1 + np.exp(-gu[:F])) * gu[F:]
+            want[t] += w * (h @ wd[e])
+    np.testing.assert_allclose(blocks, want, rtol=1e-4, atol=1e-5)
+
+
+def test_int8_experts_stay_close_to_float(checkpoint):
+    """int8 per expert and output channel (routers float): the paged greedy logits stay within
+    3% of the float logits' scale (two-digit activations and int8 weights give ~0.5% on dense
+    models, tests/test_quant.py)."""
+    _, path = checkpoint
+    arch, cfg, params = _load(path)
+    _, _, qparams = _load(path, quantizer=True)
+    layer = qparams["layers"][1]
+    assert isinstance(layer["experts_gate_up"], quant.QuantizedWeight)
+    assert layer["experts_gate_up"].q.dtype == jnp.int8
+    assert layer["experts_gate_up"].scale.shape == (cfg.num_experts, 2 * cfg.expert_intermediate_size)
+    assert layer["router"].dtype == jnp.float32
+    abstract = quantize.abstract_params(arch.param_specs(cfg), "int8")
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype), qparams)
+    quant.param_specs(arch.param_specs(cfg), qparams)      # specs derive for the 3-D stacks
+    prompts = _prompts()[:2]
+    want, _ = paged_greedy(arch, cfg, params, prompts, chunk=24, new_tokens=4, page_size=16)
+    got, _ = paged_greedy(arch, cfg, qparams, prompts, chunk=24, new_tokens=4, page_size=16)
+    for g, w in zip(got, want):
+        assert_logits_close(g, w, rel=0.03)
+
+
+def test_list_shows_the_moe_families(capsys):
+    from maxjax.cli.main import main
+    assert main(["list", "--json"]) == 0
+    names = {a["name"] for a in json.loads(capsys.readouterr().out)}
+    assert {"Qwen3MoeForCausalLM", "MixtralForCausalLM"} <= names
