@@ -56,6 +56,9 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Expert parallelism (graphs/sharding.py `tensor_parallel_layout`): the expert stacks split
+    # over this many devices of the mesh axis, each running the pairs routed to its experts.
+    expert_shards: int = 1
 
     def __post_init__(self):
         if not self.layer_windows:
@@ -74,4 +77,14 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, less the mixture-of-experts ones of a dense model (so a dense model's
+        artifact and compile-cache fingerprints stay what they were before those fields)."""
+        d = dataclasses.asdict(self)
+        if not self.moe_layers:
+            for name in MOE_FIELDS:
+                del d[name]
+        return d
+
+
+MOE_FIELDS = ("moe_layers", "num_experts", "experts_per_token", "expert_intermediate_size",
+              "norm_topk_prob", "expert_shards")

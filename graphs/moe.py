@@ -120,18 +120,43 @@ def grouped_ragged(xs, sorted_e, group_sizes, w_gate_up, w_down, act: str):
 
 
 def moe_mlp(cfg, x, p, live=None, grouped=grouped_blocks):
-    """The routed MLP of one layer: x [T, D] -> [T, D]. `live`: the leading real token slots."""
+    """The routed MLP of one layer: x [T, D] -> [T, D]. `live`: the leading real token slots.
+    With `cfg.expert_shards` > 1 the expert stacks are split over the mesh axis: each device
+    runs the pairs routed to its own experts, and the partial outputs are summed."""
+    live = jnp.int32(x.shape[0]) if live is None else live
+    if cfg.expert_shards == 1:
+        return _routed(cfg, x, p["router"], p["experts_gate_up"], p["experts_down"], live,
+                       grouped)
+    from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+    from maxjax.graphs.sharding import MODEL_AXIS
+    n = cfg.expert_shards
+    local = cfg.num_experts // n
+
+    def shard(x, router, w_gate_up, w_down, live):
+        first = jax.lax.axis_index(MODEL_AXIS) * local
+        y = _routed(cfg, x, router, w_gate_up, w_down, live, grouped, first)
+        return jax.lax.psum(y, MODEL_AXIS)
+
+    mesh = AbstractMesh((n,), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(MODEL_AXIS), P(MODEL_AXIS), P()),
+                         out_specs=P(), check_vma=False)(
+        x, p["router"], p["experts_gate_up"], p["experts_down"], live)
+
+
+def _routed(cfg, x, router, w_gate_up, w_down, live, grouped, first=0):
+    """The routed MLP over the experts [first, first + len(w_gate_up)) of the router's E: pairs
+    routed elsewhere (and padding slots, from `live` on) sort last, outside every group."""
     T, D = x.shape
-    E, k = cfg.num_experts, cfg.experts_per_token
-    weights, experts = route(x, p["router"], k, cfg.norm_topk_prob)
-    if live is not None:    # padding slots sort last and fall outside every group
-        experts = jnp.where(jnp.arange(T)[:, None] < live, experts, E)
-    flat = experts.reshape(-1)
+    k = cfg.experts_per_token
+    E = (w_gate_up.q if isinstance(w_gate_up, quant.QuantizedWeight) else w_gate_up).shape[0]
+    weights, experts = route(x, router, k, cfg.norm_topk_prob)
+    experts = experts - first
+    mine = (experts >= 0) & (experts < E) & (jnp.arange(T)[:, None] < live)
+    flat = jnp.where(mine, experts, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
     group_sizes = jnp.sum(flat[:, None] == jnp.arange(E), axis=0, dtype=jnp.int32)
-    ys = grouped(x[order // k], sorted_e, group_sizes, p["experts_gate_up"], p["experts_down"],
-                 cfg.hidden_act)
+    ys = grouped(x[order // k], sorted_e, group_sizes, w_gate_up, w_down, cfg.hidden_act)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, D)
     return jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
 

@@ -19,7 +19,9 @@ Logical axes of the decoder (graphs/decoder.py declares which array has which):
   layers, pages, page   the KV pool's layer, page and in-page token axes (head_dim as above)
   router    a routed layer's router output (one logit per expert; graphs/moe.py)
   experts   the expert axis of stacked expert weights; expert_gate_up / expert_mlp: their
-            fused gate|up output and intermediate axes (all replicated under TENSOR_PARALLEL)
+            fused gate|up output and intermediate axes. `tensor_parallel_rules` splits experts
+            whole over the mesh axis when their count divides (expert parallelism: each device
+            runs the pairs routed to its own experts, one all-reduce after), else replicates
 
 `TENSOR_PARALLEL` shards the fused axes too, in contiguous blocks. Laid out as they load (q, then
 k, then v), one device would hold q and the other k|v, and GSPMD would reshard after every
@@ -124,7 +126,9 @@ def tensor_parallel_rules(cfg, degree: int) -> Rules:
         whole += ["gate_up", "mlp"]
     if cfg.vocab_size % degree:
         whole.append("vocab")
-    return {**TENSOR_PARALLEL, **{a: None for a in whole}}
+    # Experts split whole over the devices (expert parallelism, graphs/moe.py) when they divide.
+    experts = MODEL_AXIS if cfg.num_experts and cfg.num_experts % degree == 0 else None
+    return {**TENSOR_PARALLEL, **{a: None for a in whole}, "experts": experts}
 
 
 def tensor_parallel_layout(cfg, params, degree: int):
@@ -152,7 +156,8 @@ def tensor_parallel_layout(cfg, params, degree: int):
             if key in layer and shards > 1:
                 layer[key] = per_shard(layer[key], parts, shards)
         layers.append(layer)
-    cfg = dataclasses.replace(cfg, qkv_shards=qkv, gate_up_shards=gate_up)
+    cfg = dataclasses.replace(cfg, qkv_shards=qkv, gate_up_shards=gate_up,
+                              expert_shards=degree if rules["experts"] else 1)
     return cfg, {**params, "layers": layers}
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from maxjax.graphs import moe, quant
+from maxjax.graphs import moe, quant, sharding
+from maxjax.graphs.config import MOE_FIELDS
 from maxjax.models import quantize, registry
 from maxjax.models.hf import SafetensorsReader, read_config
 from paged_harness import paged_greedy
@@ -112,6 +113,8 @@ def test_dense_families_keep_their_config():
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
     cfg = registry.get_architecture("Qwen3ForCausalLM").config_from_hf(hf)
     assert cfg.moe_layers == () and cfg.num_experts == 0
+    # ... and its fingerprint (maxjax/aot/manifest.py digests to_dict) does not name them
+    assert not set(MOE_FIELDS) & set(cfg.to_dict())
     assert all("router" not in lay for lay in
                registry.get_architecture("Qwen3ForCausalLM").param_specs(cfg)["layers"])
 
@@ -208,6 +211,33 @@ def test_int8_experts_stay_close_to_float(checkpoint):
     got, _ = paged_greedy(arch, cfg, qparams, prompts, chunk=24, new_tokens=4, page_size=16)
     for g, w in zip(got, want):
         assert_logits_close(g, w, rel=0.03)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+def test_expert_parallel_on_four_devices_equals_one(checkpoint, quantized):
+    """The tensor-parallel layout on 4 devices splits the experts whole (expert parallelism):
+    each device holds E/4 experts, runs the pairs routed to them, and the step's logits equal
+    one device's (summation order aside)."""
+    _, path = checkpoint
+    arch, cfg, params = _load(path, quantizer=quantized)
+    n = 4
+    rules = sharding.tensor_parallel_rules(cfg, n)
+    assert rules["experts"] == sharding.MODEL_AXIS
+    ep_cfg, laid = sharding.tensor_parallel_layout(cfg, jax.tree.map(np.asarray, params), n)
+    assert ep_cfg.expert_shards == n
+    specs = quant.param_specs(arch.param_specs(ep_cfg), laid)
+    placed = sharding.place(laid, specs, sharding.tensor_parallel_mesh(n), rules)
+    stack = placed["layers"][1]["experts_down"]
+    stack = stack.q if quantized else stack
+    assert {s.data.shape[0] for s in stack.addressable_shards} == {cfg.num_experts // n}
+    prompts = _prompts()
+    want, want_tokens = paged_greedy(arch, cfg, params, prompts, chunk=24, new_tokens=8,
+                                     page_size=16)
+    got, got_tokens = paged_greedy(arch, ep_cfg, placed, prompts, chunk=24, new_tokens=8,
+                                   page_size=16)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
 def test_list_shows_the_moe_families(capsys):
