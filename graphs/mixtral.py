@@ -14,11 +14,12 @@ MOE_NAMES = {"router": [M + "gate.weight"],
 
 
 def config_from_hf(hf: dict):
+    """A missing field takes transformers' MixtralConfig default."""
     n = hf["num_hidden_layers"]
     window = int(hf.get("sliding_window") or 0)
     return base_config(hf, layer_windows=(window,) * n, moe_layers=(True,) * n,
-                       num_experts=int(hf["num_local_experts"]),
-                       experts_per_token=int(hf["num_experts_per_tok"]),
+                       num_experts=int(hf.get("num_local_experts", 8)),
+                       experts_per_token=int(hf.get("num_experts_per_tok", 2)),
                        expert_intermediate_size=int(hf["intermediate_size"]),
                        norm_topk_prob=True)
 

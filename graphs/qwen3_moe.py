@@ -18,17 +18,19 @@ MOE_NAMES = {"router": [M + "gate.weight"],
 
 
 def config_from_hf(hf: dict):
+    """A missing field takes transformers' Qwen3MoeConfig default."""
     if hf.get("attention_bias"):
         raise ValueError("Qwen3-MoE with attention_bias=true is not supported")
     n = hf["num_hidden_layers"]
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    # transformers 5 writes num_local_experts; hub checkpoints say num_experts
+    experts = int(hf.get("num_experts", hf.get("num_local_experts", 128)))
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     dense = set(hf.get("mlp_only_layers") or ())
     moe = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n))
     return base_config(hf, qk_norm=True, layer_windows=qwen_layer_windows(hf),
                        moe_layers=moe if any(moe) else (), num_experts=experts,
-                       experts_per_token=int(hf["num_experts_per_tok"]),
-                       expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                       experts_per_token=int(hf.get("num_experts_per_tok", 8)),
+                       expert_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
