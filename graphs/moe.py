@@ -119,10 +119,12 @@ def grouped_ragged(xs, sorted_e, group_sizes, w_gate_up, w_down, act: str):
     return jax.lax.ragged_dot(L.activation(act)(gate) * up, w_down, group_sizes)
 
 
-def moe_mlp(cfg, x, p, live=None, grouped=grouped_blocks):
+def moe_mlp(cfg, x, p, live=None, grouped=None):
     """The routed MLP of one layer: x [T, D] -> [T, D]. `live`: the leading real token slots.
     With `cfg.expert_shards` > 1 the expert stacks are split over the mesh axis: each device
-    runs the pairs routed to its own experts, and the partial outputs are summed."""
+    runs the pairs routed to its own experts, and the partial outputs are summed. `grouped`:
+    the grouped compute (None: `grouped_blocks`)."""
+    grouped = grouped or grouped_blocks
     live = jnp.int32(x.shape[0]) if live is None else live
     if cfg.expert_shards == 1:
         return _routed(cfg, x, p["router"], p["experts_gate_up"], p["experts_down"], live,
