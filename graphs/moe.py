@@ -16,8 +16,14 @@ block of B rows, and a loop with a traced trip count runs the used blocks only, 
 one expert's MLP (the full gated MLP per block: one dynamic slice of the expert's weights).
 `jax.lax.ragged_dot` is the textbook form, but XLA:CPU (jax 0.10.2) lowers it to a masked dense
 dot of every expert over every row (E/k times the active compute); `grouped_ragged` keeps that
-form for comparison (tests/test_moe.py). Padding token slots of a step bucket route nowhere (an
-expert id past the last): they cost no block and come out as zeros.
+form for comparison (tests/test_moe.py; tools/bench_moe.py measures both). Padding token
+slots of a step bucket route nowhere (an expert id past the last): they cost no block and come
+out as zeros.
+
+Expert parallelism: where graphs/sharding.py `tensor_parallel_rules` splits the "experts" axis
+over the mesh (`cfg.expert_shards` devices), the layer runs under shard_map: every device routes
+all tokens (x and the router are replicated), computes the pairs routed to its own E/n experts,
+and one psum adds the partial outputs.
 """
 from __future__ import annotations
 

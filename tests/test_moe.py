@@ -212,7 +212,8 @@ def test_int8_experts_stay_close_to_float(checkpoint):
     layer = qparams["layers"][1]
     assert isinstance(layer["experts_gate_up"], quant.QuantizedWeight)
     assert layer["experts_gate_up"].q.dtype == jnp.int8
-    assert layer["experts_gate_up"].scale.shape == (cfg.num_experts, 2 * cfg.expert_intermediate_size)
+    E, F = cfg.num_experts, cfg.expert_intermediate_size
+    assert layer["experts_gate_up"].scale.shape == (E, 2 * F)
     assert layer["router"].dtype == jnp.float32
     abstract = quantize.abstract_params(arch.param_specs(cfg), "int8")
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == \
@@ -240,6 +241,51 @@ def test_expert_parallel_on_four_devices_equals_one(checkpoint, quantized):
     assert {s.data.shape[0] for s in stack.addressable_shards} == {cfg.num_experts // n}
     np.testing.assert_allclose(_one_step(arch, ep_cfg, placed), _one_step(arch, cfg, params),
                                rtol=1e-4, atol=1e-4)
+
+
+def _write_tokenizer(path):
+    """A word-level tokenizer over the tiny vocabulary (the engine needs one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+
+
+def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
+    """Through the loader and the engine (scheduler, buckets, sampling): the same greedy tokens
+    on one device and with the experts split over four (--devices cpu:4)."""
+    from maxjax.engine.types import SamplingParams
+    from maxjax.llm import LLM
+    from maxjax.models.loader import load_model
+    _, path = checkpoint
+    _write_tokenizer(path)
+    model = load_model(path, "float32", progress=False)
+    engine = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+                  kv_cache_page_size=8)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [p[:20] for p in _prompts()]
+    one = LLM(model, **engine).generate(prompts, greedy)
+    llm = LLM(model, devices="cpu:4", **engine)
+    four = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in four] == [o.token_ids for o in one]
+    assert llm.core.model.config.expert_shards == 4
+    stack = llm.core.model.params["layers"][1]["experts_gate_up"]
+    assert stack.sharding.spec[0] == sharding.MODEL_AXIS
+
+
+def test_lora_on_moe_is_refused(checkpoint):
+    from types import SimpleNamespace
+
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.core import make_lora_manager
+    from maxjax.errors import UserError
+    _, path = checkpoint
+    _, cfg, _ = _load(path)
+    with pytest.raises(UserError, match="--enable-lora: .* routes its MLPs over experts"):
+        make_lora_manager(EngineConfig(enable_lora=True), SimpleNamespace(config=cfg))
 
 
 def test_list_shows_the_moe_families(capsys):

@@ -183,6 +183,9 @@ def make_lora_manager(cfg: EngineConfig, model):
             raise UserError("--lora-paths needs --enable-lora")
         return None
     lora_shape(cfg)
+    if model.config.moe_layers:     # adapters target w_gate_up / w_down, which it does not have
+        raise UserError(f"--enable-lora: {model.config.architecture} routes its MLPs over "
+                        "experts; LoRA on mixture-of-experts models is not supported yet")
     from maxjax.lora.manager import LoraManager
     manager = LoraManager(model.config, model.compute_dtype, cfg.max_num_loras,
                           cfg.max_lora_rank, cfg.max_cpu_loras)
