@@ -144,3 +144,27 @@ def test_int8_perplexity_next_to_float32(name, tmp_path):
     print(f"\n{name}: int8 perplexity {ppl['int8']:.4f} vs float32 {ppl['float32']:.4f}")
     assert ppl["int8"] != ppl["float32"]
     assert abs(ppl["int8"] / ppl["float32"] - 1) <= INT8_PPL_TOLERANCE
+
+
+def test_new_config_fields_leave_existing_fingerprints_alone():
+    """ModelConfig.to_dict (the model fingerprint, maxjax/aot/manifest.py) names the OLMo 2 /
+    Phi-3 fields only where a model sets them: stored artifacts of the other families still
+    match."""
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    llama = registry.get_architecture("LlamaForCausalLM").config_from_hf(hf).to_dict()
+    assert not {"pre_norms", "qk_norm_full", "rotary_dim"} & set(llama)
+    olmo = registry.get_architecture("Olmo2ForCausalLM").config_from_hf(
+        hf | {"architectures": ["Olmo2ForCausalLM"]}).to_dict()
+    assert olmo["pre_norms"] is False and olmo["qk_norm_full"] is True
+
+
+def test_maxjax_list_shows_both(capsys):
+    import json
+
+    from maxjax import cli
+    assert cli.main(["list", "--json"]) == 0
+    listed = {a["name"]: a for a in json.loads(capsys.readouterr().out)}
+    assert {"Olmo2ForCausalLM", "Phi3ForCausalLM"} <= set(listed)
+    assert "phi3" in json.dumps(listed["Phi3ForCausalLM"])
+    assert "olmo2" in json.dumps(listed["Olmo2ForCausalLM"])
