@@ -10,6 +10,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+# Fields added after artifacts and compile-cache entries were first stored: `to_dict` leaves them
+# out at their default, so an existing model's fingerprint (maxjax/aot/manifest.py) stays the same.
+_OMIT_DEFAULT = {"omit_default": True}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -48,6 +53,12 @@ class ModelConfig:
     # gate|up weights laid out as this many per-device blocks, each [q_i|k_i|v_i] ([g_i|u_i]).
     qkv_shards: int = 1
     gate_up_shards: int = 1
+    # OLMo 2: no norms before attention and MLP (only the post-norms), and q/k RMSNorm over the
+    # whole projection (all heads at once) rather than per head.
+    pre_norms: bool = field(default=True, metadata=_OMIT_DEFAULT)
+    qk_norm_full: bool = field(default=False, metadata=_OMIT_DEFAULT)
+    # Phi-3 / Phi-4-mini: rope on the first `rotary_dim` dims of each head (None: all of them).
+    rotary_dim: int | None = field(default=None, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:
@@ -66,4 +77,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_default") and d[f.name] == f.default:
+                del d[f.name]
+        return d

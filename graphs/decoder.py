@@ -41,10 +41,15 @@ def param_specs(cfg: ModelConfig) -> dict:
            "w_down": ArraySpec((F, D), ("mlp", "embed"))}
     if cfg.attention_bias:
         lay["bqkv"] = ArraySpec((qkv,), ("qkv",))
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_full:
+        lay["q_norm"] = ArraySpec((cfg.q_size,), ("q_heads",))
+        lay["k_norm"] = ArraySpec((cfg.kv_size,), ("kv_heads",))
+    elif cfg.qk_norm:
         lay["q_norm"] = lay["k_norm"] = ArraySpec((cfg.head_dim,), ("head_dim",))
     if cfg.post_norms:
         lay["post_attn_norm"] = lay["post_mlp_norm"] = norm
+    if not cfg.pre_norms:
+        del lay["attn_norm"], lay["mlp_norm"]
     table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
     specs = {"embed": table, "final_norm": norm,
              "layers": [dict(lay) for _ in range(cfg.num_layers)]}
@@ -91,15 +96,18 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
     page_size = k_pool.shape[3]
     live = step.live_tokens()
     with jax.named_scope("attention"):
-        x = L.rms_norm(h, p["attn_norm"], eps, plus1)
+        x = L.rms_norm(h, p["attn_norm"], eps, plus1) if cfg.pre_norms else h
         qkv = L.linear(x, p["wqkv"], live=live)
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v = L.split_fused(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_shards)
+        if cfg.qk_norm_full:
+            q = L.rms_norm(q, p["q_norm"], eps, plus1)
+            k = L.rms_norm(k, p["k_norm"], eps, plus1)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if "q_norm" in p:
+        if "q_norm" in p and not cfg.qk_norm_full:
             q = L.rms_norm(q, p["q_norm"], eps, plus1)
             k = L.rms_norm(k, p["k_norm"], eps, plus1)
         cos, sin = rope[1] if cfg.layer_local_rope[layer] else rope[0]
@@ -113,7 +121,7 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
         h = h + out
     with jax.named_scope("mlp"):
-        x = L.rms_norm(h, p["mlp_norm"], eps, plus1)
+        x = L.rms_norm(h, p["mlp_norm"], eps, plus1) if cfg.pre_norms else h
         out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, cfg.gate_up_shards,
                           live)
         if "post_mlp_norm" in p:
@@ -133,9 +141,10 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     h = quant.embed(params["embed"], step.token_ids)
     if cfg.embed_scale is not None:
         h = h * jnp.asarray(cfg.embed_scale, jnp.float32).astype(h.dtype)
-    inv_g = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rot_dim = cfg.rotary_dim or cfg.head_dim
+    inv_g = L.rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling)
     local_theta = cfg.rope_local_theta or cfg.rope_theta
-    inv_l = L.rope_inv_freq(cfg.head_dim, local_theta, None)
+    inv_l = L.rope_inv_freq(rot_dim, local_theta, None)
     rope = (L.rope_cos_sin(step.positions, inv_g), L.rope_cos_sin(step.positions, inv_l))
     adapters = params.get("lora")     # present when the engine serves LoRA (graphs/lora.py)
     if adapters:

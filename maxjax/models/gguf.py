@@ -50,6 +50,19 @@ _GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, **{
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 })
+# OLMo 2: no pre-norms; a norm after attention and after the MLP. Phi-3: fused q|k|v and gate|up
+# (graphs/phi3.py cuts them).
+_OLMO2_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items()
+                      if k not in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+_OLMO2_LAYER_NAMES.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                           "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
+_PHI3_LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight",
+                     "self_attn.qkv_proj.weight": "attn_qkv.weight",
+                     "self_attn.o_proj.weight": "attn_output.weight",
+                     "post_attention_layernorm.weight": "ffn_norm.weight",
+                     "mlp.gate_up_proj.weight": "ffn_up.weight",
+                     "mlp.down_proj.weight": "ffn_down.weight"}
+_ARCH_LAYER_NAMES = {"olmo2": _OLMO2_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -236,7 +249,8 @@ class GGUFTensorReader:
         self.arch = gguf_arch
         self.permute = gguf_arch == "llama"
         self.gemma = gguf_arch.startswith("gemma")
-        self.layer_names = _GEMMA_LAYER_NAMES if self.gemma else _LAYER_NAMES
+        self.layer_names = _ARCH_LAYER_NAMES.get(
+            gguf_arch, _GEMMA_LAYER_NAMES if self.gemma else _LAYER_NAMES)
         self.n_heads = hf["num_attention_heads"]
         self.n_kv_heads = hf["num_key_value_heads"]
 
@@ -376,7 +390,21 @@ def hf_config(gf: GGUFFile, gguf_arch: str, arch_name: str) -> dict:
         hf["rope_scaling"] = _llama3_scaling(freqs, theta, int(head_dim), md, p)
     if gguf_arch == "gemma3":
         _gemma3_fields(hf, get)
+    if gguf_arch == "phi3":
+        _phi3_fields(hf, get, gf)
     return hf
+
+
+def _phi3_fields(hf: dict, get, gf: GGUFFile) -> None:
+    # convert_hf_to_gguf's Phi3MiniModel: rope.dimension_count is the rotary part of a head
+    # (partial_rotary_factor), LongRoPE comes as rope_factors_long/short tensors.
+    if "rope_factors_long.weight" in gf.tensors or "rope_factors_short.weight" in gf.tensors:
+        raise UserError(f"{gf.path}: Phi3 LongRoPE (rope_factors_long/short) is not supported")
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    rotary = int(get("rope.dimension_count") or head_dim)
+    hf["head_dim"] = head_dim
+    hf["partial_rotary_factor"] = rotary / head_dim
+    hf["sliding_window"] = int(get("attention.sliding_window", 0)) or None
 
 
 def _gemma3_fields(hf: dict, get) -> None:

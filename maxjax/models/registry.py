@@ -9,7 +9,7 @@ import sys
 from maxjax.errors import UserError
 from maxjax.graphs.arch import Architecture
 
-BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3")
 
 _registry: dict[str, Architecture] = {}
 
