@@ -48,6 +48,13 @@ class ModelConfig:
     # gate|up weights laid out as this many per-device blocks, each [q_i|k_i|v_i] ([g_i|u_i]).
     qkv_shards: int = 1
     gate_up_shards: int = 1
+    # Fields below are left out of `to_dict` at their defaults, so the fingerprint (compile-cache
+    # keys, artifacts) of every family that does not use them stays what it was.
+    # Gemma 2: attention scores (after the scale) through cap * tanh(s / cap).
+    attn_logit_softcap: float | None = field(default=None, metadata={"omit_default": True})
+    # Granite: h + out * residual_scale after attention and MLP; logits / logits_scaling.
+    residual_scale: float | None = field(default=None, metadata={"omit_default": True})
+    logits_scaling: float | None = field(default=None, metadata={"omit_default": True})
 
     def __post_init__(self):
         if not self.layer_windows:
@@ -66,4 +73,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_default") and out[f.name] == f.default:
+                del out[f.name]
+        return out

@@ -58,7 +58,10 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # picks for it (transformers 5 TOKENIZER_MAPPING_NAMES).
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 _TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "gemma3": "GemmaTokenizer",
-                      "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
+                      "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer",
+                      "gemma2": "GemmaTokenizer"}
+# Architectures whose Q/K rows llama.cpp permutes (convert_hf_to_gguf LlamaModel and subclasses).
+_PERMUTED_QK = ("llama", "granite")
 
 
 class GGUFFile:
@@ -234,7 +237,7 @@ class GGUFTensorReader:
     def __init__(self, gf: GGUFFile, gguf_arch: str, hf: dict):
         self.gf = gf
         self.arch = gguf_arch
-        self.permute = gguf_arch == "llama"
+        self.permute = gguf_arch in _PERMUTED_QK
         self.gemma = gguf_arch.startswith("gemma")
         self.layer_names = _GEMMA_LAYER_NAMES if self.gemma else _LAYER_NAMES
         self.n_heads = hf["num_attention_heads"]
@@ -376,7 +379,34 @@ def hf_config(gf: GGUFFile, gguf_arch: str, arch_name: str) -> dict:
         hf["rope_scaling"] = _llama3_scaling(freqs, theta, int(head_dim), md, p)
     if gguf_arch == "gemma3":
         _gemma3_fields(hf, get)
+    if gguf_arch == "gemma2":
+        _gemma2_fields(hf, get)
+    if gguf_arch == "granite":
+        _granite_fields(hf, get)
     return hf
+
+
+def _gemma2_fields(hf: dict, get) -> None:
+    # llama.cpp (llama-model.cpp): even layers sliding, odd full; queries scaled by
+    # 1/sqrt(head_dim) except 27B (46 layers: hidden / heads), as Gemma 2's query_pre_attn_scalar.
+    n = hf["num_hidden_layers"]
+    hf["sliding_window"] = int(get("attention.sliding_window", 4096))
+    hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if n == 46 \
+        else hf["head_dim"]
+    hf["hidden_activation"] = hf["hidden_act"] = "gelu_pytorch_tanh"
+    hf["attn_logit_softcapping"] = float(get("attn_logit_softcapping", 50.0))   # llama.cpp's
+    hf["final_logit_softcapping"] = float(get("final_logit_softcapping", 30.0))  # defaults
+
+
+def _granite_fields(hf: dict, get) -> None:
+    # convert_hf_to_gguf GraniteModel writes the four multipliers; llama.cpp's defaults when
+    # absent: 1, and 1/sqrt(head_dim) for the attention scale.
+    for key, field in (("embedding_scale", "embedding_multiplier"),
+                       ("residual_scale", "residual_multiplier"),
+                       ("logit_scale", "logits_scaling")):
+        hf[field] = float(get(key, 1.0))
+    hf["attention_multiplier"] = float(get("attention.scale", hf["head_dim"] ** -0.5))
 
 
 def _gemma3_fields(hf: dict, get) -> None:
