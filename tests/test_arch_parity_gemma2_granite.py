@@ -202,12 +202,21 @@ def _perplexity_and_top1(logits, tokens):
     return math.exp(-logp.mean()), np.argmax(logits[:-1], -1)
 
 
-def test_int8_perplexity_next_to_float32(family):
+@pytest.mark.parametrize("kernels", [False, True], ids=["xla", "cpu-kernels"])
+def test_int8_perplexity_next_to_float32(family, kernels):
+    """int8 through XLA's matmuls, and through the CPU kernels of --use-experimental-kernels
+    (graphs/cpu_kernels.py, the int8 matrices packed)."""
+    from maxjax.graphs import cpu_kernels
+    if kernels and cpu_kernels.unavailable() is not None:
+        pytest.skip(f"CPU kernels: {cpu_kernels.unavailable()}")
     _, _, hf_dir, _, prompts, ref = family
     text = prompts[1] + ref[1][1]        # a prompt and transformers' greedy continuation
     scores = {}
     for encoding in ("float32", "int8"):
         m = load_model(hf_dir, encoding, progress=False)
+        if encoding == "int8" and kernels:
+            m = dataclasses.replace(m, params=cpu_kernels.pack_params(m.params))
+            assert cpu_kernels.kernels_of(m.params)
         scores[encoding] = _perplexity_and_top1(_prefill_logits(m, m.config, text), text)
     (base, top_f32), (ours, top) = scores["float32"], scores["int8"]
     assert abs(ours / base - 1) <= INT8_PPL_REL, (ours, base)
