@@ -5,21 +5,31 @@ the decoder shown to matter; int8 within a perplexity bound of float32."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
 import math
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
+from safetensors.numpy import load_file
 
+from maxjax import cli
+from maxjax.graphs import attention, cpu_kernels
 from maxjax.graphs.decoder import init_kv
+from maxjax.graphs.pallas_attention import PAGED_KERNEL, paged_attention
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from maxjax.models import gguf as G
+from maxjax.models import registry
 from maxjax.models.loader import load_model
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
+from test_gguf import llama_cpp_permute
+from test_pallas_attention import LAYER, LAYERS, ragged_batch
 
 VOCAB, WINDOW, NEW_TOKENS = 512, 16, 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -62,7 +72,6 @@ PROMPT_LENGTHS = (5, 40, 90)     # 40 and 90 exceed Gemma 2's window of 16
 def _write_gguf(path, name: str, model, hf_dir: str) -> str:
     """The checkpoint as llama.cpp writes it (F32): Gemma norms stored as 1 + w, Granite's
     (a LlamaModel subclass) Q/K rows permuted, the family's scalars in metadata."""
-    from test_gguf import llama_cpp_permute
     c = model.config
     arch = {"gemma2": "gemma2", "granite": "granite"}[name]
     w = GGUFWriter(str(path), arch)
@@ -91,8 +100,6 @@ def _write_gguf(path, name: str, model, hf_dir: str) -> str:
     gemma = name == "gemma2"
     names = G.GGUFTensorReader.__new__(G.GGUFTensorReader)
     names.layer_names = G._GEMMA_LAYER_NAMES if gemma else G._LAYER_NAMES
-    from safetensors.numpy import load_file
-    import glob
     tensors = {}
     for f in glob.glob(f"{hf_dir}/*.safetensors"):
         tensors.update(load_file(f))
@@ -160,18 +167,24 @@ def test_paged_graph_matches_transformers(family, loader):
         assert our_tokens == ref_tokens
 
 
-def _prefill_logits(m, cfg, tokens, page=16):
-    """float32 logits at every position of `tokens`, one prefill step."""
-    pages = list(range(1, -(-len(tokens) // page) + 1))
-    kv = init_kv(cfg, len(pages) + 1, page, m.compute_dtype)
-
+@functools.cache
+def _prefill_graph(arch, cfg):
+    """One jitted prefill per (architecture, config), shared by the tests (fewer compiles)."""
     @partial(jax.jit, donate_argnums=(1,))
     def prefill(params, kv, step):
-        h, kv = m.arch.hidden_states(cfg, params, kv, step)
-        return m.arch.lm_logits(cfg, params, h), kv
-    T = 1 << (len(tokens) - 1).bit_length()
+        h, kv = arch.hidden_states(cfg, params, kv, step)
+        return arch.lm_logits(cfg, params, h), kv
+    return prefill
+
+
+def _prefill_logits(m, cfg, tokens, page=16):
+    """float32 logits at every position of `tokens`, one prefill step."""
+    T = 1 << (len(tokens) - 1).bit_length()     # shapes of the bucket only: graphs are shared
+    pages = list(range(1, -(-T // page) + 1))
+    kv = init_kv(cfg, len(pages) + 1, page, m.compute_dtype)
     step = build_step_inputs([RowSlice(tokens, 0, pages)], T, 1, len(pages), page)
-    return np.asarray(prefill(m.params, kv, step)[0], np.float64)[:len(tokens)]
+    logits, _ = _prefill_graph(m.arch, cfg)(m.params, kv, step)
+    return np.asarray(logits, np.float64)[:len(tokens)]
 
 
 # The decoder features these families added to ModelConfig, each set to "absent".
@@ -206,7 +219,6 @@ def _perplexity_and_top1(logits, tokens):
 def test_int8_perplexity_next_to_float32(family, kernels):
     """int8 through XLA's matmuls, and through the CPU kernels of --use-experimental-kernels
     (graphs/cpu_kernels.py, the int8 matrices packed)."""
-    from maxjax.graphs import cpu_kernels
     if kernels and cpu_kernels.unavailable() is not None:
         pytest.skip(f"CPU kernels: {cpu_kernels.unavailable()}")
     _, _, hf_dir, _, prompts, ref = family
@@ -226,10 +238,6 @@ def test_int8_perplexity_next_to_float32(family, kernels):
 def test_gpu_kernel_softcaps_like_the_query_blocks():
     """The Pallas kernel (graphs/pallas_attention.py, interpret mode here; no GPU needed) caps
     scores as the query-block attention the parity test checks does, sliding window included."""
-    import jax.numpy as jnp
-    from maxjax.graphs import attention
-    from maxjax.graphs.pallas_attention import PAGED_KERNEL, paged_attention
-    from test_pallas_attention import LAYER, LAYERS, ragged_batch
     rng = np.random.default_rng(3)
     page, H, KV, T, R, P, window, hd, cap = 16, 4, 2, 32, 4, 4, 20, 16, 2.0
     rows, num_pages = ragged_batch(rng, page, T, R, P)
@@ -260,7 +268,6 @@ def _hf(arch: str, **extra) -> dict:
 
 
 def test_gemma2_config():
-    from maxjax.models import registry
     arch = registry.get_architecture("Gemma2ForCausalLM")
     # a config.json without the Gemma 2 fields: Gemma2Config's defaults
     cfg = arch.config_from_hf(_hf("Gemma2ForCausalLM", head_dim=16))
@@ -280,7 +287,6 @@ def test_gemma2_config():
 
 
 def test_granite_config():
-    from maxjax.models import registry
     arch = registry.get_architecture("GraniteForCausalLM")
     cfg = arch.config_from_hf(_hf("GraniteForCausalLM", embedding_multiplier=12.0,
                                   attention_multiplier=0.0078125, residual_multiplier=0.22,
@@ -295,7 +301,6 @@ def test_granite_config():
 def test_new_fields_stay_out_of_other_families_fingerprints():
     """ModelConfig.to_dict (the model fingerprint: compile-cache keys, artifacts) of a family
     that leaves the new fields at their defaults is what it was before they existed."""
-    from maxjax.models import registry
     llama = registry.get_architecture("LlamaForCausalLM").config_from_hf(_hf("LlamaForCausalLM"))
     new = {"attn_logit_softcap", "residual_scale", "logits_scaling"}
     assert not new & set(llama.to_dict())
@@ -327,7 +332,6 @@ def test_gguf_config_defaults_follow_llama_cpp(tmp_path):
 
 
 def test_maxjax_list_shows_the_families(capsys):
-    from maxjax import cli
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "Gemma2ForCausalLM" in out and "[gguf: gemma2]" in out
