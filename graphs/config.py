@@ -59,6 +59,11 @@ class ModelConfig:
     qk_norm_full: bool = field(default=False, metadata=_OMIT_DEFAULT)
     # Phi-3 / Phi-4-mini: rope on the first `rotary_dim` dims of each head (None: all of them).
     rotary_dim: int | None = field(default=None, metadata=_OMIT_DEFAULT)
+    # Gemma 2: attention scores (after the scale) through cap * tanh(s / cap).
+    attn_logit_softcap: float | None = field(default=None, metadata=_OMIT_DEFAULT)
+    # Granite: h + out * residual_scale after attention and MLP; logits / logits_scaling.
+    residual_scale: float | None = field(default=None, metadata=_OMIT_DEFAULT)
+    logits_scaling: float | None = field(default=None, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:

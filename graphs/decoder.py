@@ -115,19 +115,26 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
         k_pool = attention.write_kv(k_pool, layer, step, k, page_size)
         v_pool = attention.write_kv(v_pool, layer, step, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
-        attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale)
+        attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale,
+                                cfg.attn_logit_softcap)
         out = L.linear(attn.reshape(T, cfg.q_size), p["wo"], live=live)
         if "post_attn_norm" in p:
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
-        h = h + out
+        h = _residual(cfg, h, out)
     with jax.named_scope("mlp"):
         x = L.rms_norm(h, p["mlp_norm"], eps, plus1) if cfg.pre_norms else h
         out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, cfg.gate_up_shards,
                           live)
         if "post_mlp_norm" in p:
             out = L.rms_norm(out, p["post_mlp_norm"], eps, plus1)
-        h = h + out
+        h = _residual(cfg, h, out)
     return h, (k_pool, v_pool)
+
+
+def _residual(cfg: ModelConfig, h, out):
+    if cfg.residual_scale is not None:
+        out = out * cfg.residual_scale
+    return h + out
 
 
 def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
@@ -161,6 +168,8 @@ def lm_logits(cfg: ModelConfig, params: dict, h):
     """float32 logits [N, vocab] of final hidden states h [N, hidden]."""
     head = params.get("lm_head", params["embed"])
     logits = L.linear(h, head, transposed=True, out_dtype=jnp.float32)
+    if cfg.logits_scaling is not None:
+        logits = logits / cfg.logits_scaling
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits

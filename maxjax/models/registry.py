@@ -9,7 +9,8 @@ import sys
 from maxjax.errors import UserError
 from maxjax.graphs.arch import Architecture
 
-BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3")
+BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3",
+                   "gemma2", "granite")
 
 _registry: dict[str, Architecture] = {}
 
