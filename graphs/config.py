@@ -10,6 +10,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+# Fields added after artifacts and compile-cache entries were first stored: `to_dict` leaves them
+# out at their default, so an existing model's fingerprint (maxjax/aot/manifest.py) stays the same.
+_OMIT_DEFAULT = {"omit_default": True}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -48,17 +53,28 @@ class ModelConfig:
     # gate|up weights laid out as this many per-device blocks, each [q_i|k_i|v_i] ([g_i|u_i]).
     qkv_shards: int = 1
     gate_up_shards: int = 1
+    # OLMo 2: no norms before attention and MLP (only the post-norms), and q/k RMSNorm over the
+    # whole projection (all heads at once) rather than per head.
+    pre_norms: bool = field(default=True, metadata=_OMIT_DEFAULT)
+    qk_norm_full: bool = field(default=False, metadata=_OMIT_DEFAULT)
+    # Phi-3 / Phi-4-mini: rope on the first `rotary_dim` dims of each head (None: all of them).
+    rotary_dim: int | None = field(default=None, metadata=_OMIT_DEFAULT)
+    # Gemma 2: attention scores (after the scale) through cap * tanh(s / cap).
+    attn_logit_softcap: float | None = field(default=None, metadata=_OMIT_DEFAULT)
+    # Granite: h + out * residual_scale after attention and MLP; logits / logits_scaling.
+    residual_scale: float | None = field(default=None, metadata=_OMIT_DEFAULT)
+    logits_scaling: float | None = field(default=None, metadata=_OMIT_DEFAULT)
     # Mixture of experts (graphs/moe.py): per layer, True where the MLP is routed to
     # `experts_per_token` of `num_experts` experts of `expert_intermediate_size` each (the
     # top-k weights renormalised when `norm_topk_prob`); (): every layer dense.
-    moe_layers: tuple[bool, ...] = ()
-    num_experts: int = 0
-    experts_per_token: int = 0
-    expert_intermediate_size: int = 0
-    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = field(default=(), metadata=_OMIT_DEFAULT)
+    num_experts: int = field(default=0, metadata=_OMIT_DEFAULT)
+    experts_per_token: int = field(default=0, metadata=_OMIT_DEFAULT)
+    expert_intermediate_size: int = field(default=0, metadata=_OMIT_DEFAULT)
+    norm_topk_prob: bool = field(default=False, metadata=_OMIT_DEFAULT)
     # Expert parallelism (graphs/sharding.py `tensor_parallel_layout`): the expert stacks split
     # over this many devices of the mesh axis, each running the pairs routed to its experts.
-    expert_shards: int = 1
+    expert_shards: int = field(default=1, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:
@@ -77,12 +93,10 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        """The fields, less the mixture-of-experts ones of a dense model (so a dense model's
-        artifact and compile-cache fingerprints stay what they were before those fields)."""
         d = dataclasses.asdict(self)
-        if not self.moe_layers:
-            for name in MOE_FIELDS:
-                del d[name]
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_default") and d[f.name] == f.default:
+                del d[f.name]
         return d
 
 

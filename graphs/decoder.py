@@ -42,10 +42,15 @@ def param_specs(cfg: ModelConfig) -> dict:
            "w_down": ArraySpec((F, D), ("mlp", "embed"))}
     if cfg.attention_bias:
         lay["bqkv"] = ArraySpec((qkv,), ("qkv",))
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_full:
+        lay["q_norm"] = ArraySpec((cfg.q_size,), ("q_heads",))
+        lay["k_norm"] = ArraySpec((cfg.kv_size,), ("kv_heads",))
+    elif cfg.qk_norm:
         lay["q_norm"] = lay["k_norm"] = ArraySpec((cfg.head_dim,), ("head_dim",))
     if cfg.post_norms:
         lay["post_attn_norm"] = lay["post_mlp_norm"] = norm
+    if not cfg.pre_norms:
+        del lay["attn_norm"], lay["mlp_norm"]
     table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
     specs = {"embed": table, "final_norm": norm,
              "layers": [moe.layer_specs(cfg, lay) if moe.is_moe(cfg, i) else dict(lay)
@@ -93,15 +98,18 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
     page_size = k_pool.shape[3]
     live = step.live_tokens()
     with jax.named_scope("attention"):
-        x = L.rms_norm(h, p["attn_norm"], eps, plus1)
+        x = L.rms_norm(h, p["attn_norm"], eps, plus1) if cfg.pre_norms else h
         qkv = L.linear(x, p["wqkv"], live=live)
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v = L.split_fused(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_shards)
+        if cfg.qk_norm_full:
+            q = L.rms_norm(q, p["q_norm"], eps, plus1)
+            k = L.rms_norm(k, p["k_norm"], eps, plus1)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if "q_norm" in p:
+        if "q_norm" in p and not cfg.qk_norm_full:
             q = L.rms_norm(q, p["q_norm"], eps, plus1)
             k = L.rms_norm(k, p["k_norm"], eps, plus1)
         cos, sin = rope[1] if cfg.layer_local_rope[layer] else rope[0]
@@ -109,13 +117,14 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
         k_pool = attention.write_kv(k_pool, layer, step, k, page_size)
         v_pool = attention.write_kv(v_pool, layer, step, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
-        attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale)
+        attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale,
+                                cfg.attn_logit_softcap)
         out = L.linear(attn.reshape(T, cfg.q_size), p["wo"], live=live)
         if "post_attn_norm" in p:
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
-        h = h + out
+        h = _residual(cfg, h, out)
     with jax.named_scope("mlp"):
-        x = L.rms_norm(h, p["mlp_norm"], eps, plus1)
+        x = L.rms_norm(h, p["mlp_norm"], eps, plus1) if cfg.pre_norms else h
         if "router" in p:
             out = moe.moe_mlp(cfg, x, p, live)
         else:
@@ -123,8 +132,14 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
                               cfg.gate_up_shards, live)
         if "post_mlp_norm" in p:
             out = L.rms_norm(out, p["post_mlp_norm"], eps, plus1)
-        h = h + out
+        h = _residual(cfg, h, out)
     return h, (k_pool, v_pool)
+
+
+def _residual(cfg: ModelConfig, h, out):
+    if cfg.residual_scale is not None:
+        out = out * cfg.residual_scale
+    return h + out
 
 
 def forward(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
@@ -138,9 +153,10 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     h = quant.embed(params["embed"], step.token_ids)
     if cfg.embed_scale is not None:
         h = h * jnp.asarray(cfg.embed_scale, jnp.float32).astype(h.dtype)
-    inv_g = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rot_dim = cfg.rotary_dim or cfg.head_dim
+    inv_g = L.rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling)
     local_theta = cfg.rope_local_theta or cfg.rope_theta
-    inv_l = L.rope_inv_freq(cfg.head_dim, local_theta, None)
+    inv_l = L.rope_inv_freq(rot_dim, local_theta, None)
     rope = (L.rope_cos_sin(step.positions, inv_g), L.rope_cos_sin(step.positions, inv_l))
     adapters = params.get("lora")     # present when the engine serves LoRA (graphs/lora.py)
     if adapters:
@@ -157,6 +173,8 @@ def lm_logits(cfg: ModelConfig, params: dict, h):
     """float32 logits [N, vocab] of final hidden states h [N, hidden]."""
     head = params.get("lm_head", params["embed"])
     logits = L.linear(h, head, transposed=True, out_dtype=jnp.float32)
+    if cfg.logits_scaling is not None:
+        logits = logits / cfg.logits_scaling
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits

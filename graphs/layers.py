@@ -122,7 +122,11 @@ def rope_cos_sin(positions, inv_freq):
 
 
 def apply_rope(x, cos, sin):
-    """x [T, heads, head_dim]; HF's rotate-half layout."""
+    """x [T, heads, head_dim]; HF's rotate-half layout, on the first cos.shape[-1] dims of each
+    head (partial rotary: the rest pass through)."""
+    rot_dim = cos.shape[-1]
+    if rot_dim < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot_dim], cos, sin), x[..., rot_dim:]], -1)
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)

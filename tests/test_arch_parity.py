@@ -53,8 +53,27 @@ def _gemma3():
     return Gemma3ForCausalLM(cfg)
 
 
+def _olmo2():
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    return Olmo2ForCausalLM(Olmo2Config(**COMMON, num_hidden_layers=2, eos_token_id=2))
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=WINDOW,
+                                      pad_token_id=0, eos_token_id=2))
+
+
+def _phi4_mini():
+    """Phi-4-mini's shape: rope on 3/4 of each head, tied embeddings (no LongRoPE: refused)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    return Phi3ForCausalLM(Phi3Config(**COMMON, num_hidden_layers=2, rope_parameters=rope,
+                                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=2))
+
+
 MODELS = {"qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "llama3": _llama3,
-          "gemma3": _gemma3}
+          "gemma3": _gemma3, "olmo2": _olmo2, "phi3": _phi3, "phi4_mini": _phi4_mini}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -80,6 +99,9 @@ def test_paged_graph_matches_transformers(name, tmp_path):
                                   page_size=16)
     for prompt, ours, our_tokens in zip(prompts, logits, tokens):
         ref_logits, ref_tokens = hf_greedy(model, prompt, NEW_TOKENS)
+        # float32 on both sides: 1e-3 of the largest logit leaves room for reordered sums
+        # (observed < 1e-6 for olmo2/phi3/phi4_mini) and is under what a missing feature gives
+        # (phi4_mini with rope on every dim: 5e-3; phi3 without its window: 1.2)
         assert_logits_close(ours, ref_logits)
         assert our_tokens == ref_tokens
 
@@ -100,6 +122,11 @@ def test_configs_carry_the_architecture_specifics():
     assert g.attn_scale == pytest.approx(24 ** -0.5) and g.embed_scale == pytest.approx(8.0)
     assert g.hidden_act == "gelu_pytorch_tanh" and g.norm_plus_one and g.post_norms
     assert g.final_logit_softcap == 30.0
+    o = cfg_of(_olmo2)
+    assert o.qk_norm and o.qk_norm_full and o.post_norms and not o.pre_norms
+    assert o.rms_norm_eps == pytest.approx(1e-5)
+    assert cfg_of(_phi3).layer_windows == (WINDOW, WINDOW) and cfg_of(_phi3).rotary_dim is None
+    assert cfg_of(_phi4_mini).rotary_dim == 12 and cfg_of(_phi4_mini).tie_word_embeddings
 
 
 def test_gemma3_transformers4_config_layout():
@@ -134,6 +161,15 @@ def test_unsupported_variants_are_rejected_by_name():
     with pytest.raises(ValueError, match="bidirectional"):
         registry.get_architecture("Gemma3ForCausalLM").config_from_hf(
             base | {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="attention_bias"):
+        registry.get_architecture("Olmo2ForCausalLM").config_from_hf(
+            base | {"architectures": ["Olmo2ForCausalLM"], "attention_bias": True})
+    longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for rope in ({"rope_scaling": longrope}, {"rope_scaling": dict(longrope, type="su")},
+                 {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}):
+        with pytest.raises(ValueError, match="Phi3 rope scaling .* not supported"):
+            registry.get_architecture("Phi3ForCausalLM").config_from_hf(
+                base | {"architectures": ["Phi3ForCausalLM"]} | rope)
     mistral = registry.get_architecture("MistralForCausalLM").config_from_hf(
         base | {"architectures": ["MistralForCausalLM"], "sliding_window": None})
     assert mistral.layer_windows == (0, 0)

@@ -64,7 +64,8 @@ def test_gpu_bucket_set_and_attention():
     assert [b.num_tokens for b in lay.buckets] == [1 << i for i in range(13)]   # 1 .. 4096
     assert max(b.num_rows for b in lay.buckets) == 256
     assert all(b.num_rows == min(b.num_tokens, 256) for b in lay.buckets)
-    assert lay.max_length == 4096 and lay.max_pages_per_row == 128
+    # --max-length unset: the model's max_position_embeddings (the 1000 pages hold a row of it)
+    assert lay.max_length == 8192 and lay.max_pages_per_row == 256
     odd_heads = dataclasses.replace(LLAMA_8B, head_dim=80, num_heads=40)
     assert plan_layout(cfg, FakeModel(odd_heads), "cuda").attention == "query_blocks"
     cpu = plan_layout(EngineConfig(num_kv_pages=1000), FakeModel(LLAMA_8B))

@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     def model_cmd(name, help_text):
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp = sub.add_parser(name, help=help_text, description=help_text,
+                            usage=f"maxjax {name} [flags]")
         add_dataclass_args(sp, ModelOptions, "model")
         add_dataclass_args(sp, EngineConfig, "engine")
         add_dataclass_args(sp, DistributedOptions, "multi-host")

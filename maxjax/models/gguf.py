@@ -18,6 +18,7 @@ import struct
 import numpy as np
 
 from maxjax.errors import UserError
+from maxjax.models import gguf_families
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -50,6 +51,19 @@ _GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, **{
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 })
+# OLMo 2: no pre-norms; a norm after attention and after the MLP. Phi-3: fused q|k|v and gate|up
+# (graphs/phi3.py cuts them).
+_OLMO2_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items()
+                      if k not in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+_OLMO2_LAYER_NAMES.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                           "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
+_PHI3_LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight",
+                     "self_attn.qkv_proj.weight": "attn_qkv.weight",
+                     "self_attn.o_proj.weight": "attn_output.weight",
+                     "post_attention_layernorm.weight": "ffn_norm.weight",
+                     "mlp.gate_up_proj.weight": "ffn_up.weight",
+                     "mlp.down_proj.weight": "ffn_down.weight"}
+_ARCH_LAYER_NAMES = {"olmo2": _OLMO2_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -58,7 +72,10 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # picks for it (transformers 5 TOKENIZER_MAPPING_NAMES).
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 _TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "gemma3": "GemmaTokenizer",
-                      "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
+                      "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer",
+                      "gemma2": "GemmaTokenizer"}
+# Architectures whose Q/K rows llama.cpp permutes (convert_hf_to_gguf LlamaModel and subclasses).
+_PERMUTED_QK = ("llama", "granite")
 
 
 class GGUFFile:
@@ -234,9 +251,10 @@ class GGUFTensorReader:
     def __init__(self, gf: GGUFFile, gguf_arch: str, hf: dict):
         self.gf = gf
         self.arch = gguf_arch
-        self.permute = gguf_arch == "llama"
+        self.permute = gguf_arch in _PERMUTED_QK
         self.gemma = gguf_arch.startswith("gemma")
-        self.layer_names = _GEMMA_LAYER_NAMES if self.gemma else _LAYER_NAMES
+        self.layer_names = _ARCH_LAYER_NAMES.get(
+            gguf_arch, _GEMMA_LAYER_NAMES if self.gemma else _LAYER_NAMES)
         self.n_heads = hf["num_attention_heads"]
         self.n_kv_heads = hf["num_key_value_heads"]
 
@@ -375,33 +393,15 @@ def hf_config(gf: GGUFFile, gguf_arch: str, arch_name: str) -> dict:
         freqs = dequantize(*gf.raw("rope_freqs.weight"))
         hf["rope_scaling"] = _llama3_scaling(freqs, theta, int(head_dim), md, p)
     if gguf_arch == "gemma3":
-        _gemma3_fields(hf, get)
+        gguf_families.gemma3_fields(hf, get)
+    if gguf_arch == "phi3":
+        gguf_families.phi3_fields(hf, get, gf)
+    if gguf_arch == "gemma2":
+        gguf_families.gemma2_fields(hf, get)
+    if gguf_arch == "granite":
+        gguf_families.granite_fields(hf, get)
     return hf
 
-
-def _gemma3_fields(hf: dict, get) -> None:
-    # llama.cpp hard-codes these for Gemma 3 (llama-model.cpp): 5 local : 1 global layers, local
-    # rope base 10k, queries scaled by 1/sqrt(head_dim) except 27B (hidden / heads).
-    n = hf["num_hidden_layers"]
-    pattern = 6
-    hf["sliding_window"] = int(get("attention.sliding_window", 512))
-    hf["sliding_window_pattern"] = pattern
-    hf["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    hf["rope_local_base_freq"] = 10000.0
-    hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if n == 62 \
-        else hf["head_dim"]
-    hf["hidden_activation"] = "gelu_pytorch_tanh"
-    hf["hidden_act"] = "gelu_pytorch_tanh"
-    hf["final_logit_softcapping"] = None
-    hf["attn_logit_softcapping"] = None
-    full = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
-    if "rope_scaling" in hf:
-        full = dict(hf["rope_scaling"], rope_theta=hf["rope_theta"])
-    hf["rope_parameters"] = {"full_attention": full,
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-
-
-# --- tokenizer --------------------------------------------------------------------------------
 
 def load_tokenizer(gf: GGUFFile, gguf_arch: str):
     """transformers' tokenizer for the GGUF's `tokenizer.ggml.*` metadata, built the way

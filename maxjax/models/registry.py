@@ -9,8 +9,8 @@ import sys
 from maxjax.errors import UserError
 from maxjax.graphs.arch import Architecture
 
-BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3",
-                   "qwen3_moe", "mixtral")
+BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3",
+                   "gemma2", "granite", "qwen3_moe", "mixtral")
 
 _registry: dict[str, Architecture] = {}
 
