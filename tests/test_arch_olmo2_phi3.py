@@ -24,6 +24,7 @@ from maxjax.models.quantize import Quantizer
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 from test_arch_parity import MODELS, VOCAB
+from gguf_common import write_common_header
 
 NEW_TOKENS = 8
 GGUF_ARCH = {"olmo2": "olmo2", "phi3": "phi3", "phi4_mini": "phi3"}
@@ -49,15 +50,7 @@ def write_gguf(path, model, arch: str) -> str:
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
+    write_common_header(w, c)
     if arch == "phi3":
         w.add_rope_dimension_count(int(head_dim * c.rope_parameters["partial_rotary_factor"]))
         w.add_sliding_window(c.sliding_window or 0)

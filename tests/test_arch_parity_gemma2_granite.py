@@ -30,6 +30,7 @@ from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 from test_gguf import llama_cpp_permute
 from test_pallas_attention import LAYER, LAYERS, ragged_batch
+from gguf_common import write_common_header
 
 VOCAB, WINDOW, NEW_TOKENS = 512, 16, 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -75,15 +76,7 @@ def _write_gguf(path, name: str, model, hf_dir: str) -> str:
     c = model.config
     arch = {"gemma2": "gemma2", "granite": "granite"}[name]
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
+    write_common_header(w, c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if name == "gemma2":
         w.add_key_length(head_dim)
