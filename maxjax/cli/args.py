@@ -51,9 +51,6 @@ class BoolFlag(argparse.Action):
             parser.error(f"{option_string} takes no value")
         setattr(namespace, self.dest, False if negated else (True if value is None else value))
 
-    def format_usage(self):
-        return " | ".join(self.option_strings)
-
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None = None) -> None:
     hints = typing.get_type_hints(cls)

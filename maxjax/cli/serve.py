@@ -44,9 +44,7 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
     `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py);
     `on_death`: called once every replica's engine thread has died."""
     from maxjax.engine.build import build_core, load, replica_mesh
-    from maxjax.engine.step_policy import check_flags
-    check_flags(engine_cfg)
-    check_max_pending(serve_cfg.max_pending_requests)
+    check_max_pending(serve_cfg.max_pending_requests)   # before anything loads
     model = model_opts.source()
     if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
         model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,

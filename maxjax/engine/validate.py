@@ -83,8 +83,8 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams,
 
 
 def _check_enabled(params: SamplingParams, limits: EngineLimits) -> None:
-    off = SamplingParams()
     if not limits.penalties:
+        off = SamplingParams()
         for name in PENALTIES:
             if getattr(params, name) != getattr(off, name):
                 raise RequestError(name, "penalties are off on this server "
