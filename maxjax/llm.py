@@ -50,26 +50,29 @@ class LLM:
         from maxjax.models import registry
         for spec in custom_architectures:
             registry.register_custom(spec)
-        self.engine_config = EngineConfig(quantization_encoding=quantization_encoding,
-                                          **engine_options)
+        self.flags = EngineConfig(quantization_encoding=quantization_encoding, **engine_options)
         if precompiled_artifacts and not isinstance(model, LoadedModel):
             from maxjax.aot.load import adopt_flags
             if isinstance(model, ModelSource):
-                model = dataclasses.replace(model, model_path=adopt_flags(
-                    precompiled_artifacts, model.model_path, self.engine_config))
+                path, self.flags = adopt_flags(precompiled_artifacts, model.model_path, self.flags)
+                model = dataclasses.replace(model, model_path=path)
             else:
-                model = adopt_flags(precompiled_artifacts, model, self.engine_config)
-        self.engine_config.target(None)
-        if self.engine_config.data_parallel_degree != 1:
+                model, self.flags = adopt_flags(precompiled_artifacts, model, self.flags)
+        if self.flags.data_parallel_degree != 1:
             raise UserError("--data-parallel-degree: replicas run behind `maxjax serve`; the "
                             "offline API runs one engine (use --devices for tensor parallelism)")
-        self.core = build_core(model, self.engine_config, chat_template=chat_template,
+        self.core = build_core(model, self.flags, chat_template=chat_template,
                                precompiled_artifacts=precompiled_artifacts or (),
                                require_compiled=require_compiled_artifacts, progress=progress,
                                compile_cache=compile_cache,
                                compile_cache_max_size=compile_cache_max_size)
         self.model = self.core.model
         self.tokenizer = self.model.tokenizer
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The settings the engine runs with: the plan's (maxjax/engine/plan.py)."""
+        return self.core.cfg
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)

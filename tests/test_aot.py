@@ -184,11 +184,12 @@ def test_manifest_and_cuda_exports(warmed):
 
 def test_cuda_only_target_writes_exports_and_is_refused_here(tmp_path, model):
     cfg = EngineConfig(**ENGINE, quantization_encoding="float32")
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.plan import EnginePlan, plan_layout
     layout = plan_layout(cfg, model)
     layout.buckets = layout.buckets[:1]     # one graph keeps this fast
     d = str(tmp_path / "cuda")
-    data = aot_export.write_artifacts(d, model, cfg, layout, ["cuda"], progress=False)
+    data = aot_export.write_artifacts(d, model, EnginePlan(cfg, layout), ["cuda"],
+                                      progress=False)
     assert data["compiled_for"] is None and data["targets"] == ["cuda"]
     assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "kv_init"]
     for g in data["graphs"]:
@@ -198,7 +199,7 @@ def test_cuda_only_target_writes_exports_and_is_refused_here(tmp_path, model):
         assert exp.platforms == ("cuda",)
         assert mf.avals(exp.in_avals) == mf.flat_in(g["signature"])
     with pytest.raises(UserError, match=r"built for cuda, this machine is cpu.*--target cpu"):
-        aot_load.load_for_engine([d], model, EngineConfig(**ENGINE))
+        aot_load.load_planned([d], model, EngineConfig(**ENGINE))
 
 
 GPU_FLAGS = ["--max-batch-size", "4", "--max-batch-input-tokens", "16", "--max-length", "64",
@@ -296,7 +297,7 @@ def _flip_byte(d, kind):
 ])
 def test_explicit_engine_value_that_differs_is_refused(warmed, model, calls, override, pattern):
     with pytest.raises(UserError, match=pattern) as e:
-        aot_load.load_for_engine([warmed], model, EngineConfig(**{**ENGINE, **override}))
+        aot_load.load_planned([warmed], model, EngineConfig(**{**ENGINE, **override}))
     assert "maxjax warm-cache --model-path" in str(e.value) and "\n" not in str(e.value)
     assert calls == []
 
@@ -305,7 +306,7 @@ def test_dtype_differs(warmed, model_dir, calls):
     from maxjax.models.loader import load_model
     bf16 = load_model(model_dir, "bfloat16", progress=False)
     with pytest.raises(UserError, match=r"model dtype: artifacts float32, this run bfloat16"):
-        aot_load.load_for_engine([warmed], bf16, EngineConfig())
+        aot_load.load_planned([warmed], bf16, EngineConfig())
     assert calls == []
 
 
@@ -314,13 +315,13 @@ def test_quantization_encoding_differs(warmed, model_dir, calls):
     int8 = load_model(model_dir, "int8", progress=False)
     with pytest.raises(UserError, match=r"model dtype: artifacts float32, this run int8 \(pass "
                                         r"--quantization-encoding float32"):
-        aot_load.load_for_engine([warmed], int8, EngineConfig())
+        aot_load.load_planned([warmed], int8, EngineConfig())
     assert calls == []
 
 
 def test_kv_cache_format_differs(warmed, model, calls):
     with pytest.raises(UserError, match=r"--kv-cache-format bfloat16 differs from the float32 "):
-        aot_load.load_for_engine([warmed], model, EngineConfig(kv_cache_format="bfloat16"))
+        aot_load.load_planned([warmed], model, EngineConfig(kv_cache_format="bfloat16"))
     assert calls == []
 
 
@@ -329,7 +330,7 @@ def test_model_config_field_differs(warmed, tmp_path, calls):
     other = load_model(write_tiny_llama(tmp_path / "other", rms_norm_eps=1e-6), "float32",
                        progress=False)
     with pytest.raises(UserError, match=r"model config field rms_norm_eps: artifacts 1e-05, this model 1e-06"):
-        aot_load.load_for_engine([warmed], other, EngineConfig())
+        aot_load.load_planned([warmed], other, EngineConfig())
     assert calls == []
 
 
@@ -360,20 +361,20 @@ def test_mutated_artifacts_are_refused_before_deserializing(warmed, tmp_path, mo
     d = _copy(warmed, tmp_path)
     mutation(d)
     with pytest.raises(UserError, match=pattern) as e:
-        aot_load.load_for_engine([d], model, EngineConfig())
+        aot_load.load_planned([d], model, EngineConfig())
     assert "maxjax warm-cache" in str(e.value)
     assert calls == []
 
 
 def test_serving_flags_come_from_the_manifest(warmed, model_dir):
-    cfg = EngineConfig()
-    assert aot_load.adopt_flags([warmed], None, cfg) == os.path.abspath(model_dir)
+    path, cfg = aot_load.adopt_flags([warmed], None, EngineConfig())
+    assert path == os.path.abspath(model_dir)
     assert cfg.quantization_encoding == "float32" and cfg.devices is None
     with pytest.raises(UserError, match=r"^--quantization-encoding int8 differs from the float32 "
                                         r"the artifacts in .* were built with: drop the flag"):
         aot_load.adopt_flags([warmed], None, EngineConfig(quantization_encoding="int8"))
     # built on one device: --devices is checked against the manifest's mesh (engine mesh: ...)
-    assert aot_load.adopt_flags([warmed], str(model_dir), EngineConfig(devices="cpu:2")) == \
+    assert aot_load.adopt_flags([warmed], str(model_dir), EngineConfig(devices="cpu:2"))[0] == \
         str(model_dir)
 
 
@@ -403,14 +404,16 @@ def _one_step_updates_the_pool_in_place(core) -> bool:
 def test_loaded_executables_adopt_pinned_values_and_donate_the_pool(warmed, model, calls):
     from maxjax.engine import compile_counter
     from maxjax.engine.core import EngineCore
-    cfg = EngineConfig()                                  # nothing set: everything pinned
-    layout, exes, kv_init = aot_load.load_for_engine([warmed], model, cfg)
+    flags = EngineConfig()                                # nothing set: everything pinned
+    plan, exes, kv_init = aot_load.load_planned([warmed], model, flags)
+    cfg = plan.config
     assert (cfg.max_batch_size, cfg.num_kv_pages, cfg.max_length, cfg.kv_cache_page_size) == \
         (2, 16, 64, 16)
+    assert flags.num_kv_pages is None                     # the user's flags stay as given
     assert {e.source for e in exes.values()} == {"executable"} and len(exes) == 4
     assert calls == ["executable"] * 5                    # the step graphs and the KV initializer
     before = compile_counter.count()
-    core = EngineCore(model, cfg, layout, exes, kv_init)
+    core = EngineCore(model, plan, exes, kv_init)
     core.warmup()
     assert _one_step_updates_the_pool_in_place(core)
     assert compile_counter.count() == before
@@ -421,22 +424,22 @@ def test_other_device_compiles_the_export_or_refuses(warmed, tmp_path, model, ca
     d = _copy(warmed, tmp_path)
     _edit_manifest(d, lambda m: m["compiled_for"].update(device_kind="some other cpu"))
     with pytest.raises(UserError, match="no executable compiled for this device"):
-        aot_load.load_for_engine([d], model, EngineConfig(), require_compiled=True)
-    cfg = EngineConfig()
-    layout, exes, kv_init = aot_load.load_for_engine([d], model, cfg)
+        aot_load.load_planned([d], model, EngineConfig(), require_compiled=True)
+    plan, exes, kv_init = aot_load.load_planned([d], model, EngineConfig())
     assert {e.source for e in exes.values()} == {"export"} and "executable" not in calls
-    core = EngineCore(model, cfg, layout, exes, kv_init)
+    core = EngineCore(model, plan, exes, kv_init)
     core.warmup()
     assert _one_step_updates_the_pool_in_place(core)      # jit(exp.call, donate_argnums) donates
     assert core.stats()["xla_compiles_since_ready"] == 0
 
 
 def test_export_engine_round_trips(tmp_path, model):
-    from maxjax.engine.core import EngineCore, plan_layout
+    from maxjax.engine.core import EngineCore
+    from maxjax.engine.plan import EnginePlan, plan_layout
     cfg = EngineConfig(**ENGINE, quantization_encoding="float32")
     layout = plan_layout(cfg, model)
     layout.buckets = layout.buckets[:2]
-    core = EngineCore(model, cfg, layout)
+    core = EngineCore(model, EnginePlan(cfg, layout))
     d = str(tmp_path / "exported")
     aot_export.export_engine(d, core)
     with open(os.path.join(d, MANIFEST)) as f:

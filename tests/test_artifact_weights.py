@@ -21,7 +21,7 @@ from maxjax.aot import manifest as mf
 from maxjax.engine import compile_counter
 from maxjax.engine.build import on_devices
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import plan_layout
+from maxjax.engine.plan import EnginePlan, plan_layout
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
 from maxjax.graphs.quant import QuantizedWeight
@@ -46,7 +46,7 @@ def warm(path, directory, encoding: str, devices: str | None = None, store=None)
     """What `maxjax warm-cache --artifacts-dir DIR` does, in this process; the placed model."""
     cfg = EngineConfig(devices=devices, quantization_encoding=encoding, **ENGINE)
     placed = on_devices(loader.load_model(path, encoding, progress=False), cfg)
-    export.write_artifacts(str(directory), placed, cfg, plan_layout(cfg, placed), ["cpu"],
+    export.write_artifacts(str(directory), placed, EnginePlan(cfg, plan_layout(cfg, placed)), ["cpu"],
                            progress=False, store_weights=store)
     return placed
 

@@ -23,7 +23,7 @@ from maxjax.aot.manifest import MANIFEST
 from maxjax.cli.main import build_parser, main
 from maxjax.engine import compile_counter
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import plan_layout
+from maxjax.engine.plan import plan_layout
 from maxjax.errors import UserError
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
@@ -105,28 +105,26 @@ def test_graph_shaping_flag_misses_and_the_cap_evicts(model, filled, tmp_path):
 
 def test_model_tokenizer_version_and_device_change_the_entry(model, filled, tmp_path,
                                                             monkeypatch):
-    from maxjax.engine.build import resolve_kernels
-    cfg = EngineConfig(**ENGINE, quantization_encoding="float32")
-    resolve_kernels(cfg)          # as the engine that filled the entry did
-    layout = plan_layout(cfg, model)
-    here = cache.entry_path(model, cfg, layout, filled[0])
+    from maxjax.engine.plan import plan_engine
+    plan = plan_engine(EngineConfig(**ENGINE, quantization_encoding="float32"), model)
+    here = cache.entry_path(model, plan, filled[0])
     assert here == filled[1]
     other_model = load_model(write_tiny_llama(tmp_path / "eps", rms_norm_eps=1e-6), "float32",
                              progress=False)
     other_template = dataclasses.replace(model, chat_template="{{ messages }}")
-    paths = {here, cache.entry_path(other_model, cfg, layout, filled[0]),
-             cache.entry_path(other_template, cfg, layout, filled[0])}
+    paths = {here, cache.entry_path(other_model, plan, filled[0]),
+             cache.entry_path(other_template, plan, filled[0])}
     with monkeypatch.context() as mp:
         real = mf.versions()
         mp.setattr(mf, "versions", lambda: {**real, "jax": "0.0.1"})
-        paths.add(cache.entry_path(model, cfg, layout, filled[0]))
+        paths.add(cache.entry_path(model, plan, filled[0]))
         # the loader checks the manifest's versions too: an entry from other versions is refused
         root, entry = copy_of(filled, tmp_path)
-        assert cache.load(entry, model, dataclasses.replace(cfg)) is None
+        assert cache.load(entry, model, plan) is None
         assert not os.path.exists(entry)
     device = mf.local_device()
     monkeypatch.setattr(mf, "local_device", lambda: {**device, "device_kind": "other-cpu"})
-    paths.add(cache.entry_path(model, cfg, layout, filled[0]))
+    paths.add(cache.entry_path(model, plan, filled[0]))
     assert len(paths) == 5
 
 

@@ -126,12 +126,11 @@ def test_engine_and_artifacts(tiny, tmp_path):
 
 
 def test_refused_where_it_cannot_run(tiny):
-    from maxjax.engine.build import experimental_kernels, resolve_kernels
+    from maxjax.engine.build import experimental_kernels
+    from maxjax.engine.plan import choose_kernels
     required = EngineConfig(use_experimental_kernels=True)
     with pytest.raises(UserError, match="--use-experimental-kernels: they are for the CPU"):
-        resolve_kernels(required, platforms=["cuda", "cpu"])
-    auto = EngineConfig()
-    assert resolve_kernels(auto, platforms=["cuda"]) is False
-    assert auto.use_experimental_kernels is False
+        choose_kernels(required, platforms=["cuda", "cpu"])
+    assert choose_kernels(EngineConfig(), platforms=["cuda"]) is False
     f32 = load_model(tiny.source, "float32", progress=False)
     assert experimental_kernels(f32) is f32     # nothing to pack: float32 as is

@@ -323,14 +323,14 @@ def test_client_gone_frees_pages(engine, server, no_leak_no_compile):
 
 def test_generation_task_refused_under_embeddings_task(engine, server, client):
     # Not a separate server: the engine's task decides, so flip it for one request.
-    engine.core.cfg.task = "embeddings_generation"
+    engine.core.cfg = engine.core.cfg.replace(task="embeddings_generation")
     try:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
         assert e.value.body["param"] == "model"
         assert len(embed(client, ["still served"])[0]) == 1
     finally:
-        engine.core.cfg.task = "text_generation"
+        engine.core.cfg = engine.core.cfg.replace(task="text_generation")
 
 
 # ---- a tiny random Qwen3 through the offline API ---------------------------------------------

@@ -241,7 +241,7 @@ def test_a_full_disk_leaves_no_half_written_artifacts(tmp_path, monkeypatch):
     assert not os.path.exists(target)
     assert sorted(os.listdir(tmp_path)) == ["good", "model"]      # no temp directory left
     with pytest.raises(UserError):
-        aot_load.load_for_engine([target], core.model, core.cfg)
-    layout, exes, _ = aot_load.load_for_engine([good], core.model, core.cfg)
+        aot_load.load_planned([target], core.model, core.cfg)
+    _, exes, _ = aot_load.load_planned([good], core.model, core.cfg)
     assert set(exes) == set(core.layout.buckets)
     assert json.load(open(os.path.join(good, "manifest.json")))

@@ -236,7 +236,7 @@ def _model():
 
 
 def test_device_memory_utilization(host):
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.plan import plan_layout
     cfg = dict(max_length=4096, max_batch_size=32)
     full = plan_layout(EngineConfig(device_memory_utilization=0.9, **cfg), _model())
     half = plan_layout(EngineConfig(device_memory_utilization=0.45, **cfg), _model())
@@ -245,7 +245,7 @@ def test_device_memory_utilization(host):
 
 
 def test_kv_cache_page_size():
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.plan import plan_layout
     for page in (8, 16, 32):
         lay = plan_layout(EngineConfig(max_length=256, num_kv_pages=40, kv_cache_page_size=page),
                           _model())
@@ -257,7 +257,7 @@ def test_kv_cache_page_size():
 def test_kv_cache_hash_seed():
     """The seed's effect on page keys is tests/test_block_manager.py's; here: a seed that is
     not 64 hex digits is a one-line start-up error."""
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.plan import plan_layout
     cfg = dict(max_length=64, num_kv_pages=8)
     plan_layout(EngineConfig(kv_cache_hash_seed="ab" * 32, **cfg), _model())
     with pytest.raises(UserError, match="--kv-cache-hash-seed: expected 64 hex digits") as e:

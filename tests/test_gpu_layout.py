@@ -13,7 +13,7 @@ import pytest
 from maxjax.engine import memory
 from maxjax.engine.buckets import Bucket
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import plan_layout
+from maxjax.engine.plan import plan_layout
 from maxjax.errors import UserError
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs.decoder import abstract_params
@@ -46,11 +46,11 @@ class FakeModel:
 def test_platform_defaults():
     cpu = EngineConfig()
     assert (cpu.max_batch_size, cpu.max_batch_input_tokens) == (32, 256)
-    cpu.target("cuda")
+    cpu = cpu.for_platform("cuda")
     assert (cpu.max_batch_size, cpu.max_batch_input_tokens) == (256, 4096)
     assert cpu.is_default("max_batch_size")
     given = EngineConfig(max_batch_size=8)
-    given.target("cuda")
+    given = given.for_platform("cuda")
     assert (given.max_batch_size, given.max_batch_input_tokens) == (8, 4096)
     assert not given.is_default("max_batch_size")
     assert default_dtype("cuda") == "bfloat16" and default_dtype("cpu") == "float32"
@@ -58,7 +58,7 @@ def test_platform_defaults():
 
 def test_gpu_bucket_set_and_attention():
     cfg = EngineConfig(num_kv_pages=1000)
-    cfg.target("cuda")
+    cfg = cfg.for_platform("cuda")
     lay = plan_layout(cfg, FakeModel(LLAMA_8B), "cuda")
     assert (lay.platform, lay.attention) == ("cuda", "pallas_paged")
     assert [b.num_tokens for b in lay.buckets] == [1 << i for i in range(13)]   # 1 .. 4096
@@ -75,7 +75,7 @@ def test_gpu_bucket_set_and_attention():
 
 def test_gpu_layout_errors_name_the_flag():
     cfg = EngineConfig()
-    cfg.target("cuda")
+    cfg = cfg.for_platform("cuda")
     with pytest.raises(UserError, match="--num-kv-pages is needed for graphs that run on cuda"):
         plan_layout(cfg, FakeModel(LLAMA_8B), "cuda")
     with pytest.raises(UserError, match="--kv-cache-page-size 24: the GPU attention kernel"):
@@ -111,11 +111,11 @@ def test_pool_from_fake_h200_memory():
 
 def test_plan_layout_on_a_fake_gpu(monkeypatch):
     """plan_layout on a (fake) CUDA machine sizes the pool from its memory and says how."""
-    from maxjax.engine import core
-    monkeypatch.setattr(core, "local_platform", lambda: "cuda")
+    from maxjax.engine import plan
+    monkeypatch.setattr(plan, "local_platform", lambda: "cuda")
     monkeypatch.setattr(memory.jax, "devices", lambda: [FakeGpu(141 * GiB, 17 * GiB)])
     cfg = EngineConfig()
-    cfg.target("cuda")
+    cfg = cfg.for_platform("cuda")
     lay = plan_layout(cfg, FakeModel(LLAMA_8B))
     assert lay.platform == "cuda" and 16384 <= lay.num_pages < 32769
     assert lay.memory_report.startswith("KV pool ") and "on cuda (" in lay.memory_report

@@ -1,4 +1,4 @@
-"""maxjax's CPU kernels by default (maxjax/engine/build.resolve_kernels): on wherever they run,
+"""maxjax's CPU kernels by default (maxjax/engine/plan.choose_kernels): on wherever they run,
 one log line naming why where they do not (MAXJAX_CPU_ISA=none stands for a CPU without the
 instructions), required by --use-experimental-kernels, off with --no-use-experimental-kernels;
 artifacts and compile cache entries record the kernels' instruction set, and artifacts built for
@@ -9,7 +9,7 @@ import pytest
 
 import quant_reference as ref
 from maxjax.aot import manifest as mf
-from maxjax.engine.build import resolve_kernels
+from maxjax.engine.plan import choose_kernels
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
@@ -42,10 +42,9 @@ def want(tiny):
 def test_default_resolves_to_where_they_run():
     cfg = EngineConfig()
     assert cfg.use_experimental_kernels is None
-    assert resolve_kernels(cfg) is (cpu_kernels.unavailable() is None)
-    assert cfg.use_experimental_kernels is (cpu_kernels.unavailable() is None)
-    off = EngineConfig(use_experimental_kernels=False)
-    assert resolve_kernels(off) is False and off.use_experimental_kernels is False
+    assert choose_kernels(cfg) is (cpu_kernels.unavailable() is None)
+    assert choose_kernels(EngineConfig(use_experimental_kernels=False)) is False
+    assert choose_kernels(cfg, pinned=False) is False     # artifacts built without them
 
 
 def test_without_the_instructions_one_line_and_required_is_an_error(monkeypatch, caplog):
@@ -54,23 +53,23 @@ def test_without_the_instructions_one_line_and_required_is_an_error(monkeypatch,
     assert why and "MAXJAX_CPU_ISA=none" in why
     cfg = EngineConfig()
     with caplog.at_level(logging.INFO, logger="maxjax.engine"):
-        assert resolve_kernels(cfg) is False
+        assert choose_kernels(cfg) is False
     lines = [r.getMessage() for r in caplog.records if "CPU kernels" in r.getMessage()]
     assert lines == [f"CPU kernels off: {why}; XLA's path runs"]
     with pytest.raises(UserError, match=f"^--use-experimental-kernels: {why}$"):
-        resolve_kernels(EngineConfig(use_experimental_kernels=True))
+        choose_kernels(EngineConfig(use_experimental_kernels=True))
 
 
 def test_off_on_a_mesh_and_for_another_platform(caplog):
     cfg = EngineConfig(devices="cpu:2")
     with caplog.at_level(logging.INFO, logger="maxjax.engine"):
-        assert resolve_kernels(cfg) is False
+        assert choose_kernels(cfg) is False
     assert "CPU kernels off: they run on one device (--devices cpu:2)" in caplog.text
     with pytest.raises(UserError, match="--use-experimental-kernels: they run on one device"):
-        resolve_kernels(EngineConfig(devices="cpu:2", use_experimental_kernels=True))
-    assert resolve_kernels(EngineConfig(), platforms=["cuda"]) is False
+        choose_kernels(EngineConfig(devices="cpu:2", use_experimental_kernels=True))
+    assert choose_kernels(EngineConfig(), platforms=["cuda"]) is False
     with pytest.raises(UserError, match="they are for the CPU"):
-        resolve_kernels(EngineConfig(use_experimental_kernels=True), platforms=["cuda", "cpu"])
+        choose_kernels(EngineConfig(use_experimental_kernels=True), platforms=["cuda", "cpu"])
 
 
 @needs_kernels

@@ -22,9 +22,8 @@ from maxjax.aot import load as aot_load
 from maxjax.aot import manifest as mf
 from maxjax.aot.manifest import MANIFEST
 from maxjax.engine import compile_counter
-from maxjax.engine.build import resolve_kernels
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import plan_layout
+from maxjax.engine.plan import plan_engine
 from maxjax.errors import UserError
 from maxjax.models.loader import load_model
 from lora_adapters import hf_model, write_peft_adapter
@@ -123,8 +122,7 @@ def test_lora_shape_is_in_the_cache_key(setup):
 
     def key(**options):
         cfg = EngineConfig(**ENGINE, **options, quantization_encoding="float32")
-        resolve_kernels(cfg)          # as the engine that filled the entry did
-        return cache.entry_path(model, cfg, plan_layout(cfg, model), setup["cache"])
+        return cache.entry_path(model, plan_engine(cfg, model), setup["cache"])
     assert key(**LORA) == setup["entry"]
     others = {key(), key(**{**LORA, "max_num_loras": 3}), key(**{**LORA, "max_lora_rank": 4})}
     assert len(others) == 3 and setup["entry"] not in others
@@ -159,13 +157,14 @@ def test_lora_flags_that_differ_are_refused(setup, tmp_path, monkeypatch, option
     if edit:
         edit(d)
     with pytest.raises(UserError, match=pattern) as e:
-        aot_load.load_for_engine([d], setup["model"], EngineConfig(**options))
+        aot_load.load_planned([d], setup["model"], EngineConfig(**options))
     assert "maxjax warm-cache" in str(e.value) and "\n" not in str(e.value)
     assert seen == []
 
 
 def test_default_lora_flags_take_the_pinned_values(setup):
-    cfg = EngineConfig(enable_lora=True)            # --max-num-loras / --max-lora-rank unset
-    layout, exes, _ = aot_load.load_for_engine([setup["entry"]], setup["model"], cfg)
+    flags = EngineConfig(enable_lora=True)          # --max-num-loras / --max-lora-rank unset
+    plan, exes, _ = aot_load.load_planned([setup["entry"]], setup["model"], flags)
+    cfg, layout = plan.config, plan.layout
     assert (cfg.max_num_loras, cfg.max_lora_rank) == (2, 8)
     assert (layout.lora_slots, layout.max_lora_rank) == (3, 8) and len(exes) == 4

@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxjax.engine import devices, memory
 from maxjax.engine.buckets import Bucket
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import EngineCore, plan_layout
+from maxjax.engine.core import EngineCore
+from maxjax.engine.plan import plan_layout
 from maxjax.errors import UserError
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs.decoder import abstract_params
@@ -48,6 +49,7 @@ class FakeModel:
             params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                   params)
         self.config, self.params, self.compute_dtype = cfg, params, dtype
+        self.dtype = jnp.dtype(dtype).name
 
 
 @pytest.fixture
@@ -172,7 +174,7 @@ def test_num_kv_pages_beyond_the_host_is_refused_before_the_pool(host, monkeypat
 def test_num_kv_pages_for_another_platform_is_not_checked_here(host):
     host(GiB // 64)
     cfg = EngineConfig(num_kv_pages=10 ** 6)
-    cfg.target("cuda")
+    cfg = cfg.for_platform("cuda")
     assert plan_layout(cfg, FakeModel(SMALL), "cuda").num_pages == 10 ** 6
 
 

@@ -335,16 +335,16 @@ def test_artifacts_hold_the_verification_buckets(tmp_path):
     builds the right ones."""
     from maxjax.aot import export as aot_export
     from maxjax.engine.build import build_core
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.plan import EnginePlan, plan_layout
     from tiny_llama import write_tiny_llama
     tiny = load_model(write_tiny_llama(tmp_path / "tiny"), "float32", progress=False)
     engine = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=64, num_kv_pages=16,
                   kv_cache_page_size=16, quantization_encoding="float32")
     spec_cfg = EngineConfig(speculative_method="ngram", num_speculative_tokens=3, **engine)
-    aot_export.write_artifacts(str(tmp_path / "spec"), tiny, spec_cfg, plan_layout(spec_cfg, tiny),
+    aot_export.write_artifacts(str(tmp_path / "spec"), tiny, EnginePlan(spec_cfg, plan_layout(spec_cfg, tiny)),
                                ["cpu"], progress=False)
     plain = EngineConfig(**engine)
-    aot_export.write_artifacts(str(tmp_path / "plain"), tiny, plain, plan_layout(plain, tiny),
+    aot_export.write_artifacts(str(tmp_path / "plain"), tiny, EnginePlan(plain, plan_layout(plain, tiny)),
                                ["cpu"], progress=False)
     import json
     with open(tmp_path / "spec" / "manifest.json") as f:

@@ -178,14 +178,14 @@ def test_sharded_artifacts_serve_without_compiling_and_name_the_mesh(tiny4, refe
     from maxjax.aot import export
     from maxjax.engine.build import on_devices
     from maxjax.engine.config import EngineConfig
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.plan import EnginePlan, plan_layout
     if encoding == "float32":
         model, ref, engine, atol = tiny4, reference, ENGINE, 1e-4
     else:
         (model, ref), engine, atol = quantized[encoding], QUANT_ENGINE, QUANT_ATOL
     cfg = EngineConfig(devices="cpu:2", quantization_encoding=model.dtype, **engine)
     placed = on_devices(model, cfg)
-    export.write_artifacts(str(tmp_path / "tp2"), placed, cfg, plan_layout(cfg, placed), ["cpu"],
+    export.write_artifacts(str(tmp_path / "tp2"), placed, EnginePlan(cfg, plan_layout(cfg, placed)), ["cpu"],
                            progress=False)
     before = compile_counter.count()
     llm = LLM(model, devices="cpu:2", precompiled_artifacts=[str(tmp_path / "tp2")],

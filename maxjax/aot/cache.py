@@ -75,23 +75,24 @@ def entry_key(model_fp: dict, engine_fp: dict) -> str:
     return mf.digest(key)
 
 
-def entry_path(model, engine_cfg, layout, root: str | None = None) -> str:
+def entry_path(model, plan, root: str | None = None) -> str:
     """Where the entry for this model, engine layout, versions and device lives (named by the
     key alone: a model's name or path shapes no graph; `maxjax cache list` shows it)."""
     key = entry_key(mf.model_fingerprint(model),
-                    mf.engine_fingerprint(layout, engine_cfg, model.dtype))
+                    mf.engine_fingerprint(plan.layout, plan.config, model.dtype))
     return os.path.join(root or directory(), key[:32])
 
 
-def load(path: str, model, engine_cfg, preloaded: dict | None = None):
-    """load_for_engine's (layout, executables, kv_init) from the entry at `path`; None when there
+def load(path: str, model, plan, preloaded: dict | None = None):
+    """load_for_engine's (executables, kv_init) for `plan` from the entry at `path`; None when there
     is none, or when it fails a check or does not load (then it is removed, with a warning).
     `preloaded`: executables maxjax/aot/prefetch.py deserialized from it already."""
     from maxjax.aot import load as aot_load
     if not os.path.isdir(path):
         return None
     try:
-        loaded = aot_load.load_for_engine([path], model, engine_cfg, require_compiled=True,
+        arts = aot_load.open_artifacts([path], model, plan.config, require_compiled=True)
+        loaded = aot_load.load_for_engine(arts, model, plan, require_compiled=True,
                                           preloaded=preloaded)
     except Exception as e:     # a bad entry is rebuilt, whatever broke in it
         log.warning("compile cache: entry %s refused (%s); removing it and compiling again",
@@ -109,7 +110,7 @@ def touch(path: str) -> None:
         pass
 
 
-def fill(path: str, model, engine_cfg, layout, platforms: list[str], jobs: int,
+def fill(path: str, model, plan, platforms: list[str], jobs: int,
          on_graph=None, replace: bool = False) -> tuple[dict, dict]:
     """Build the entry at `path` (export + compile every graph, in a temp directory renamed into
     place): build_entry's (manifest, compiled executables). `replace`: an entry already there
@@ -117,8 +118,7 @@ def fill(path: str, model, engine_cfg, layout, platforms: list[str], jobs: int,
     from maxjax.aot import export
     tmp = new_tmp(os.path.dirname(path))
     try:
-        data, compiled = export.build_entry(tmp, model, engine_cfg, layout, platforms, jobs,
-                                            on_graph)
+        data, compiled = export.build_entry(tmp, model, plan, platforms, jobs, on_graph)
         served = [g["name"] for g in data["graphs"] if group.executable_key() not in g["files"]]
         if served:      # see export.py: such executables do not serialize again
             log.warning("compile cache: not stored: %d graphs came from JAX's persistent "

@@ -1,6 +1,7 @@
 """Writing artifacts: `maxjax warm-cache` and `--export-artifacts`.
 
-Called by maxjax/cli/main.py (warm_cache, export_engine) and maxjax/cli/serve.py (export_engine).
+Called by maxjax/engine/warm.py (warm-cache), the compile cache (maxjax/aot/cache.py) and
+maxjax/cli (export_engine).
 Each graph (maxjax/aot/graphs.py) is saved as
   - a portable `jax.export` module (StableHLO) for the target platforms (e.g. cpu and cuda), and
   - when the local backend is a target, the compiled executable (`serialize_executable`),
@@ -109,11 +110,12 @@ def compile_order(specs: list) -> list:
                                                                  else 0)))
 
 
-def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
+def build_entry(directory: str, model, plan, platforms: list[str],
                 jobs: int = 1, on_graph: Callable[[int, int, str], None] | None = None,
                 store_weights: bool = False, shared: bool = False,
                 archs: dict | None = None) -> tuple[dict, dict]:
-    """Export (and compile locally) every graph of `layout` into the existing, empty `directory`,
+    """Export (and compile locally) every graph of `plan` (maxjax/engine/plan.py's EnginePlan)
+    into the existing, empty `directory`,
     with `store_weights` the converted weights (maxjax/aot/weights.py), manifest last. `shared`:
     every process of a group writes into this one directory (group.py); else each process
     writes a whole directory of its own (a compile cache entry). Returns the manifest and
@@ -121,6 +123,7 @@ def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platfor
     machine (empty when it is not a target)."""
     local = jax.export.default_export_platform()
     compile_local = local in platforms
+    layout = plan.layout
     specs = graphs.graph_specs(model, layout)
     entries, compiled = {}, {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -137,9 +140,9 @@ def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platfor
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "versions": mf.versions(), "code_digest": mf.code_digest(),
             "model": mf.model_fingerprint(model),
-            "engine": mf.engine_fingerprint(layout, engine_cfg, model.dtype),
+            "engine": mf.engine_fingerprint(layout, plan.config, model.dtype),
             "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
-            "graphs": [entries[s.name] for s in specs], "serve": serve_flags(model, engine_cfg)}
+            "graphs": [entries[s.name] for s in specs], "serve": serve_flags(model, plan.config)}
     if archs:
         data["target_archs"] = dict(archs)
     if store_weights:
@@ -152,10 +155,10 @@ def build_entry(directory: str, model, engine_cfg: EngineConfig, layout, platfor
     return data, compiled
 
 
-def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, platforms: list[str],
+def write_artifacts(directory: str, model, plan, platforms: list[str],
                     jobs: int = 1, progress: bool = True, store_weights: bool | None = None,
                     archs: dict | None = None) -> dict:
-    """Every graph of `layout` into `directory`, built in a temp dir and renamed into place
+    """Every graph of `plan` into `directory`, built in a temp dir and renamed into place
     (replacing an artifact directory that is there); `store_weights` None: weights.stored's
     default (on)."""
     from tqdm import tqdm
@@ -167,12 +170,12 @@ def write_artifacts(directory: str, model, engine_cfg: EngineConfig, layout, pla
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
     tmp = group.temp_dir(parent, directory)
     try:
-        with tqdm(total=len(layout.buckets) + 1, desc="warm-cache", unit="graph",
+        with tqdm(total=len(plan.layout.buckets) + 1, desc="warm-cache", unit="graph",
                   disable=not progress) as bar:
             def on_graph(i, n, name):
                 bar.set_postfix_str(name)
                 bar.update()
-            data, _ = build_entry(tmp, model, engine_cfg, layout, platforms, jobs, on_graph,
+            data, _ = build_entry(tmp, model, plan, platforms, jobs, on_graph,
                                   aot_weights.stored(store_weights), shared=True, archs=archs)
         if group.is_leader():
             shutil.rmtree(directory, ignore_errors=True)
@@ -273,74 +276,11 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def warm_cache(model_opts, engine_cfg: EngineConfig, artifacts_dir: str | None,
-               targets: list[str] | None, jobs: int | None,
-               store_weights: bool | None = None) -> int:
-    """Artifacts into `artifacts_dir`; without one, into the compile cache entry that `serve`,
-    `generate` and maxjax.LLM with the same model and engine flags load (maxjax/aot/cache.py).
-    In a multi-host group every process runs it and they write one directory (group.py)."""
-    from maxjax.aot import cache
-    from maxjax.engine.build import load, on_devices, resolve_kernels
-    from maxjax.engine.core import plan_layout
-    platforms, archs = normalize_targets(targets)
-    jobs = default_jobs() if jobs is None else jobs
-    if jobs < 1:
-        raise UserError(f"--jobs must be >= 1 (got {jobs})")
-    local = jax.export.default_export_platform()
-    from maxjax.aot.load import check_target_arch
-    check_target_arch(archs, "--target")       # a local GPU must be the architecture named
-    if artifacts_dir is None and local not in platforms:
-        raise UserError(f"--target {' '.join(platforms)}: the compile cache holds graphs for this "
-                        f"machine ({local}); pass --artifacts-dir for another machine's")
-    if artifacts_dir is None and group.size() > 1:
-        raise UserError("--num-processes: a group's warm-cache writes one artifact directory: "
-                        "pass --artifacts-dir (a directory every process shares)")
-    # The first target is the machine the graphs are planned for: its defaults (buckets, dtype)
-    # and its attention backend; the other targets get exports of the same graphs.
-    engine_cfg.target(platforms[0])
-    resolve_kernels(engine_cfg, platforms=platforms)
-    model = load(model_opts.source(), engine_cfg.quantization_encoding,
-                 model_opts.chat_template, progress=True, platform=platforms[0],
-                 kernels=engine_cfg.use_experimental_kernels)
-    engine_cfg.quantization_encoding = model.dtype
-    model = on_devices(model, engine_cfg, platforms=platforms)   # every replica runs the first one's
-    layout = plan_layout(engine_cfg, model, platforms[0])
-    engine_cfg.num_kv_pages, engine_cfg.max_length = group.from_leader(
-        [layout.num_pages, layout.max_length])
-    if (engine_cfg.num_kv_pages, engine_cfg.max_length) != (layout.num_pages, layout.max_length):
-        layout = plan_layout(engine_cfg, model, platforms[0])
-    t0 = time.perf_counter()
-    if artifacts_dir is None:
-        directory = cache.entry_path(model, engine_cfg, layout)
-        data, _ = cache.fill(directory, model, engine_cfg, layout, platforms, jobs, replace=True)
-        cache.evict(cache.max_bytes(model_opts.compile_cache_max_size), keep=directory)
-    else:
-        directory = os.path.abspath(artifacts_dir)
-        data = write_artifacts(directory, model, engine_cfg, layout, platforms, jobs,
-                               progress=group.is_leader(), store_weights=store_weights,
-                               archs=archs)
-    took = time.perf_counter() - t0
-    kinds = "exports + executables" if data["compiled_for"] else "exports"
-    print(f"wrote {len(data['graphs'])} graphs ({kinds} for {', '.join(platforms)}) in {took:.1f} s")
-    print(f"artifacts: {directory}")
-    if artifacts_dir is None:
-        print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
-    serve = ["maxjax", "serve", "--precompiled-artifacts", directory]     # the rest is pinned
-    if group.size() > 1:
-        serve += ["--coordinator-address", "HOST:PORT", "--num-processes", str(group.size()),
-                  "--process-id", "I"]
-    if data.get("weights"):
-        print(f"converted weights stored ({data['weights']['bytes'] / 1e6:.0f} MB, orbax)")
-    print(f"serve with: {shlex.join(serve)}")
-    return 0
-
-
 # ---- --export-artifacts --------------------------------------------------------------------------
 def export_engine(directory: str, core) -> None:
     """Write artifacts for every graph of a running core (same format as warm-cache)."""
     platforms = [jax.export.default_export_platform()]
     t0 = time.perf_counter()
-    write_artifacts(os.path.abspath(directory), core.model, core.cfg, core.layout, platforms,
-                    progress=False)
+    write_artifacts(os.path.abspath(directory), core.model, core.plan, platforms, progress=False)
     log.info("exported %d graphs to %s in %.1f s", len(core.layout.buckets) + 1, directory,
              time.perf_counter() - t0)

@@ -1,8 +1,9 @@
 """Loading artifacts: `--precompiled-artifacts DIR [DIR ...]`.
 
-Called by maxjax/engine/build.py (and tools/bench_startup.py) before the engine is built.
-`load_for_engine` verifies everything first (manifest, versions, model, engine, every sha256,
-every graph's signature; artifacts/FORMAT.md lists the order), then deserializes: a serialized
+Called by maxjax/engine/build.py (and tools/bench_startup.py) before the engine is built:
+`open_artifacts` verifies the manifests, the model and every sha256 and adopts what they pin
+(the plan is made from that, maxjax/engine/plan.py), `load_for_engine` checks the plan's engine
+and every graph's signature against them, then deserializes: a serialized
 executable is code. A mismatch is a UserError naming the field and the warm-cache command that
 fixes it; nothing is silently recompiled from Python. Each graph comes from the executable
 compiled for this device, else from the portable export compiled here (logged). The KV
@@ -10,11 +11,12 @@ initializer goes to the engine with the step executables, so its pool needs no c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import concurrent.futures
-import copy
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -40,64 +42,68 @@ def _unset(cfg: EngineConfig, k: str) -> bool:
         v == platform_defaults(jax.default_backend()).get(k)
 
 
-def _adopt_pinned(m: mf.Manifest, engine_cfg: EngineConfig, fix) -> dict:
-    """Unset (or default) engine values take the pinned ones; an explicit other value is an error."""
-    pinned = m.data.get("engine", {})
+def _adopt_pinned(m: mf.Manifest, flags: EngineConfig, fix) -> EngineConfig:
+    """`flags` whose unset (or default) engine values take the pinned ones; an explicit other
+    value is an error."""
+    pinned, adopted = m.data.get("engine", {}), {}
     for k in ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
               "num_kv_pages", "kv_cache_format"):
-        have, want = getattr(engine_cfg, k), pinned.get(k)
+        have, want = getattr(flags, k), pinned.get(k)
         if want is None:
             raise UserError(f"{m.path}: engine field {k} is missing; recreate with: {fix(None)}")
-        if _unset(engine_cfg, k):
-            setattr(engine_cfg, k, want)
+        if _unset(flags, k):
+            adopted[k] = want
         elif have != want:
             raise UserError(f"{mf.FLAGS[k]} {have} differs from the {want} the artifacts in "
                             f"{m.directory} were built with: drop the flag, or recreate them with: "
                             f"{fix(k)}")
-    _adopt_lora(m, pinned, engine_cfg, fix)
-    return pinned
+    adopted.update(_adopt_lora(m, pinned, flags, fix))
+    return flags.replace(**adopted)
 
 
-def _adopt_lora(m: mf.Manifest, pinned: dict, engine_cfg: EngineConfig, fix) -> None:
+def _adopt_lora(m: mf.Manifest, pinned: dict, flags: EngineConfig, fix) -> dict:
     """LoRA graphs take the slot stacks as inputs: --enable-lora must match the artifacts, and
     --max-num-loras / --max-lora-rank follow the adopt-or-refuse rule of _adopt_pinned."""
     slots, rank = pinned.get("lora_slots", 0), pinned.get("max_lora_rank", 0)
-    if bool(slots) != engine_cfg.enable_lora:
+    if bool(slots) != flags.enable_lora:
         built = (f"with --enable-lora --max-num-loras {slots - 1} --max-lora-rank {rank}"
                  if slots else "without --enable-lora")
-        raise UserError(f"--enable-lora is {'on' if engine_cfg.enable_lora else 'off'} but the "
+        raise UserError(f"--enable-lora is {'on' if flags.enable_lora else 'off'} but the "
                         f"artifacts in {m.directory} were built {built}: "
                         f"{'drop' if not slots else 'pass'} it, or recreate them with: {fix(None)}")
     if not slots:
-        return
+        return {}
+    adopted = {}
     for k, want in (("max_num_loras", slots - 1), ("max_lora_rank", rank)):
-        have = getattr(engine_cfg, k)
+        have = getattr(flags, k)
         if have == _DEFAULTS[k]:
-            setattr(engine_cfg, k, want)
+            adopted[k] = want
         elif have != want:
             flag = "--" + k.replace("_", "-")
             raise UserError(f"{flag} {have} differs from the {want} the artifacts in "
                             f"{m.directory} were built with: drop the flag, or recreate them with: "
                             f"{fix(k)}")
+    return adopted
 
 
-def adopt_flags(dirs, model_path, engine_cfg: EngineConfig):
-    """The model path for a run from artifact directories `dirs`, and the flags that shaped
-    them (the manifest's `serve`: encoding, devices, speculation, LoRA) written into the unset
-    fields of `engine_cfg`, so `serve --precompiled-artifacts DIR` needs no other flag. An
+def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, EngineConfig]:
+    """(model path, flags) for a run from artifact directories `dirs`: the flags that shaped
+    them (the manifest's `serve`: encoding, devices, speculation, LoRA) fill the unset fields of
+    `flags`, so `serve --precompiled-artifacts DIR` needs no other flag. An
     explicit other value is a UserError naming the flag; a model given is checked against the
     manifest by load_for_engine, field by field."""
     d = os.path.abspath(([dirs] if isinstance(dirs, str) else list(dirs))[0])
     try:
         pinned = mf.read_manifest(d, "maxjax warm-cache").data.get("serve") or {}
     except UserError:
-        return model_path           # load_for_engine reports it, with the command that fixes it
+        return model_path, flags    # open_artifacts reports it, with the command that fixes it
+    adopted = {}
     for k in SERVE_FLAGS:
-        have, want = getattr(engine_cfg, k), pinned.get(k)
+        have, want = getattr(flags, k), pinned.get(k)
         if want is None or have == want:
             continue
         if have is None or have is False:
-            setattr(engine_cfg, k, want)
+            adopted[k] = want
         else:
             flag = "--" + k.replace("_", "-")
             raise UserError(f"{flag} {have} differs from the {want} the artifacts in {d} were "
@@ -108,7 +114,7 @@ def adopt_flags(dirs, model_path, engine_cfg: EngineConfig):
         if not os.path.exists(model_path):
             raise UserError(f"--precompiled-artifacts {d}: built from {model_path}, which cannot "
                             "be found on this machine: pass --model-path where it is")
-    return model_path
+    return model_path, flags.replace(**adopted)
 
 
 def pinned_kernels(dirs) -> bool:
@@ -123,55 +129,82 @@ def pinned_kernels(dirs) -> bool:
         data.get("engine", {}).get("attention") == "cpu_paged_kernel"
 
 
-def load_for_engine(dirs, model, engine_cfg: EngineConfig, require_compiled: bool = False,
-                    preloaded: dict | None = None):
-    """(EngineLayout, {Bucket: StepCallable}, KV initializer) from artifact directories, after
-    verifying them: what EngineCore(model, cfg, layout, executables, kv_init) takes.
-    `preloaded`: {graph name: (sha256, executable)} deserialized already (prefetch.py), used
-    for the graphs whose file has that sha256."""
-    from maxjax.engine.core import plan_layout
+@dataclass(frozen=True)
+class Artifacts:
+    """Artifact directories read and checked (`open_artifacts`), before any graph is loaded."""
+    manifests: tuple
+    flags: EngineConfig     # the user's flags with the values the artifacts pin adopted
+    platform: str | None    # the platform their layout was planned for
+    fix: Callable           # (manifest, field) -> the warm-cache command that rebuilds them
+
+
+def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = False) -> Artifacts:
+    """Read and verify artifact directories for `model` (manifest, versions, mesh, model, every
+    file's sha256, their target) and adopt what they pin into `flags`; artifacts/FORMAT.md
+    lists the order. A mismatch is a UserError naming the field and the command that fixes it."""
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
-    if engine_cfg.use_experimental_kernels is None:
-        from maxjax.engine.build import resolve_kernels
-        resolve_kernels(engine_cfg, dirs)       # the artifacts' choice
     local = mf.local_device()
-    engine_cfg.quantization_encoding = model.dtype
-    manifests, layout = [], None
+    user = flags = flags.replace(quantization_encoding=model.dtype)
+
+    def fix(m, field):
+        eng = {k: getattr(user, k) for k in mf.FLAGS if k != "dtype"}
+        for k, v in eng.items():
+            if v is None or (_unset(user, k) and k != field):
+                eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
+        eng.update({k: getattr(user, k) for k in (*SPEC_FLAGS, *LORA_FLAGS, *KERNEL_FLAGS)})
+        return warm_cache_command(model, eng, m.directory if m else d, [local["platform"]])
+
+    manifests = []
     for d in dirs:
         d = os.path.abspath(d)
-        user = copy.deepcopy(engine_cfg)
-
-        def fix(field, d=d, user=user):
-            eng = {k: getattr(user, k) for k in mf.FLAGS if k != "dtype"}
-            for k, v in eng.items():
-                if v is None or (_unset(user, k) and k != field):
-                    eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
-            eng.update({k: getattr(user, k) for k in (*SPEC_FLAGS, *LORA_FLAGS, *KERNEL_FLAGS)})
-            return warm_cache_command(model, eng, d, [local["platform"]])
-        m = None    # fix() reads the pinned values once the manifest is read
-        m = mf.read_manifest(d, fix(None))
-        mf.check_versions(m, fix(None), require_compiled or m.data.get("compiled_for") == local)
-        _check_mesh(m, model, fix(None))     # before the model: a mesh also lays out its weights
-        mf.check_model(m, model, fix(None))
-        pinned = _adopt_pinned(m, engine_cfg, fix)
+        m = mf.read_manifest(d, fix(None, None))
+        here = functools.partial(fix, m)
+        mf.check_versions(m, here(None), require_compiled or m.data.get("compiled_for") == local)
+        _check_mesh(m, model, here(None))     # before the model: a mesh also lays out its weights
+        mf.check_model(m, model, here(None))
+        flags = _adopt_pinned(m, flags, here)
         if local["platform"] not in m.data.get("targets", []):
-            raise UserError(f"{m.path}: built for {', '.join(m.data.get('targets', []))}, this machine "
-                            f"is {local['platform']}; recreate with: {fix(None)}")
+            raise UserError(f"{m.path}: built for {', '.join(m.data.get('targets', []))}, this "
+                            f"machine is {local['platform']}; recreate with: {here(None)}")
         check_target_arch(m.data.get("target_archs", {}), m.path)
-        mf.check_files(m, fix(None))        # every sha256, before anything is deserialized
-        this = plan_layout(engine_cfg, model, pinned.get("platform"))
-        run_fp = mf.engine_fingerprint(this, engine_cfg, model.dtype)
+        mf.check_files(m, here(None))        # every sha256, before anything is deserialized
+        manifests.append(m)
+    return Artifacts(tuple(manifests), flags, manifests[0].data["engine"].get("platform"), fix)
+
+
+def load_planned(dirs, model, flags: EngineConfig, require_compiled: bool = False,
+                 kernels: bool | None = None, preloaded: dict | None = None):
+    """(EnginePlan, executables, kv_init) from artifact directories: opened, the plan made from
+    `flags` with what they pin (maxjax/engine/plan.py; `kernels` None: as they were built),
+    then loaded."""
+    from maxjax.engine.plan import choose_kernels, plan_engine
+    arts = open_artifacts(dirs, model, flags, require_compiled)
+    if kernels is None:
+        kernels = choose_kernels(arts.flags, pinned_kernels(dirs))
+    plan = plan_engine(arts.flags, model, platform=arts.platform, kernels=kernels)
+    return (plan, *load_for_engine(arts, model, plan, require_compiled, preloaded))
+
+
+def load_for_engine(arts: Artifacts, model, plan, require_compiled: bool = False,
+                    preloaded: dict | None = None):
+    """({Bucket: StepCallable}, KV initializer) from opened artifacts, after checking that they
+    hold `plan`'s engine (maxjax/engine/plan.py) and every graph's signature: what EngineCore(
+    model, plan, executables, kv_init) takes. `preloaded`: {graph name: (sha256, executable)}
+    deserialized already (prefetch.py), used for the graphs whose file has that sha256."""
+    local = mf.local_device()
+    run_fp = mf.engine_fingerprint(plan.layout, plan.config, model.dtype)
+    for m in arts.manifests:
+        pinned = m.data.get("engine", {})
         for k in mf.ENGINE_FIELDS:
             if run_fp.get(k) != pinned.get(k):
                 flag = f" ({mf.ENGINE_FLAGS[k]})" if k in mf.ENGINE_FLAGS else ""
                 raise UserError(f"{m.path}: engine {k}{flag}: artifacts {pinned.get(k)}, this "
-                                f"run {run_fp.get(k)}; pass the same, or recreate with: {fix(None)}")
-        _check_graphs(m, graphs.graph_specs(model, this), graphs.pool_specs(model, this), fix(None))
-        layout = layout or this
-        manifests.append(m)
-    assert layout is not None
-    return (layout, *_load_graphs(manifests, model, layout, local, require_compiled,
-                                  preloaded or {}))
+                                f"run {run_fp.get(k)}; pass the same, or recreate with: "
+                                f"{arts.fix(m, None)}")
+        _check_graphs(m, graphs.graph_specs(model, plan.layout),
+                      graphs.pool_specs(model, plan.layout), arts.fix(m, None))
+    return _load_graphs(arts.manifests, model, plan.layout, local, require_compiled,
+                        preloaded or {})
 
 
 def _check_mesh(m: mf.Manifest, model, fix: str) -> None:

@@ -38,8 +38,8 @@ def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
     engine_cfg = build(EngineConfig, args, base)
     if model_opts.precompiled_artifacts and args.command != "warm-cache":
         from maxjax.aot.load import adopt_flags
-        model_opts.model_path = adopt_flags(model_opts.precompiled_artifacts,
-                                            model_opts.model_path, engine_cfg)
+        model_opts.model_path, engine_cfg = adopt_flags(model_opts.precompiled_artifacts,
+                                                        model_opts.model_path, engine_cfg)
     from maxjax.engine import devices, distributed
     group = build(distributed.DistributedOptions, args, base).resolved()
     if group is not None and args.command not in ("serve", "warm-cache"):
@@ -49,7 +49,7 @@ def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
     devices.select_platform(engine_cfg.devices,
                             start=group and (lambda: distributed.initialize(group)),
                             draft=engine_cfg.draft_devices)
-    engine_cfg.target(None)
+    engine_cfg = engine_cfg.for_platform(None)
     from maxjax.models import registry
     for spec in model_opts.custom_architectures if register else ():
         registry.register_custom(spec)
@@ -181,8 +181,8 @@ def cmd_suggest(args) -> int:
 
 def cmd_warm_cache(args) -> int:
     model_opts, engine_cfg = _setup(args)
-    from maxjax.aot import export as aot_export
-    return aot_export.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs,
+    from maxjax.engine import warm
+    return warm.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs,
                                  args.store_weights)
 
 

@@ -43,14 +43,15 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
     """The started AsyncEngine, or with --data-parallel-degree D a ReplicatedEngine of D.
     `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py);
     `on_death`: called once every replica's engine thread has died."""
-    from maxjax.engine.build import build_core, load, replica_mesh
+    from maxjax.engine.build import build_core, load
+    from maxjax.engine.plan import replica_mesh
     check_max_pending(serve_cfg.max_pending_requests)   # before anything loads
     model = model_opts.source()
     if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
         model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,
                      model_opts.precompiled_artifacts, progress,
                      replica_mesh(engine_cfg) if model_opts.precompiled_artifacts else None)
-    engines = []
+    engines, pins = [], None
     for replica in range(engine_cfg.data_parallel_degree):
         if leader is not None:
             from maxjax.engine.distributed import build_group_core
@@ -61,7 +62,10 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
                               require_compiled=model_opts.require_compiled_artifacts,
                               progress=progress, compile_cache=model_opts.compile_cache,
                               compile_cache_max_size=model_opts.compile_cache_max_size,
-                              replica=replica)
+                              replica=replica, pins=pins)
+            # Every replica runs replica 0's plan (memory is planned for all of them at once).
+            pins = pins or {"num_kv_pages": core.layout.num_pages,
+                            "max_length": core.layout.max_length}
         if model_opts.export_artifacts and replica == 0:
             from maxjax.aot import export as aot_export
             aot_export.export_engine(model_opts.export_artifacts, core)

@@ -90,17 +90,21 @@ def register_customs(specs: list[str], notes: list, drop: set) -> dict[str, str]
 
 def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, files) -> None:
     """Fill `report` as serve would plan (maxjax/engine/build.py build_core's order)."""
-    from maxjax.engine.build import on_devices, resolve_kernels
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.build import on_devices
+    from maxjax.engine.plan import check_flags, choose_kernels, plan_engine
     from maxjax.models import quantize
     from maxjax.models.loader import abstract_model, model_name, serving_encoding
     notes, path = report["notes"], report["path"]
     artifacts = model_opts.precompiled_artifacts
-    resolve_kernels(engine_cfg, artifacts)
-    request = cache_request(model_opts, engine_cfg, path)
+    check_flags(engine_cfg)
+    pinned = None
+    if artifacts:
+        from maxjax.aot import load as aot_load
+        pinned = aot_load.pinned_kernels(artifacts)
+    kernels = choose_kernels(engine_cfg, pinned)
+    request = cache_request(model_opts, engine_cfg.replace(use_experimental_kernels=kernels), path)
     ckpt = open_or_explain(files, model_opts.source(), report, customs)
     report["parameters"] = sum(math.prod(s) for s in _leaves(ckpt.arch.param_shapes(ckpt.config)))
-    kernels = engine_cfg.use_experimental_kernels
     supported = quantize.supported_encodings(ckpt.types)
     default = serving_encoding(None, ckpt.types, None, kernels)
     asked = engine_cfg.quantization_encoding
@@ -114,9 +118,9 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     report["encodings"] = {"supported": supported, "default": default, "serving": encoding,
                            "checkpoint": checkpoint_dtype(ckpt)}
     model = abstract_model(ckpt, encoding, model_name(model_opts.model_path, path))
-    engine_cfg.quantization_encoding = model.dtype
-    model = on_devices(model, engine_cfg)
-    layout = plan_layout(engine_cfg, model, resident=False)
+    model = on_devices(model, engine_cfg, kernels=kernels)
+    plan = plan_engine(engine_cfg, model, kernels=kernels, resident=False)
+    engine_cfg, layout = plan.config, plan.layout
     report["weights"] = weights_entry(model, layout)
     report["plan"] = plan_entry(model, layout, engine_cfg)
     report["compile_cache"] = cache_entry(model_opts, model, engine_cfg, layout, request)

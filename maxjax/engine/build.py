@@ -2,10 +2,10 @@
 `maxjax generate`; `maxjax warm-cache` loads its model with `load`):
   1. load the model, its converted weights restored from the precompiled artifacts (onto the
      engine's mesh, maxjax/aot/weights.py) when they store them;
-  2. the step executables: loaded from the precompiled artifacts after checking them against the
-     engine config (whose unset values take the ones the artifacts pinned); else loaded from the
-     compile cache (maxjax/aot/cache.py), or compiled and stored there on a miss; else (the cache
-     off) compiled;
+  2. the plan (maxjax/engine/plan.py), from the flags with what the precompiled artifacts pin
+     adopted, and its step executables: loaded from those artifacts after checking them against
+     the plan; else loaded from the compile cache (maxjax/aot/cache.py), or compiled and stored
+     there on a miss; else (the cache off) compiled;
   3. warm-up: every bucket ready, the executables' first-run priming armed (EngineCore.prime_next).
 With `progress`, each phase logs one line, compiling a count per graph and `Still compiling
 (N s elapsed)` while a long compile gives no other sign of life.
@@ -20,7 +20,9 @@ import time
 from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.core import EngineCore, plan_layout
+from maxjax.engine.core import EngineCore
+from maxjax.engine.plan import (EnginePlan, adopt, check_flags, check_mesh_flags,
+                                 choose_kernels, plan_engine, replica_mesh)
 from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel, load_model
 from maxjax.models.source import ModelSource
@@ -56,51 +58,53 @@ def load(model: str | ModelSource | LoadedModel | None, quantization_encoding: s
     return loaded
 
 
-def build_core(model: str | ModelSource | LoadedModel | None, engine_cfg: EngineConfig, *,
+def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfig, *,
                chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
                require_compiled: bool = False, progress: bool = False,
                compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
-               replica: int = 0) -> EngineCore:
-    """A warmed-up EngineCore. `engine_cfg` is completed in place: its quantization_encoding
-    becomes the model's dtype, its unset values the artifacts' pinned ones (or the sizes this
-    machine gives). `require_compiled`: refuse artifacts that hold no executable for this
+               replica: int = 0, pins: dict | None = None) -> EngineCore:
+    """A warmed-up EngineCore for the user's `flags`, planned once (maxjax/engine/plan.py;
+    `core.plan`). `require_compiled`: refuse artifacts that hold no executable for this
     device. `compile_cache`: False turns the compile cache off (None: on unless
     MAXJAX_NO_COMPILE_CACHE=1); `compile_cache_max_size` its cap (maxjax/aot/cache.py).
     `progress`: log lines for loading and compiling. `replica`: which of the
-    --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
+    --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on.
+    `pins`: layout values fixed elsewhere (a group's process 0: maxjax/engine/distributed.py)."""
     from maxjax.aot import cache
-    from maxjax.engine.step_policy import check_flags
     phases = {"start": since_process_start()}
-    check_flags(engine_cfg)
-    from maxjax.engine import speculative
-    speculative.draft_tokens(engine_cfg)          # its flags checked before the weights load
-    resolve_kernels(engine_cfg, precompiled_artifacts)
+    flags = adopt(flags.for_platform(None), pins or {})
+    check_flags(flags)                          # before the weights load
+    pinned_kernels = None
+    if precompiled_artifacts:
+        from maxjax.aot import load as aot_load
+        pinned_kernels = aot_load.pinned_kernels(precompiled_artifacts)
+    kernels = choose_kernels(flags, pinned_kernels)
     use_cache = cache.enabled(compile_cache)
-    request = _request(model, engine_cfg, chat_template) if use_cache and \
-        not precompiled_artifacts else None
+    request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template) \
+        if use_cache and not precompiled_artifacts else None
     from maxjax.aot import prefetch
     early = request and prefetch.start(cache.directory(), request)
     t = time.perf_counter()
-    model = load(model, engine_cfg.quantization_encoding, chat_template, precompiled_artifacts,
-                 progress, replica_mesh(engine_cfg, replica) if precompiled_artifacts else None,
-                 kernels=engine_cfg.use_experimental_kernels)
+    model = load(model, flags.quantization_encoding, chat_template, precompiled_artifacts,
+                 progress, replica_mesh(flags, replica) if precompiled_artifacts else None,
+                 kernels=kernels)
     phases["weights"] = time.perf_counter() - t
-    engine_cfg.quantization_encoding = model.dtype
     t = time.perf_counter()
-    model = on_devices(model, engine_cfg, replica)
+    model = on_devices(model, flags, replica, kernels=kernels)
     phases["placing"] = time.perf_counter() - t
     t0 = time.perf_counter()
     loaded = ()
     if precompiled_artifacts:
-        from maxjax.aot import load as aot_load
-        loaded = aot_load.load_for_engine(precompiled_artifacts, model, engine_cfg,
-                                          require_compiled)
-    elif use_cache:
-        loaded = _from_cache(model, engine_cfg, cache.max_bytes(compile_cache_max_size), progress,
-                             early or None, request)
+        plan, *loaded = aot_load.load_planned(precompiled_artifacts, model, flags,
+                                              require_compiled, kernels)
+    else:
+        plan = plan_engine(flags, model, kernels=kernels)
+        if use_cache:
+            loaded = _from_cache(model, plan, cache.max_bytes(compile_cache_max_size), progress,
+                                 early or None, request)
     phases["graphs"] = time.perf_counter() - t0
     t = time.perf_counter()
-    core = EngineCore(model, engine_cfg, *loaded)
+    core = EngineCore(model, plan, *loaded)
     phases["engine and KV pool"] = time.perf_counter() - t
     n = len(core.layout.buckets)
     t = time.perf_counter()
@@ -138,72 +142,21 @@ def since_process_start() -> float | None:
         return None
 
 
-def replica_mesh(engine_cfg: EngineConfig, replica: int = 0):
-    """Replica `replica`'s mesh of --devices; None on one device."""
-    from maxjax.engine import devices
-    return devices.replica_meshes(engine_cfg.devices, engine_cfg.data_parallel_degree)[replica]
-
-
-def on_devices(model: LoadedModel, engine_cfg: EngineConfig, replica: int = 0,
-               platforms: Sequence[str] | None = None) -> LoadedModel:
+def on_devices(model: LoadedModel, flags: EngineConfig, replica: int = 0,
+               kernels: bool = False) -> LoadedModel:
     """The model with its params on replica `replica`'s mesh of --devices (as it is on one
-    device), its quantized matrices packed for the CPU kernels when they run
-    (`resolve_kernels`); UserError for what a mesh does not support yet. `platforms`: where the
-    graphs run (None: this machine)."""
+    device), its quantized matrices packed for the CPU kernels when they run (`kernels`:
+    maxjax/engine/plan.py choose_kernels); UserError for what a mesh does not support yet."""
     from maxjax.engine import devices
-    mesh = replica_mesh(engine_cfg, replica)
-    if resolve_kernels(engine_cfg, platforms=platforms):
+    mesh = replica_mesh(flags, replica)
+    if kernels:
         return experimental_kernels(model)
     from maxjax.graphs import cpu_kernels
     if cpu_kernels.kernels_of(model.params):     # weights restored from such artifacts
         raise UserError("the artifacts' stored weights are laid out for --use-experimental-kernels"
                         ": pass it, or recreate the artifacts without it")
-    if mesh is not None:
-        if engine_cfg.enable_lora:
-            raise UserError(f"--enable-lora with --devices {engine_cfg.devices} or "
-                            "--data-parallel-degree: LoRA runs on one device only for now")
-        if engine_cfg.speculative_method == "draft" and (
-                mesh.size > 1 or engine_cfg.data_parallel_degree > 1):
-            raise UserError(f"--speculative-method draft with --devices {engine_cfg.devices} or "
-                            "--data-parallel-degree: with a draft model the target runs on one "
-                            "device only (the draft's: --draft-devices)")
+    check_mesh_flags(flags, mesh)
     return devices.place_model(model, mesh)
-
-
-def resolve_kernels(engine_cfg: EngineConfig, precompiled_artifacts: Sequence[str] = (),
-                    platforms: Sequence[str] | None = None) -> bool:
-    """Whether maxjax's CPU kernels (graphs/cpu_kernels.py) run, written into
-    --use-experimental-kernels: True requires them (a UserError naming why they cannot run),
-    False keeps XLA's path, None (the default) turns them on wherever they run: what
-    --precompiled-artifacts were built with, else on this CPU unless one log line says why not.
-    `platforms`: where the graphs run (None: this machine)."""
-    import jax
-    flag, source = engine_cfg.use_experimental_kernels, "--use-experimental-kernels"
-    if flag is False:
-        return False
-    if flag is None and precompiled_artifacts:
-        from maxjax.aot import load as aot_load
-        flag = aot_load.pinned_kernels(precompiled_artifacts)
-        source = "--precompiled-artifacts (built with the CPU kernels)"
-        if not flag:
-            engine_cfg.use_experimental_kernels = False
-            return False
-    platforms = list(platforms or [jax.export.default_export_platform()])
-    devices = engine_cfg.devices or ""
-    from maxjax.graphs import cpu_kernels
-    why = (f"they are for the CPU (graphs for {', '.join(platforms)})" if platforms != ["cpu"]
-           else f"they run on one device (--devices {devices})"
-           if replica_mesh(engine_cfg) is not None
-           else "they run on one device (--data-parallel-degree)"
-           if engine_cfg.data_parallel_degree > 1 else cpu_kernels.unavailable())
-    if why and flag:
-        raise UserError(f"{source}: {why}")
-    if why:
-        log.info("CPU kernels off: %s; XLA's path runs", why)
-    elif flag is None:
-        log.info("CPU kernels on (%s)", cpu_kernels.isa())
-    engine_cfg.use_experimental_kernels = why is None
-    return why is None
 
 
 def experimental_kernels(model: LoadedModel) -> LoadedModel:
@@ -234,39 +187,35 @@ def _request(model, engine_cfg: EngineConfig, chat_template: str | None) -> str 
         return None
 
 
-def _from_cache(model, engine_cfg: EngineConfig, limit: int, progress: bool, early=None,
+def _from_cache(model, plan: EnginePlan, limit: int, progress: bool, early=None,
                 request: str | None = None):
-    """(layout, executables, kv_init) from the compile cache entry of this configuration; on a
-    miss, compiled and stored there first. None when it cannot be stored (then the engine
-    compiles as without a cache). `early`: the prefetch (maxjax/aot/prefetch.py) this start's
-    `request` key found; the entry it loads is recorded under that key."""
+    """(executables, kv_init) from the compile cache entry of this plan; on a miss, compiled
+    and stored there first. () when it cannot be stored (then the engine compiles as without a
+    cache). `early`: the prefetch (maxjax/aot/prefetch.py) this start's `request` key found;
+    the entry it loads is recorded under that key."""
     import jax
 
     from maxjax.aot import cache, export, prefetch
-    layout = plan_layout(engine_cfg, model)
-    # The sizes this machine gave are pinned, so the loader plans the same layout.
-    engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
-    path = cache.entry_path(model, engine_cfg, layout)
-    loaded = cache.load(path, model, engine_cfg, early.take(path) if early else None)
+    path = cache.entry_path(model, plan)
+    loaded = cache.load(path, model, plan, early.take(path) if early else None)
     if request:
         prefetch.remember(cache.directory(), request, path)
     if loaded is not None:
         return loaded
-    n = len(layout.buckets) + 1
+    n = len(plan.layout.buckets) + 1
     if progress:
         log.info("Compiling %d graphs (not in the compile cache yet: storing them in %s)", n,
                  path)
     try:
         with Heartbeat(progress) as beat:
-            _, compiled = cache.fill(path, model, engine_cfg, layout,
-                                     [jax.export.default_export_platform()], export.default_jobs(),
-                                     beat.graph_done if progress else None)
+            _, compiled = cache.fill(path, model, plan, [jax.export.default_export_platform()],
+                                     export.default_jobs(), beat.graph_done if progress else None)
     except OSError as e:
         log.warning("compile cache: cannot write %s (%s); compiling without it", path, e)
         return ()
     cache.evict(limit, keep=path)
     from maxjax.aot import graphs
-    return (layout, *graphs.engine_graphs(compiled, model, layout))
+    return graphs.engine_graphs(compiled, model, plan.layout)
 
 
 class Heartbeat:

@@ -1,6 +1,7 @@
 """Engine settings: every flag that shapes scheduling, the KV pool or the compiled graphs."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 # Defaults that depend on where the graphs run: a GPU step takes far more rows and tokens for the
@@ -13,8 +14,10 @@ def platform_defaults(platform: str) -> dict:
     return PLATFORM_DEFAULTS["cuda" if platform in ("cuda", "gpu") else "cpu"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
+    """The user's engine flags; frozen. maxjax/engine/plan.py resolves them (`for_platform`,
+    `replace`) into the plan's config: new objects, never writes."""
     devices: str | None = field(default=None, metadata={
         "help": "Devices of each process: cpu, cpu:N (N host devices), cpu:id=ID[,ID...], gpu, "
                 "gpu:all or gpu:ID[,ID...]; several form a tensor-parallel mesh (default: the "
@@ -235,27 +238,43 @@ class EngineConfig:
 
     def __post_init__(self):
         # The CPU's until the platform is known: asking JAX here would start its backend before
-        # --devices and jax.distributed may (the CLI and LLM call target(None) once they have).
-        self._platform_defaults: dict = {}
-        self.target("cpu")
+        # --devices and jax.distributed may (plan_engine takes the platform's).
+        self._fill("cpu")
+
+    def _fill(self, platform: str) -> None:
+        """Settings left unset (or filled so before) take `platform`'s defaults; only on an
+        object nobody holds yet (construction, `for_platform`, `replace`)."""
+        filled = set(getattr(self, "_defaulted", ()))
+        for name, value in platform_defaults(platform).items():
+            if getattr(self, name) is None or name in filled:
+                object.__setattr__(self, name, value)
+                filled.add(name)
+        object.__setattr__(self, "_defaulted", frozenset(filled))
+        object.__setattr__(self, "_platform", platform)
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with `changes`; settings holding a platform default keep being defaults."""
+        unset = {n: None for n in self._defaulted if n not in changes}
+        new = dataclasses.replace(self, **unset, **changes)
+        if self._platform != "cpu":
+            new._fill(self._platform)
+        return new
+
+    def for_platform(self, platform: str | None) -> EngineConfig:
+        """A copy whose unset settings take the defaults of the platform the graphs run on
+        (None: this machine's)."""
+        if platform is None:
+            import jax
+            platform = jax.default_backend()
+        new = self.replace()
+        new._fill(platform)
+        return new
+
+    def is_default(self, name: str) -> bool:
+        """True when `name` holds the platform default it was given (the user did not set it)."""
+        return name in self._defaulted
 
     def draft_source(self):
         """The draft model's ModelSource (maxjax/models/source.py)."""
         from maxjax.models.source import ModelSource
         return ModelSource.of(self, "draft_")
-
-    def target(self, platform: str | None) -> None:
-        """Fill the settings left unset with the defaults of the platform the graphs will run on
-        (None: this machine's); settings filled so before take the new platform's."""
-        if platform is None:
-            import jax
-            platform = jax.default_backend()
-        for name, value in platform_defaults(platform).items():
-            if getattr(self, name) is None or self.is_default(name):
-                setattr(self, name, value)
-                self._platform_defaults[name] = value
-
-    def is_default(self, name: str) -> bool:
-        """True when `name` still holds the platform default it was given."""
-        return name in self._platform_defaults and \
-            getattr(self, name) == self._platform_defaults[name]

@@ -15,177 +15,35 @@ A fault in a step fails only the requests it can be traced to, and the engine go
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from maxjax.engine import compile_counter, memory, speculative
+from maxjax.engine import compile_counter, speculative
 from maxjax.engine.block_manager import BlockManager
-from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logprobs
+from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
 from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError, UserError
-from maxjax.graphs.attention import backend_for as backend_for_platform
 from maxjax.graphs.step import RowSlice
 from maxjax.structured.backend import backend_for
 
 log = logging.getLogger("maxjax.engine")
-# A default pool holds every row at up to this many tokens (with --max-length unset the limit
-# is the model's max_position_embeddings; rows that long share the pool instead).
-DEFAULT_ROW_TOKENS = 4096
 # An embedding request's SamplingParams: never sampled (its rows have no sample slot).
 EMBEDDING_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)
-KV_CACHE_FORMATS = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class EngineLayout:
-    """Sizes derived from the config and the machine; pinned in artifacts."""
-    max_length: int
-    page_size: int
-    num_pages: int
-    max_pages_per_row: int
-    buckets: list = field(default_factory=list)
-    platform: str = "cpu"            # where the graphs run (export platform name)
-    attention: str = "query_blocks"  # the attention backend (graphs/attention.py)
-    memory_report: str = field(default="", compare=False)   # how the pool was sized
-    lora_slots: int = 0          # device adapter slots + slot 0 (graphs/lora.py); 0: LoRA off
-    max_lora_rank: int = 0
-    kv_dtype: str = "float32"       # --kv-cache-format
-    mesh: Any = None        # the tensor-parallel mesh (maxjax/engine/devices.py); None: one device
-
-
-def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
-    """--max-length, else the model's max_position_embeddings (`plan_layout` lowers the default
-    to what the KV pool holds)."""
-    if cfg.max_length is None:
-        return model_cfg.max_position_embeddings
-    if cfg.max_length < 2:
-        raise UserError(f"--max-length must be >= 2 (got {cfg.max_length})")
-    return cfg.max_length
-
-
-def local_platform() -> str:
-    """This process's JAX platform as export names it: cpu, cuda, rocm, tpu."""
-    return jax.export.default_export_platform()
-
-
-def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
-                resident: bool = True) -> EngineLayout:
-    """The layout for graphs that run on `platform` (None: this machine's): its attention
-    backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
-    platform's memory cannot be measured here). `resident` False: the model's params are
-    ShapeDtypeStructs, not in memory yet (`maxjax suggest`, maxjax/cli/suggest.py)."""
-    from maxjax.graphs.sharding import params_mesh
-    mc = model.config
-    platform = platform or local_platform()
-    mesh = params_mesh(model.params)     # the mesh the model's params are placed on
-    if cfg.kv_cache_page_size < 1:
-        raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
-    seed = cfg.kv_cache_hash_seed
-    if seed is not None and (len(seed) != 64 or any(c not in "0123456789abcdefABCDEF"
-                                                    for c in seed)):
-        raise UserError(f"--kv-cache-hash-seed: expected 64 hex digits (32 bytes), got "
-                        f"{len(seed)} characters")
-    if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
-        raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
-    attention = backend_for_platform(platform)
-    if attention.name == "pallas_paged":
-        from maxjax.graphs import pallas_attention as kernel
-        why = kernel.check_page_size(cfg.kv_cache_page_size)
-        if why:
-            raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {why}")
-        if not kernel.supports_head_dim(mc.head_dim):
-            attention = backend_for_platform("cpu")
-    elif cfg.use_experimental_kernels and platform == "cpu":
-        attention = cpu_kernel_attention(mc.head_dim) or attention
-    max_length = resolve_max_length(cfg, mc)
-    kv_dtype = cfg.kv_cache_format or np.dtype(model.compute_dtype).name
-    if kv_dtype not in KV_CACHE_FORMATS:
-        raise UserError(f"unsupported --kv-cache-format {kv_dtype!r} "
-                        f"(supported: {', '.join(KV_CACHE_FORMATS)})")
-    page = cfg.kv_cache_page_size
-    per_row = math.ceil(max_length / page)
-    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
-                         speculative.draft_tokens(cfg) + 1)
-    kv_itemsize = jnp.dtype(kv_dtype).itemsize
-    if cfg.num_kv_pages is not None:
-        num_pages = cfg.num_kv_pages
-        report = f"KV pool of --num-kv-pages {num_pages}"
-        if platform == local_platform() == "cpu":   # the host's memory, before the pool is made
-            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh,
-                                      resident)
-    elif platform != local_platform():
-        raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
-                        f"{local_platform()} machine cannot measure that device's memory")
-    else:
-        # No more than every row at max_length could use (up to DEFAULT_ROW_TOKENS by default,
-        # but at least one row at max_length), plus the scratch page.
-        row_tokens = max_length if cfg.max_length else min(max_length, DEFAULT_ROW_TOKENS)
-        most = max(cfg.max_batch_size * math.ceil(row_tokens / page), per_row) + 1
-        plan = memory.layout_plan(cfg, mc, model.params, page, buckets, most, kv_itemsize, mesh,
-                                  resident)
-        num_pages, report = plan.num_pages, plan.report()
-    if cfg.max_length is None and 2 <= num_pages <= per_row:
-        lowered = (num_pages - 1) * page
-        log.info("max length %d (the model's max_position_embeddings is %d): the KV pool "
-                 "holds %d pages of %d tokens (--max-length, --device-memory-utilization, "
-                 "--num-kv-pages)", lowered, max_length, num_pages - 1, page)
-        max_length, per_row = lowered, num_pages - 1
-    if num_pages < 2 and cfg.num_kv_pages is not None:
-        raise UserError(f"--num-kv-pages {num_pages}: the KV pool needs at least 2 pages")
-    if num_pages < 2:
-        raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2: "
-                        f"{report} ({memory.POOL_FLAGS})")
-    return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
-                        attention.name, report, *lora_shape(cfg), kv_dtype, mesh)
-
-
-def cpu_kernel_attention(head_dim: int):
-    """--use-experimental-kernels' attention backend (graphs/cpu_attention.py), or None where it
-    cannot run: the kernels do not build here (the int8 side refuses the flag then, naming
-    why), or a head size it has no instantiation for (the query-block algorithm runs)."""
-    from maxjax.graphs import cpu_attention, cpu_kernels
-    from maxjax.graphs.attention import backend_named
-    if cpu_kernels.unavailable() is not None or not cpu_attention.supports_head_dim(head_dim):
-        return None
-    return backend_named(cpu_attention.CPU_PAGED_KERNEL.name)
-
-
-def lora_shape(cfg: EngineConfig) -> tuple[int, int]:
-    """(slots, max rank) of the graphs' LoRA stacks, (0, 0) without --enable-lora."""
-    if not cfg.enable_lora:
-        return 0, 0
-    for flag, v in (("--max-num-loras", cfg.max_num_loras), ("--max-lora-rank", cfg.max_lora_rank),
-                    ("--max-cpu-loras", cfg.max_cpu_loras)):
-        if v < 1:
-            raise UserError(f"{flag} must be >= 1 (got {v})")
-    if not cfg.lora_unload_timeout >= 0:
-        raise UserError(f"--lora-unload-timeout must be >= 0 (got {cfg.lora_unload_timeout})")
-    return cfg.max_num_loras + 1, cfg.max_lora_rank
 
 
 def make_lora_manager(cfg: EngineConfig, model):
     """The LoraManager for --enable-lora with its --lora-paths loaded, else None (UserError for
-    a bad flag or adapter)."""
+    a bad adapter; the flags were checked by maxjax/engine/plan.py)."""
     if not cfg.enable_lora:
-        if cfg.lora_paths:
-            raise UserError("--lora-paths needs --enable-lora")
         return None
-    lora_shape(cfg)
-    if model.config.moe_layers:     # adapters target w_gate_up / w_down, which it does not have
-        raise UserError(f"--enable-lora: {model.config.architecture} routes its MLPs over "
-                        "experts; LoRA on mixture-of-experts models is not supported yet")
     from maxjax.lora.manager import LoraManager
     manager = LoraManager(model.config, model.compute_dtype, cfg.max_num_loras,
                           cfg.max_lora_rank, cfg.max_cpu_loras)
@@ -203,14 +61,17 @@ def make_lora_manager(cfg: EngineConfig, model):
 
 
 class EngineCore:
-    def __init__(self, model, cfg: EngineConfig, layout: EngineLayout | None = None,
-                 executables: dict | None = None, kv_init=None):
-        """`layout`, `executables` (per bucket) and `kv_init`: what maxjax/aot/load.py
-        `load_for_engine` returns, or None to plan and compile them here."""
+    def __init__(self, model, plan: EnginePlan | EngineConfig, executables: dict | None = None,
+                 kv_init=None):
+        """`plan`: maxjax/engine/plan.py's (an EngineConfig: planned here); `executables` (per
+        bucket) and `kv_init`: loaded for that plan (maxjax/aot/load.py, the compile cache), or
+        None to compile them here."""
+        if isinstance(plan, EngineConfig):
+            plan = plan_engine(plan, model)
         self.model = model
-        self.cfg = cfg
-        self.layout = layout or plan_layout(cfg, model)
-        lay = self.layout
+        self.plan = plan
+        self.cfg = cfg = plan.config
+        self.layout = lay = plan.layout
         self.max_length = lay.max_length
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.lora = make_lora_manager(cfg, model)

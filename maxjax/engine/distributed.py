@@ -181,9 +181,9 @@ class Leader:
                 except OSError as e:
                     _fatal(f"process {i} of {self.opts.num_processes} left the group ({e})")
 
-    def send_layout(self, engine_cfg, artifacts: bool = False) -> None:
-        self.broadcast({"op": "layout", "num_kv_pages": engine_cfg.num_kv_pages,
-                        "max_length": engine_cfg.max_length, "artifacts": artifacts})
+    def send_layout(self, pins: dict, artifacts: bool = False) -> None:
+        """Process 0's planned pool size and max length (none when artifacts pin them)."""
+        self.broadcast({"op": "layout", **pins, "artifacts": artifacts})
 
     def mirror(self, op: str, bucket_index: int | None = None, step=None, samp=None) -> None:
         import jax
@@ -222,7 +222,7 @@ class Follower:
             _fatal(f"process {self.opts.process_id}: process 0 left the group ({e}): stopping")
             raise
 
-    def receive_layout(self, engine_cfg, artifacts: bool = False) -> None:
+    def receive_layout(self, artifacts: bool = False) -> dict:
         header, _ = self.recv()
         if header.get("op") != "layout":
             _fatal(f"process {self.opts.process_id}: expected the layout, got {header.get('op')}")
@@ -231,7 +231,8 @@ class Follower:
                    f"{'given' if artifacts else 'not given'} here but "
                    f"{'is' if header.get('artifacts') else 'is not'} on process 0: every "
                    "process of a group serves from the same artifacts, or none does")
-        engine_cfg.num_kv_pages, engine_cfg.max_length = header["num_kv_pages"], header["max_length"]
+        from maxjax.engine.plan import PINNED_FIELDS
+        return {k: header[k] for k in PINNED_FIELDS if header.get(k) is not None}
 
     def follow(self, runner) -> int:
         """Make process 0's calls on this process's runner until it says stop."""
@@ -261,8 +262,8 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
     same manifest), the graphs loaded from the artifacts or from this process's compile cache
     entry, or compiled here (no collective runs while compiling: a process that compiles while
     another loads does not hold the group up beyond its compile time)."""
-    from maxjax.engine.build import build_core, load, on_devices, replica_mesh
-    from maxjax.engine.core import plan_layout
+    from maxjax.engine.build import build_core, load, on_devices
+    from maxjax.engine.plan import plan_engine, replica_mesh
     if model_opts.export_artifacts:
         raise UserError("--export-artifacts with --num-processes: not supported (every process "
                         "runs `maxjax warm-cache` with the group flags instead)")
@@ -270,18 +271,20 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
         raise UserError("--data-parallel-degree with --num-processes: not supported yet (run "
                         "one group per replica behind a load balancer)")
     artifacts = model_opts.precompiled_artifacts
-    model = load(model_opts.source(), engine_cfg.quantization_encoding,
-                 model_opts.chat_template, artifacts, progress,
-                 replica_mesh(engine_cfg) if artifacts else None)
-    model = on_devices(model, engine_cfg)
+    flags = engine_cfg.for_platform(None)
+    # The mesh spans the processes: the CPU kernels never run here (build_core says so).
+    model = load(model_opts.source(), flags.quantization_encoding, model_opts.chat_template,
+                 artifacts, progress, replica_mesh(flags) if artifacts else None)
+    model = on_devices(model, flags)
+    pins = {}
     if isinstance(channel, Leader):
-        if not artifacts:
-            layout = plan_layout(engine_cfg, model)
-            engine_cfg.num_kv_pages, engine_cfg.max_length = layout.num_pages, layout.max_length
-        channel.send_layout(engine_cfg, bool(artifacts))
+        if not artifacts:       # artifacts pin the layout for every process alike
+            plan = plan_engine(flags, model, kernels=False)
+            pins = {"num_kv_pages": plan.layout.num_pages, "max_length": plan.layout.max_length}
+        channel.send_layout(pins, bool(artifacts))
     else:
-        channel.receive_layout(engine_cfg, bool(artifacts))
-    core = build_core(model, engine_cfg, precompiled_artifacts=artifacts,
+        pins = channel.receive_layout(bool(artifacts))
+    core = build_core(model, engine_cfg, precompiled_artifacts=artifacts, pins=pins,
                       require_compiled=model_opts.require_compiled_artifacts, progress=progress,
                       compile_cache=model_opts.compile_cache,
                       compile_cache_max_size=model_opts.compile_cache_max_size)

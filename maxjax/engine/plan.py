@@ -1,0 +1,274 @@
+"""The engine plan: one function from (flags, model facts, device facts, the artifacts' pins)
+to a frozen EnginePlan: the settings every flag resolves to (platform defaults, weight encoding,
+CPU kernels, pool size, max length) and the layout the graphs are built for (buckets, KV pool,
+attention backend, mesh). Every start path calls `plan_engine` (serve and its replicas, maxjax.LLM,
+warm-cache, each process of a multi-host group, `maxjax suggest`) and nothing writes a config
+afterwards; flag errors are raised by `check_flags` (before any weight is read) and here.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxjax.engine import memory, speculative
+from maxjax.engine.buckets import bucket_set
+from maxjax.engine.config import EngineConfig
+from maxjax.errors import UserError
+from maxjax.graphs.attention import backend_for as backend_for_platform
+
+log = logging.getLogger("maxjax.engine")
+# A default pool holds every row at up to this many tokens (with --max-length unset the limit
+# is the model's max_position_embeddings; rows that long share the pool instead).
+DEFAULT_ROW_TOKENS = 4096
+KV_CACHE_FORMATS = ("float32", "bfloat16", "float16")
+# What artifacts (or a group's process 0) pin: the layout values a run adopts.
+PINNED_FIELDS = ("max_length", "num_kv_pages")
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What an engine is built from. `config`: every setting resolved, for the engine's
+    managers; `layout`: what the graphs are compiled for (pinned in artifacts)."""
+    config: EngineConfig
+    layout: "EngineLayout"
+
+    @property
+    def kernels(self) -> bool:
+        return bool(self.config.use_experimental_kernels)
+
+
+def plan_engine(flags: EngineConfig, model, *, platform: str | None = None,
+                kernels: bool | None = None, resident: bool = True) -> EnginePlan:
+    """The plan for `model` (its params placed where it runs: `maxjax/engine/build.py`
+    on_devices) from `flags` (the user's, with any pinned values adopted: `adopt`), for graphs
+    that run on `platform` (None: this machine's). `kernels`: whether the CPU kernels run, as
+    `choose_kernels` decided before the weights loaded (None: decide here). `resident` False:
+    the params are ShapeDtypeStructs (`maxjax suggest`)."""
+    platform = platform or local_platform()
+    cfg = flags.for_platform(platform)
+    check_flags(cfg)
+    if kernels is None:
+        kernels = choose_kernels(cfg, platforms=[platform])
+    check_mesh_flags(cfg, _params_mesh(model))
+    if cfg.enable_lora and model.config.moe_layers:  # adapters target w_gate_up / w_down
+        raise UserError(f"--enable-lora: {model.config.architecture} routes its MLPs over "
+                        "experts; LoRA on mixture-of-experts models is not supported yet")
+    cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=kernels)
+    layout = plan_layout(cfg, model, platform, resident)
+    cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length)
+    return EnginePlan(cfg, layout)
+
+
+def adopt(flags: EngineConfig, pins: dict) -> EngineConfig:
+    """`flags` with the values another party fixed (artifacts' layout, a group's process 0):
+    the caller checked them against the user's explicit flags."""
+    return flags.replace(**pins) if pins else flags
+
+
+def check_flags(cfg: EngineConfig) -> None:
+    """Every start-up flag check that needs no model: a one-line UserError naming the flag.
+    Cheap; build_core runs it before the weights load, plan_engine again."""
+    from maxjax.engine.step_policy import check_flags as check_step_flags
+    check_step_flags(cfg)
+    speculative.draft_tokens(cfg)
+    check_layout_flags(cfg)
+    lora_shape(cfg)
+    if cfg.lora_paths and not cfg.enable_lora:
+        raise UserError("--lora-paths needs --enable-lora")
+    if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
+        raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
+                        f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")
+
+
+def check_mesh_flags(cfg: EngineConfig, mesh) -> None:
+    """What a mesh (--devices over several, --data-parallel-degree) does not support yet."""
+    if mesh is None:
+        return
+    if cfg.enable_lora:
+        raise UserError(f"--enable-lora with --devices {cfg.devices} or "
+                        "--data-parallel-degree: LoRA runs on one device only for now")
+    if cfg.speculative_method == "draft" and (
+            (mesh is not None and mesh.size > 1) or cfg.data_parallel_degree > 1):
+        raise UserError(f"--speculative-method draft with --devices {cfg.devices} or "
+                        "--data-parallel-degree: with a draft model the target runs on one "
+                        "device only (the draft's: --draft-devices)")
+
+
+def _params_mesh(model):
+    from maxjax.graphs.sharding import params_mesh
+    return params_mesh(model.params)
+
+
+def replica_mesh(cfg: EngineConfig, replica: int = 0):
+    """Replica `replica`'s mesh of --devices; None on one device."""
+    from maxjax.engine import devices
+    return devices.replica_meshes(cfg.devices, cfg.data_parallel_degree)[replica]
+
+
+def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
+                   platforms: Sequence[str] | None = None, source: str | None = None) -> bool:
+    """Whether maxjax's CPU kernels (graphs/cpu_kernels.py) run. --use-experimental-kernels:
+    True requires them (a UserError naming why they cannot run), False keeps XLA's path, None
+    (the default) turns them on wherever they run: as `pinned` (what --precompiled-artifacts
+    were built with, `aot_load.pinned_kernels`) when given, else on this CPU unless one log line
+    says why not. `platforms`: where the graphs run (None: this machine)."""
+    flag = cfg.use_experimental_kernels
+    if flag is False:
+        return False
+    source = "--use-experimental-kernels"
+    if flag is None and pinned is not None:
+        if not pinned:
+            return False
+        flag, source = True, "--precompiled-artifacts (built with the CPU kernels)"
+    platforms = list(platforms or [jax.export.default_export_platform()])
+    from maxjax.graphs import cpu_kernels
+    why = (f"they are for the CPU (graphs for {', '.join(platforms)})" if platforms != ["cpu"]
+           else f"they run on one device (--devices {cfg.devices or ''})"
+           if replica_mesh(cfg) is not None
+           else "they run on one device (--data-parallel-degree)"
+           if cfg.data_parallel_degree > 1 else cpu_kernels.unavailable())
+    if why and flag:
+        raise UserError(f"{source}: {why}")
+    if why:
+        log.info("CPU kernels off: %s; XLA's path runs", why)
+    elif flag is None:
+        log.info("CPU kernels on (%s)", cpu_kernels.isa())
+    return why is None
+
+
+@dataclass
+class EngineLayout:
+    """Sizes derived from the config and the machine; pinned in artifacts."""
+    max_length: int
+    page_size: int
+    num_pages: int
+    max_pages_per_row: int
+    buckets: list = field(default_factory=list)
+    platform: str = "cpu"            # where the graphs run (export platform name)
+    attention: str = "query_blocks"  # the attention backend (graphs/attention.py)
+    memory_report: str = field(default="", compare=False)   # how the pool was sized
+    lora_slots: int = 0          # device adapter slots + slot 0 (graphs/lora.py); 0: LoRA off
+    max_lora_rank: int = 0
+    kv_dtype: str = "float32"       # --kv-cache-format
+    mesh: Any = None        # the tensor-parallel mesh (maxjax/engine/devices.py); None: one device
+
+
+def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
+    """--max-length, else the model's max_position_embeddings (`plan_layout` lowers the default
+    to what the KV pool holds)."""
+    if cfg.max_length is None:
+        return model_cfg.max_position_embeddings
+    if cfg.max_length < 2:
+        raise UserError(f"--max-length must be >= 2 (got {cfg.max_length})")
+    return cfg.max_length
+
+
+def local_platform() -> str:
+    """This process's JAX platform as export names it: cpu, cuda, rocm, tpu."""
+    return jax.export.default_export_platform()
+
+
+def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
+                resident: bool = True) -> EngineLayout:
+    """The layout for graphs that run on `platform` (None: this machine's): its attention
+    backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
+    platform's memory cannot be measured here). `resident` False: the model's params are
+    ShapeDtypeStructs, not in memory yet (`maxjax suggest`, maxjax/cli/suggest.py)."""
+    from maxjax.graphs.sharding import params_mesh
+    mc = model.config
+    platform = platform or local_platform()
+    mesh = params_mesh(model.params)     # the mesh the model's params are placed on
+    check_layout_flags(cfg)
+    attention = backend_for_platform(platform)
+    if attention.name == "pallas_paged":
+        from maxjax.graphs import pallas_attention as kernel
+        why = kernel.check_page_size(cfg.kv_cache_page_size)
+        if why:
+            raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {why}")
+        if not kernel.supports_head_dim(mc.head_dim):
+            attention = backend_for_platform("cpu")
+    elif cfg.use_experimental_kernels and platform == "cpu":
+        attention = cpu_kernel_attention(mc.head_dim) or attention
+    max_length = resolve_max_length(cfg, mc)
+    kv_dtype = cfg.kv_cache_format or np.dtype(model.compute_dtype).name
+    if kv_dtype not in KV_CACHE_FORMATS:
+        raise UserError(f"unsupported --kv-cache-format {kv_dtype!r} "
+                        f"(supported: {', '.join(KV_CACHE_FORMATS)})")
+    page = cfg.kv_cache_page_size
+    per_row = math.ceil(max_length / page)
+    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
+                         speculative.draft_tokens(cfg) + 1)
+    kv_itemsize = jnp.dtype(kv_dtype).itemsize
+    if cfg.num_kv_pages is not None:
+        num_pages = cfg.num_kv_pages
+        report = f"KV pool of --num-kv-pages {num_pages}"
+        if platform == local_platform() == "cpu":   # the host's memory, before the pool is made
+            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh,
+                                      resident)
+    elif platform != local_platform():
+        raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
+                        f"{local_platform()} machine cannot measure that device's memory")
+    else:
+        # No more than every row at max_length could use (up to DEFAULT_ROW_TOKENS by default,
+        # but at least one row at max_length), plus the scratch page.
+        row_tokens = max_length if cfg.max_length else min(max_length, DEFAULT_ROW_TOKENS)
+        most = max(cfg.max_batch_size * math.ceil(row_tokens / page), per_row) + 1
+        plan = memory.layout_plan(cfg, mc, model.params, page, buckets, most, kv_itemsize, mesh,
+                                  resident)
+        num_pages, report = plan.num_pages, plan.report()
+    if cfg.max_length is None and 2 <= num_pages <= per_row:
+        lowered = (num_pages - 1) * page
+        log.info("max length %d (the model's max_position_embeddings is %d): the KV pool "
+                 "holds %d pages of %d tokens (--max-length, --device-memory-utilization, "
+                 "--num-kv-pages)", lowered, max_length, num_pages - 1, page)
+        max_length, per_row = lowered, num_pages - 1
+    if num_pages < 2 and cfg.num_kv_pages is not None:
+        raise UserError(f"--num-kv-pages {num_pages}: the KV pool needs at least 2 pages")
+    if num_pages < 2:
+        raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2: "
+                        f"{report} ({memory.POOL_FLAGS})")
+    return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
+                        attention.name, report, *lora_shape(cfg), kv_dtype, mesh)
+
+
+def check_layout_flags(cfg: EngineConfig) -> None:
+    """The layout's own flags: page size, hash seed, step sizes."""
+    if cfg.kv_cache_page_size < 1:
+        raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
+    seed = cfg.kv_cache_hash_seed
+    if seed is not None and (len(seed) != 64 or any(c not in "0123456789abcdefABCDEF"
+                                                    for c in seed)):
+        raise UserError(f"--kv-cache-hash-seed: expected 64 hex digits (32 bytes), got "
+                        f"{len(seed)} characters")
+    if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
+        raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
+
+
+def cpu_kernel_attention(head_dim: int):
+    """--use-experimental-kernels' attention backend (graphs/cpu_attention.py), or None where it
+    cannot run: the kernels do not build here (the int8 side refuses the flag then, naming
+    why), or a head size it has no instantiation for (the query-block algorithm runs)."""
+    from maxjax.graphs import cpu_attention, cpu_kernels
+    from maxjax.graphs.attention import backend_named
+    if cpu_kernels.unavailable() is not None or not cpu_attention.supports_head_dim(head_dim):
+        return None
+    return backend_named(cpu_attention.CPU_PAGED_KERNEL.name)
+
+
+def lora_shape(cfg: EngineConfig) -> tuple[int, int]:
+    """(slots, max rank) of the graphs' LoRA stacks, (0, 0) without --enable-lora."""
+    if not cfg.enable_lora:
+        return 0, 0
+    for flag, v in (("--max-num-loras", cfg.max_num_loras), ("--max-lora-rank", cfg.max_lora_rank),
+                    ("--max-cpu-loras", cfg.max_cpu_loras)):
+        if v < 1:
+            raise UserError(f"{flag} must be >= 1 (got {v})")
+    if not cfg.lora_unload_timeout >= 0:
+        raise UserError(f"--lora-unload-timeout must be >= 0 (got {cfg.lora_unload_timeout})")
+    return cfg.max_num_loras + 1, cfg.max_lora_rank

@@ -1,0 +1,75 @@
+"""`maxjax warm-cache`: plan the engine as serve would (maxjax/engine/plan.py) for the first
+target platform and write its graphs as artifacts (maxjax/aot/export.py), or into the compile
+cache entry that serve, generate and maxjax.LLM with the same model and engine flags load."""
+from __future__ import annotations
+
+import os
+import shlex
+import time
+
+import jax
+
+from maxjax.aot import cache, group
+from maxjax.aot.export import default_jobs, normalize_targets, write_artifacts
+from maxjax.aot.load import check_target_arch
+from maxjax.engine.build import load, on_devices
+from maxjax.engine.config import EngineConfig
+from maxjax.engine.plan import adopt, check_flags, choose_kernels, plan_engine
+from maxjax.errors import UserError
+
+
+def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
+               targets: list[str] | None, jobs: int | None,
+               store_weights: bool | None = None) -> int:
+    """Artifacts into `artifacts_dir`; without one, into the compile cache. In a multi-host
+    group every process runs it and they write one directory (maxjax/aot/group.py)."""
+    platforms, archs = normalize_targets(targets)
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise UserError(f"--jobs must be >= 1 (got {jobs})")
+    local = jax.export.default_export_platform()
+    check_target_arch(archs, "--target")       # a local GPU must be the architecture named
+    if artifacts_dir is None and local not in platforms:
+        raise UserError(f"--target {' '.join(platforms)}: the compile cache holds graphs for this "
+                        f"machine ({local}); pass --artifacts-dir for another machine's")
+    if artifacts_dir is None and group.size() > 1:
+        raise UserError("--num-processes: a group's warm-cache writes one artifact directory: "
+                        "pass --artifacts-dir (a directory every process shares)")
+    # The first target is the machine the graphs are planned for: its defaults (buckets, dtype)
+    # and its attention backend; the other targets get exports of the same graphs.
+    flags = flags.for_platform(platforms[0])
+    check_flags(flags)
+    kernels = choose_kernels(flags, platforms=platforms)
+    model = load(model_opts.source(), flags.quantization_encoding, model_opts.chat_template,
+                 progress=True, platform=platforms[0], kernels=kernels)
+    model = on_devices(model, flags, kernels=kernels)   # every replica runs the first one's
+    plan = plan_engine(flags, model, platform=platforms[0], kernels=kernels)
+    # A group plans on process 0: the others take its pool size and max length.
+    pinned = dict(zip(("num_kv_pages", "max_length"), group.from_leader(
+        [plan.layout.num_pages, plan.layout.max_length])))
+    if pinned != {"num_kv_pages": plan.layout.num_pages, "max_length": plan.layout.max_length}:
+        plan = plan_engine(adopt(flags, pinned), model, platform=platforms[0], kernels=kernels)
+    t0 = time.perf_counter()
+    if artifacts_dir is None:
+        directory = cache.entry_path(model, plan)
+        data, _ = cache.fill(directory, model, plan, platforms, jobs, replace=True)
+        cache.evict(cache.max_bytes(model_opts.compile_cache_max_size), keep=directory)
+    else:
+        directory = os.path.abspath(artifacts_dir)
+        data = write_artifacts(directory, model, plan, platforms, jobs,
+                               progress=group.is_leader(), store_weights=store_weights,
+                               archs=archs)
+    took = time.perf_counter() - t0
+    kinds = "exports + executables" if data["compiled_for"] else "exports"
+    print(f"wrote {len(data['graphs'])} graphs ({kinds} for {', '.join(platforms)}) in {took:.1f} s")
+    print(f"artifacts: {directory}")
+    if artifacts_dir is None:
+        print("in the compile cache: `maxjax serve` with the same model and engine flags loads them")
+    serve = ["maxjax", "serve", "--precompiled-artifacts", directory]     # the rest is pinned
+    if group.size() > 1:
+        serve += ["--coordinator-address", "HOST:PORT", "--num-processes", str(group.size()),
+                  "--process-id", "I"]
+    if data.get("weights"):
+        print(f"converted weights stored ({data['weights']['bytes'] / 1e6:.0f} MB, orbax)")
+    print(f"serve with: {shlex.join(serve)}")
+    return 0
