@@ -60,14 +60,15 @@ def build_core(model: str | ModelSource | LoadedModel | None, engine_cfg: Engine
                chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
                require_compiled: bool = False, progress: bool = False,
                compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
-               replica: int = 0) -> EngineCore:
+               replica: int = 0, executor=None) -> EngineCore:
     """A warmed-up EngineCore. `engine_cfg` is completed in place: its quantization_encoding
     becomes the model's dtype, its unset values the artifacts' pinned ones (or the sizes this
     machine gives). `require_compiled`: refuse artifacts that hold no executable for this
     device. `compile_cache`: False turns the compile cache off (None: on unless
     MAXJAX_NO_COMPILE_CACHE=1); `compile_cache_max_size` its cap (maxjax/aot/cache.py).
     `progress`: log lines for loading and compiling. `replica`: which of the
-    --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on."""
+    --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on.
+    `executor`: what the runner's calls go through (ModelRunner; None: this process's own)."""
     from maxjax.aot import cache
     from maxjax.engine.step_policy import check_flags
     phases = {"start": since_process_start()}
@@ -100,7 +101,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, engine_cfg: Engine
                              early or None, request)
     phases["graphs"] = time.perf_counter() - t0
     t = time.perf_counter()
-    core = EngineCore(model, engine_cfg, *loaded)
+    core = EngineCore(model, engine_cfg, *loaded, executor=executor)
     phases["engine and KV pool"] = time.perf_counter() - t
     n = len(core.layout.buckets)
     t = time.perf_counter()
