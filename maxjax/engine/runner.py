@@ -94,8 +94,8 @@ class ModelRunner:
         """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
         `attention`: the attention backend's name (None: this platform's);
         `mesh`: the tensor-parallel mesh the model's params are placed on (None: one device);
-        `executor`: makes the executor the calls go through from this process's own
-        (None: that one)."""
+        `executor`: wraps this process's LocalExecutor into the one every call goes through
+        (None: the local one itself; multi-host process 0: distributed.py's LeaderExecutor)."""
         self.model = model
         self.mesh = mesh
         self.lora = lora
