@@ -28,7 +28,7 @@ def test_without_an_initializer_one_is_compiled():
     assert [(a.shape, a.dtype) for a in (k, v)] == \
         [(s.shape, s.dtype) for s in kv_specs(CFG, 3, 4, jnp.float32)]
     assert not np.any(np.asarray(k)) and not np.any(np.asarray(v))
-    r.kv = None
+    r.executor.kv = None
     r.reset_kv()                                   # a lost pool is replaced by a zero one
     assert compile_counter.count() == before + 1
     assert not np.any(np.asarray(r.kv[0]))

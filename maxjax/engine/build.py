@@ -62,14 +62,15 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
                chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
                require_compiled: bool = False, progress: bool = False,
                compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
-               replica: int = 0, pins: dict | None = None) -> EngineCore:
+               replica: int = 0, pins: dict | None = None, executor=None) -> EngineCore:
     """A warmed-up EngineCore for the user's `flags`, planned once (maxjax/engine/plan.py;
     `core.plan`). `require_compiled`: refuse artifacts that hold no executable for this
     device. `compile_cache`: False turns the compile cache off (None: on unless
     MAXJAX_NO_COMPILE_CACHE=1); `compile_cache_max_size` its cap (maxjax/aot/cache.py).
     `progress`: log lines for loading and compiling. `replica`: which of the
     --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on.
-    `pins`: layout values fixed elsewhere (a group's process 0: maxjax/engine/distributed.py)."""
+    `pins`: layout values fixed elsewhere (a group's process 0: maxjax/engine/distributed.py).
+    `executor`: what the runner's calls go through (ModelRunner; None: this process's own)."""
     from maxjax.aot import cache
     phases = {"start": since_process_start()}
     flags = adopt(flags.for_platform(None), pins or {})
@@ -104,7 +105,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
                                  early or None, request)
     phases["graphs"] = time.perf_counter() - t0
     t = time.perf_counter()
-    core = EngineCore(model, plan, *loaded)
+    core = EngineCore(model, plan, *loaded, executor=executor)
     phases["engine and KV pool"] = time.perf_counter() - t
     n = len(core.layout.buckets)
     t = time.perf_counter()

@@ -26,7 +26,7 @@ from maxjax.engine.config import EngineConfig
 from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logprobs
 from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.engine.request import Request, RequestStatus
-from maxjax.engine.runner import ModelRunner, RowRequest, RowResult
+from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
 from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
@@ -62,10 +62,11 @@ def make_lora_manager(cfg: EngineConfig, model):
 
 class EngineCore:
     def __init__(self, model, plan: EnginePlan | EngineConfig, executables: dict | None = None,
-                 kv_init=None):
+                 kv_init=None, executor=None):
         """`plan`: maxjax/engine/plan.py's (an EngineConfig: planned here); `executables` (per
         bucket) and `kv_init`: loaded for that plan (maxjax/aot/load.py, the compile cache), or
-        None to compile them here."""
+        None to compile them here; `executor`: the runner's (ModelRunner; None: this
+        process's own)."""
         if isinstance(plan, EngineConfig):
             plan = plan_engine(plan, model)
         self.model = model
@@ -82,7 +83,7 @@ class EngineCore:
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
-                                  self.lora, lay.attention, lay.kv_dtype, lay.mesh)
+                                  self.lora, lay.attention, lay.kv_dtype, lay.mesh, executor)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # How a step waits out --ce-delay-ms; the AsyncEngine takes commands meanwhile.
@@ -218,8 +219,8 @@ class EngineCore:
             self._ce_waited = False
         t_sched = time.perf_counter() - t0
         outputs: list[RequestOutput] = []          # first those of the requests that failed
-        self.runner.last_bucket = None
-        results = self._run(plan.rows, outputs)
+        steps: list[StepResult] = []               # the runner's, in order
+        results = self._run(plan.rows, outputs, steps)
         t1 = time.perf_counter()
         for row, res in zip(plan.rows, results):
             if res is not None and res.prompt_logprobs is not None:
@@ -241,8 +242,9 @@ class EngineCore:
             if out.finished:   # a stop string (or a failure) ends a request the scheduler still runs
                 self.scheduler.finish(out.request_id, out.finish_reason)
         if self.speculator:
-            self.speculator.observe(plan.rows, results, self.runner.last_bucket,
-                                    self.runner.last_timing.get("device_step"))
+            bucket, seconds = (steps[-1].bucket, steps[-1].timing["device_step"]) if steps \
+                else (None, None)
+            self.speculator.observe(plan.rows, results, bucket, seconds)
         prof = self.profile
         prof["schedule"] += t_sched
         prof["update"] += t2 - t1 + time.perf_counter() - t3
@@ -299,9 +301,11 @@ class EngineCore:
         return [prompt[p + 1] if p + 1 < len(prompt) else -1
                 for p in range(row.start_pos, row.start_pos + len(row.token_ids))]
 
-    def _run(self, rows: list[ScheduledRow], failed: list) -> list[RowResult | None]:
+    def _run(self, rows: list[ScheduledRow], failed: list,
+             steps: list[StepResult]) -> list[RowResult | None]:
         """The step's result per row; None where the row's request failed (its output appended
-        to `failed`) or went back to the queue."""
+        to `failed`) or went back to the queue. Each runner call that returned is appended to
+        `steps`."""
         inputs = []
         try:
             masks = self._grammar_masks(rows)
@@ -320,21 +324,23 @@ class EngineCore:
                 inputs.append((row, x))
             except Exception as e:
                 failed.append(self._fail(row.request, "building its step inputs", e))
-        got = dict(zip((id(row) for row, _ in inputs), self._execute(inputs, failed)))
+        got = dict(zip((id(row) for row, _ in inputs), self._execute(inputs, failed, steps)))
         return [got.get(id(row)) for row in rows]
 
-    def _execute(self, inputs: list[tuple], failed: list) -> list[RowResult | None]:
+    def _execute(self, inputs: list[tuple], failed: list,
+                 steps: list[StepResult]) -> list[RowResult | None]:
         if not inputs:
             return []
         before = compile_counter.count()
         try:
-            results = self.runner.run([x for _, x in inputs])
+            result = self.runner.run([x for _, x in inputs])
         except Exception as e:
             error = e
         else:
-            for k, v in self.runner.last_timing.items():
+            steps.append(result)
+            for k, v in result.timing.items():
                 self.profile[k] += v
-            return results
+            return result.rows
         finally:
             self.step_compiles += compile_counter.count() - before
         lost = self._kv_lost()
@@ -345,8 +351,8 @@ class EngineCore:
                 self._replace_kv()
             return [None] * len(inputs)
         # The pool is intact, so nothing of this step reached it: find the rows at fault.
-        return [self._execute([x], failed)[0] if x[0].request.status is RequestStatus.RUNNING
-                else None for x in inputs]
+        return [self._execute([x], failed, steps)[0]
+                if x[0].request.status is RequestStatus.RUNNING else None for x in inputs]
 
     def _fail(self, req: Request, where: str, error: Exception) -> RequestOutput:
         log.error("request %s failed in %s: %s: %s", req.request_id, where,

@@ -6,10 +6,11 @@ model, places its params on the one mesh over all processes' devices (maxjax/eng
 each process holds only its shards on its devices) and compiles the same graphs; or, with
 `--precompiled-artifacts` of the group's warm-cache (maxjax/aot/group.py), restores its shards
 of the stored weights and loads its own executables. Process 0 runs
-the HTTP server and the scheduler; before each call of a step executable (and of the KV
-initializer when a pool is replaced) its ModelRunner sends the call, the bucket and the step's
-input arrays, to every other process, which makes the same call: every process runs every step
-in lockstep with the same bucket, and the collectives XLA inserted join them.
+the HTTP server and the scheduler; its ModelRunner's executor (`LeaderExecutor`) sends each call
+of a step executable (and of the KV initializer when a pool is replaced), the bucket and the
+step's input arrays, to every other process before making it; their `follow` loop hands the call
+to their own runner's executor (maxjax/engine/executor.py): every process runs every step in
+lockstep with the same bucket, and the collectives XLA inserted join them.
 
 The plan channel is one TCP connection from each process to process 0 at HOST:PORT+1 (the
 coordinator holds PORT). A message is a JSON header and raw array bytes: nothing received is
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from maxjax.engine.executor import LocalExecutor, StepExecutor
 from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.distributed")
@@ -134,7 +136,7 @@ def _fatal(message: str) -> None:
 
 # ---- process 0 -----------------------------------------------------------------------------------
 class Leader:
-    """Process 0's end of the plan channel: `mirror` is what its ModelRunner calls."""
+    """Process 0's end of the plan channel."""
 
     def __init__(self, opts: DistributedOptions):
         self.opts = opts
@@ -185,11 +187,6 @@ class Leader:
         """Process 0's planned pool size and max length (none when artifacts pin them)."""
         self.broadcast({"op": "layout", **pins, "artifacts": artifacts})
 
-    def mirror(self, op: str, bucket_index: int | None = None, step=None, samp=None) -> None:
-        import jax
-        leaves = [] if step is None else [np.asarray(a) for a in jax.tree.leaves((step, samp))]
-        self.broadcast({"op": op, "bucket": bucket_index}, leaves)
-
     def close(self) -> None:
         self.closing = True
         self.broadcast({"op": "stop"})
@@ -234,24 +231,47 @@ class Follower:
         from maxjax.engine.plan import PINNED_FIELDS
         return {k: header[k] for k in PINNED_FIELDS if header.get(k) is not None}
 
-    def follow(self, runner) -> int:
-        """Make process 0's calls on this process's runner until it says stop."""
+
+# ---- the executor seam's two ends ----------------------------------------------------------------
+class LeaderExecutor:
+    """Process 0's runner executor: sends each call to the other processes, then makes it
+    here. `channel`: what `broadcast`s a message (a Leader)."""
+
+    def __init__(self, channel, local: LocalExecutor):
+        self.channel = channel
+        self.local = local
+
+    @property
+    def kv(self) -> tuple:
+        return self.local.kv
+
+    def run(self, bucket_index: int, step, samp):
         import jax
-        specs = {i: s for i, s in enumerate(runner.graph_specs())}
-        while True:
-            header, arrays = self.recv()
-            op = header["op"]
-            if op == "stop":
-                return 0
-            if op == "kv_init":
-                runner.kv = runner._kv_init()
-            elif op == "step":
-                spec = specs[header["bucket"]]
-                step, samp = jax.tree.unflatten(jax.tree.structure(spec.args[2:]), arrays)
-                bucket = runner.buckets[header["bucket"]]
-                _, runner.kv = runner.executables[bucket](runner.params, runner.kv, step, samp)
-            else:
-                _fatal(f"process {self.opts.process_id}: unknown plan message {op!r}")
+        leaves = [np.asarray(a) for a in jax.tree.leaves((step, samp))]
+        self.channel.broadcast({"op": "step", "bucket": bucket_index}, leaves)
+        return self.local.run(bucket_index, step, samp)
+
+    def init_kv(self) -> None:
+        self.channel.broadcast({"op": "kv_init", "bucket": None})
+        self.local.init_kv()
+
+
+def follow(channel, executor: StepExecutor, structures) -> int:
+    """Hand process 0's calls, as `channel.recv()` gives them, to this process's `executor`
+    until it says stop. `structures`: per bucket index, the tree of its (step, samp) inputs."""
+    import jax
+    while True:
+        header, arrays = channel.recv()
+        op = header["op"]
+        if op == "stop":
+            return 0
+        if op == "kv_init":
+            executor.init_kv()
+        elif op == "step":
+            b = header["bucket"]
+            executor.run(b, *jax.tree.unflatten(structures[b], arrays))
+        else:
+            _fatal(f"unknown plan message from process 0: {op!r}")
 
 
 # ---- building the engine of a group --------------------------------------------------------------
@@ -284,18 +304,19 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
         channel.send_layout(pins, bool(artifacts))
     else:
         pins = channel.receive_layout(bool(artifacts))
-    core = build_core(model, engine_cfg, precompiled_artifacts=artifacts, pins=pins,
+    leads = isinstance(channel, Leader)
+    return build_core(model, engine_cfg, precompiled_artifacts=artifacts, pins=pins,
                       require_compiled=model_opts.require_compiled_artifacts, progress=progress,
                       compile_cache=model_opts.compile_cache,
-                      compile_cache_max_size=model_opts.compile_cache_max_size)
-    if isinstance(channel, Leader):
-        core.runner.mirror = channel.mirror
-    return core
+                      compile_cache_max_size=model_opts.compile_cache_max_size,
+                      executor=(lambda local: LeaderExecutor(channel, local)) if leads else None)
 
 
 def run_follower(model_opts, engine_cfg, opts: DistributedOptions) -> int:
     """Process I > 0 of `maxjax serve`: build the same engine, then make process 0's calls."""
+    import jax
     follower = Follower(opts)
     core = build_group_core(model_opts, engine_cfg, follower)
     log.info("process %d of %d ready: following process 0", opts.process_id, opts.num_processes)
-    return follower.follow(core.runner)
+    structures = [jax.tree.structure(spec.args[2:]) for spec in core.runner.graph_specs()]
+    return follow(follower, core.runner.executor, structures)

@@ -185,4 +185,4 @@ class DraftProposer:
         """One draft step over (sequence, tokens, samples) rows: the greedy token after each."""
         reqs = [RowRequest(RowSlice(toks, s.num_computed_tokens, s.pages, None, int(sample)),
                            _GREEDY, [], [], 0) for s, toks, sample in rows]
-        return [res.token_ids[0] if res.samples else None for res in self.runner.run(reqs)]
+        return [res.token_ids[0] if res.samples else None for res in self.runner.run(reqs).rows]

@@ -7,18 +7,21 @@ hidden states, f32[R, hidden] x 2). The KV pool is donated to
 every call and updated in place; it is made by the program's KV initializer graph. Executables
 (steps and initializer) come from precompiled artifacts (maxjax/aot/) given to the constructor,
 or are compiled here (`compile_all`, and the initializer at construction); `run` never compiles.
+The calls go through the runner's executor (maxjax/engine/executor.py): this process's own, or
+multi-host process 0's, which makes every process of the group run them.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from maxjax.engine.buckets import Bucket, pick_bucket
+from maxjax.engine.executor import LocalExecutor, StepExecutor
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for, backend_named
@@ -62,6 +65,14 @@ class RowResult:
         return [s.token_id for s in self.samples]
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one `ModelRunner.run` gives back."""
+    rows: list[RowResult]         # one per row given, in order
+    bucket: Bucket                # the bucket whose executable ran
+    timing: Mapping[str, float]   # seconds: "build_inputs" (host), "device_step" (to results)
+
+
 def _slots(r: RowRequest) -> list[sampling.SampleSlot]:
     """The row's sample slots. Slot j > 0 follows j draft tokens (the row's tokens after its
     first sampled position): its penalties and min_tokens count them as generated."""
@@ -78,10 +89,13 @@ class ModelRunner:
                  max_pages_per_row: int, history_len: int,
                  executables: dict[Bucket, Callable] | None = None,
                  kv_init: Callable[[], tuple] | None = None, lora=None,
-                 attention: str | None = None, kv_dtype: str = "float32", mesh=None):
+                 attention: str | None = None, kv_dtype: str = "float32", mesh=None,
+                 executor: Callable[[LocalExecutor], StepExecutor] | None = None):
         """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
         `attention`: the attention backend's name (None: this platform's);
-        `mesh`: the tensor-parallel mesh the model's params are placed on (None: one device)."""
+        `mesh`: the tensor-parallel mesh the model's params are placed on (None: one device);
+        `executor`: wraps this process's LocalExecutor into the one every call goes through
+        (None: the local one itself; multi-host process 0: distributed.py's LeaderExecutor)."""
         self.model = model
         self.mesh = mesh
         self.lora = lora
@@ -95,22 +109,18 @@ class ModelRunner:
             spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype, mesh, attention)
             compiled = jax.jit(spec.fn, **jit_kwargs(spec)).lower().compile()
             kv_init = lambda: compiled()[1]        # noqa: E731
-        self._kv_init = kv_init
-        self.kv = kv_init()
         self.executables: dict[Bucket, Callable] = dict(executables or {})
+        local = LocalExecutor(self.buckets, self.executables, kv_init, lambda: self.params)
+        self.executor: StepExecutor = executor(local) if executor else local
         self.eos = tuple(self.cfg.eos_token_ids)
         self.attention = backend_named(attention) if attention else backend_for()
-        self.last_timing: dict[str, float] = {}
-        self.last_bucket: Bucket | None = None
-        # Multi-host process 0 (maxjax/engine/distributed.py): told every executable call
-        # first, so that the other processes make it too. None: one process.
-        self.mirror: Callable | None = None
+
+    @property
+    def kv(self) -> tuple:
+        return self.executor.kv
 
     def _step(self, bucket: Bucket, step, samp):
-        if self.mirror is not None:
-            self.mirror("step", self.buckets.index(bucket), step, samp)
-        out, self.kv = self.executables[bucket](self.params, self.kv, step, samp)
-        return out
+        return self.executor.run(self.buckets.index(bucket), step, samp)
 
     @property
     def params(self) -> dict:
@@ -138,9 +148,7 @@ class ModelRunner:
 
     def reset_kv(self) -> None:
         """A new zero pool (the old one was lost in a failed call)."""
-        if self.mirror is not None:
-            self.mirror("kv_init")
-        self.kv = self._kv_init()
+        self.executor.init_kv()
 
     def prime_steps(self):
         """Run every executable on a dummy step, greedy then sampled, one per iteration, its K/V
@@ -162,11 +170,11 @@ class ModelRunner:
                 jax.block_until_ready(self._step(b, step, samp))
                 yield b
 
-    def run(self, rows: list[RowRequest]) -> list[RowResult]:
+    def run(self, rows: list[RowRequest]) -> StepResult:
         t0 = time.perf_counter()
         num_tokens = sum(len(r.slice.token_ids) for r in rows)
         slots = [slot for r in rows for slot in _slots(r)]
-        bucket = self.last_bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
+        bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
                                  self.max_pages, self.page_size, bucket.num_samples, self.attention,
                                  self.lora is not None)
@@ -178,7 +186,7 @@ class ModelRunner:
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None
         pooled = jax.device_get(tuple(pooled)) if any(r.pool for r in rows) else None
-        self.last_timing = {"build_inputs": t1 - t0, "device_step": time.perf_counter() - t1}
+        timing = {"build_inputs": t1 - t0, "device_step": time.perf_counter() - t1}
         results, t, s = [], 0, 0
         for j, r in enumerate(rows):
             n, k = len(r.slice.token_ids), r.slice.num_samples
@@ -189,4 +197,4 @@ class ModelRunner:
                                              top_lps[i]) for i in range(s, s + k)], prompt,
                                      (pooled[0][j], pooled[1][j]) if r.pool else None))
             t, s = t + n, s + k
-        return results
+        return StepResult(results, bucket, timing)

@@ -2,7 +2,7 @@
 drafts a step verifies, and the acceptance counters. EngineCore.step calls, around one step:
 
     speculator.propose(scheduler)          # sets draft_token_ids of the decoding requests
-    plan = scheduler.schedule(); results = runner.run(...)   # [last, d1..dk] -> k+1 sample slots
+    plan = scheduler.schedule(); results = runner.run(...).rows   # [last, d1..dk]: k+1 slots
     speculator.verify(plan.rows, results)  # only --synthetic-acceptance-rate rewrites samples
     speculator.observe(plan.rows, results, bucket, seconds)   # acceptance and step-time estimates
 
