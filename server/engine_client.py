@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
+from maxjax.engine.stats import EngineStats
 from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.errors import QueueFullError  # noqa: F401  (re-exported for the server)
 
-STATS_KEYS = ("num_running", "num_waiting", "kv_pages_used", "kv_pages_total",
-              "prefix_cache_queries", "prefix_cache_hits", "preemptions", "xla_compiles")
 
 
 @runtime_checkable
@@ -57,8 +56,8 @@ class EngineClient(Protocol):
         """Stop a request and free its pages; a no-op for unknown or finished requests."""
         ...
 
-    def stats(self) -> dict:
-        """Counters and gauges read at /metrics scrape time; keys as in STATS_KEYS."""
+    def stats(self) -> EngineStats:
+        """Counters and gauges read at /metrics scrape time."""
         ...
 
     def info(self) -> dict:

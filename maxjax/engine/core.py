@@ -32,6 +32,7 @@ from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logp
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
+from maxjax.engine.stats import EngineStats, SpecStats
 from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError, UserError
@@ -514,12 +515,10 @@ class EngineCore:
         self.scheduler.preempt_running()
         self.block_manager.reset_prefix_cache()
 
-    def stats(self) -> dict:
-        s = self.scheduler.stats()
-        s["xla_compiles"] = compile_counter.count()
-        s["xla_compiles_since_ready"] = self.step_compiles
-        s["steps"] = self.profile["steps"]
-        s["step_seconds"] = {k: v for k, v in self.profile.items() if k not in ("steps", "tokens")}
-        if self.speculator:
-            s.update(self.speculator.stats())
-        return s
+    def stats(self) -> EngineStats:
+        phases = {k: v for k, v in self.profile.items() if k not in ("steps", "tokens")}
+        return EngineStats(
+            scheduler=self.scheduler.stats(), kv=self.block_manager.stats(),
+            spec=self.speculator.stats() if self.speculator else SpecStats(),
+            steps=self.profile["steps"], xla_compiles=compile_counter.count(),
+            xla_compiles_since_ready=self.step_compiles, step_seconds=phases)

@@ -46,6 +46,7 @@ import numpy as np
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request, RequestStatus
+from maxjax.engine.stats import SchedulerStats
 from maxjax.engine.step_policy import ALL, StepPolicy
 from maxjax.errors import RequestError
 
@@ -450,12 +451,12 @@ class Scheduler:
             return "length"
         return None
 
-    def stats(self) -> dict:
-        return {"steps": self.num_steps, "preemptions": self.num_preemptions,
-                "scheduled_tokens": self.num_scheduled_tokens,
-                "scheduled_rows": self.num_scheduled_rows, "prefill_tokens": self.num_prefill_tokens,
-                "decode_tokens": self.num_decode_tokens, "waiting": len(self.waiting),
-                "running": len(self.running), **self.bm.stats()}
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            waiting=len(self.waiting), running=len(self.running),
+            preemptions=self.num_preemptions, scheduled_tokens=self.num_scheduled_tokens,
+            scheduled_rows=self.num_scheduled_rows, prefill_tokens=self.num_prefill_tokens,
+            decode_tokens=self.num_decode_tokens)
 
 
 def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
