@@ -14,7 +14,7 @@ from maxjax.engine import speculative
 from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.stats import EngineStats
-from maxjax.engine.types import PoolingParams, SamplingParams, TokenLogprob
+from maxjax.engine.types import FinishReason, PoolingParams, SamplingParams, TokenLogprob
 from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel
 from maxjax.models.source import ModelSource
@@ -26,7 +26,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -23,7 +23,7 @@ class EngineClient(Protocol):
                  lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs: each RequestOutput holds the tokens (and their
         detokenized text, stop strings already applied and excluded) new since the last one; the
-        last has finished=True and a finish_reason ("stop" | "length" | "abort" | "error").
+        last has finished=True and a FinishReason (STOP, LENGTH, ABORT, ERROR, GRAMMAR_ERROR).
         Raises ValueError (bad params; the message names the field) or QueueFullError, either
         when called or on the first iteration. Closing or cancelling the iteration before the
         last output must abort the request (free its pages). `lora`: a loaded adapter's name."""

@@ -20,7 +20,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from maxjax.engine.stats import EngineStats, KVCacheStats, SchedulerStats
-from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams, TokenLogprob
+from maxjax.engine.types import (FinishReason, PoolingParams, RequestOutput, SamplingParams,
+                                 TokenLogprob)
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError
 from maxjax.server.engine_client import QueueFullError
@@ -209,7 +210,7 @@ class MockEngine:
                     request_id=rid, new_token_ids=[t], new_text=new_text,
                     new_logprobs=[TokenLogprob(t, token_logprob(t), self._top(t, p.top_logprobs))]
                     if p.logprobs else None,
-                    finished=last, finish_reason=reason if last else None,
+                    finished=last, finish_reason=FinishReason(reason) if last else None,
                     prompt_tokens=len(prompt), completion_tokens=i + 1, cached_tokens=0,
                     prompt_logprobs=plps if i == 0 else None)
         finally:

@@ -35,7 +35,7 @@ from maxjax.engine import faults
 from maxjax.engine.core import EngineCore
 from maxjax.engine.output import merge_outputs
 from maxjax.engine.stats import EngineStats
-from maxjax.engine.types import RequestOutput, SamplingParams
+from maxjax.engine.types import FinishReason, RequestOutput, SamplingParams
 from maxjax.errors import EngineDeadError, RequestError, UserError
 
 log = logging.getLogger("maxjax.engine")
@@ -121,7 +121,7 @@ class AsyncEngine:
             log.critical("the engine thread died: %s: %s", type(e).__name__, e, exc_info=e)
             try:
                 self._flush_intake()
-                for out in self._end_all("error", f"the engine thread died: {e}"):
+                for out in self._end_all(FinishReason.ERROR, f"the engine thread died: {e}"):
                     self._deliver(out)
             finally:
                 if self.on_death is not None:
@@ -156,12 +156,12 @@ class AsyncEngine:
             except Exception as e:
                 self.num_step_errors += 1
                 log.exception("engine step failed")
-                outputs = self._end_all("error", f"engine step failed: {type(e).__name__}: {e}")
+                outputs = self._end_all(FinishReason.ERROR, f"engine step failed: {type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out)
             self._stats = self.core.stats()
         self._flush_intake()
-        for out in self._end_all("abort"):
+        for out in self._end_all(FinishReason.ABORT):
             self._deliver(out)
 
     def _run_command(self, cmd) -> None:
@@ -212,7 +212,7 @@ class AsyncEngine:
             self._run_command(cmd)
             self._pull()
 
-    def _end_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
+    def _end_all(self, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
         return [self.core.abort(rid, reason, error) for rid in list(self.core.scheduler.requests)]
 
     def _deliver(self, out: RequestOutput) -> None:

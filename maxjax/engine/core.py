@@ -33,7 +33,7 @@ from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
 from maxjax.engine.stats import EngineStats, SpecStats
-from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams
+from maxjax.engine.types import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError, UserError
 from maxjax.graphs.attention import backend_for as backend_for_platform
@@ -330,7 +330,7 @@ class EngineCore:
     def lora_names(self) -> list[str]:
         return [] if self.lora is None else self.lora.names()
 
-    def abort(self, request_id: str, reason: str = "abort",
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> RequestOutput | None:
         """End a request now, freeing its pages; its last output (None: unknown or finished)."""
         req = self.scheduler.finish(request_id, reason)
@@ -425,7 +425,7 @@ class EngineCore:
             g = u.request.grammar
             if g is not None and not g.accept(u.token_ids) and not u.request.is_finished:
                 log.warning("request %s: grammar matcher error: %s", u.request.request_id, g.error)
-                self.scheduler.finish(u.request.request_id, "grammar_error")
+                self.scheduler.finish(u.request.request_id, FinishReason.GRAMMAR_ERROR)
 
     @staticmethod
     def _next_tokens(row) -> list[int] | None:
@@ -491,8 +491,8 @@ class EngineCore:
     def _fail(self, req: Request, where: str, error: Exception) -> RequestOutput:
         log.error("request %s failed in %s: %s: %s", req.request_id, where,
                   type(error).__name__, error, exc_info=error)
-        self.scheduler.finish(req.request_id, "error")
-        return final_output(req, "error", f"engine step failed in {where}: "
+        self.scheduler.finish(req.request_id, FinishReason.ERROR)
+        return final_output(req, FinishReason.ERROR, f"engine step failed in {where}: "
                                           f"{type(error).__name__}: {error}")
 
     def _kv_lost(self) -> bool:
