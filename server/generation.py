@@ -225,7 +225,7 @@ def _api_error(exc: BaseException, error_names: dict[str, str]) -> APIError:
 
 
 def _engine_failure(out: RequestOutput, params: SamplingParams) -> APIError:
-    if out.finish_reason == FinishReason.GRAMMAR_ERROR:     # the request's grammar, not the server, failed
+    if out.finish_reason == FinishReason.GRAMMAR_ERROR:   # the request's grammar, not the server
         spec = params.structured_output
         param = spec.param if spec is not None else None
         return APIError(400, f"{param}: the grammar failed while matching the output: "

@@ -156,7 +156,8 @@ class AsyncEngine:
             except Exception as e:
                 self.num_step_errors += 1
                 log.exception("engine step failed")
-                outputs = self._end_all(FinishReason.ERROR, f"engine step failed: {type(e).__name__}: {e}")
+                outputs = self._end_all(FinishReason.ERROR,
+                                        f"engine step failed: {type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out)
             self._stats = self.core.stats()

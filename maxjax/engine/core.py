@@ -493,7 +493,7 @@ class EngineCore:
                   type(error).__name__, error, exc_info=error)
         self.scheduler.finish(req.request_id, FinishReason.ERROR)
         return final_output(req, FinishReason.ERROR, f"engine step failed in {where}: "
-                                          f"{type(error).__name__}: {error}")
+                                                     f"{type(error).__name__}: {error}")
 
     def _kv_lost(self) -> bool:
         """True when the KV pool was donated into a call that failed, or holds its error."""

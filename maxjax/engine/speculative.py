@@ -308,7 +308,8 @@ def report(spec: SpecStats) -> str:
     rows = spec.rows_verified
     if not rows:
         return ""
-    by_pos = " ".join(f"{a / d:.2f}" if d else "-" for a, d in zip(spec.accepted_at, spec.drafted_at))
+    by_pos = " ".join(f"{a / d:.2f}" if d else "-"
+                      for a, d in zip(spec.accepted_at, spec.drafted_at))
     return (f"speculation: {rows} rows verified, {spec.draft_tokens} drafts, "
             f"{spec.accepted_tokens} accepted "
             f"({spec.accepted_tokens / rows:.2f} per verified row, "
