@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
-# (EngineStats attribute, metric name, kind, help)
+# (EngineStats attribute, metric name, kind, help); "replicas.X": X of each replica's ReplicaStats,
+# one sample per replica of --data-parallel-degree
 _ENGINE_METRICS = (
     ("scheduler.waiting", "maxjax_num_requests_waiting", "gauge", "Requests queued in the engine"),
     ("scheduler.running", "maxjax_num_requests_running", "gauge", "Requests in the running batch"),
@@ -46,20 +47,23 @@ _ENGINE_METRICS = (
      "Speculative decoding: draft tokens verified"),
     ("spec.accepted_tokens", "maxjax_spec_decode_num_accepted_tokens", "counter",
      "Speculative decoding: draft tokens accepted"),
-)
-# (ReplicaStats attribute, metric name, kind, help): per replica of --data-parallel-degree
-_REPLICA_METRICS = (
-    ("up", "maxjax_replica_up", "gauge", "1 while the replica serves, 0 once it failed"),
-    ("engine.scheduler.running", "maxjax_replica_requests_running", "gauge", "Requests running"),
-    ("engine.scheduler.waiting", "maxjax_replica_requests_waiting", "gauge", "Requests queued"),
-    ("in_flight", "maxjax_replica_requests_in_flight", "gauge", "Requests routed, unfinished"),
-    ("engine.kv.pages_used", "maxjax_replica_kv_cache_pages_used", "gauge",
+    ("replicas.up", "maxjax_replica_up", "gauge",
+     "1 while the replica serves, 0 once it failed"),
+    ("replicas.engine.scheduler.running", "maxjax_replica_requests_running", "gauge",
+     "Requests running"),
+    ("replicas.engine.scheduler.waiting", "maxjax_replica_requests_waiting", "gauge",
+     "Requests queued"),
+    ("replicas.in_flight", "maxjax_replica_requests_in_flight", "gauge",
+     "Requests routed, unfinished"),
+    ("replicas.engine.kv.pages_used", "maxjax_replica_kv_cache_pages_used", "gauge",
      "KV cache pages in use"),
-    ("routed", "maxjax_replica_requests_routed", "counter", "Requests routed to the replica"),
-    ("prefix_routed", "maxjax_replica_requests_prefix_routed", "counter",
+    ("replicas.routed", "maxjax_replica_requests_routed", "counter",
+     "Requests routed to the replica"),
+    ("replicas.prefix_routed", "maxjax_replica_requests_prefix_routed", "counter",
      "Requests routed to the replica for the prefix it caches"),
-    ("engine.steps", "maxjax_replica_engine_steps", "counter", "Engine steps run"),
+    ("replicas.engine.steps", "maxjax_replica_engine_steps", "counter", "Engine steps run"),
 )
+_PER_REPLICA = "replicas."
 
 
 def _family(kind: str, name: str, doc: str, labels=None):
@@ -77,6 +81,8 @@ class _EngineCollector:
             log.exception("engine.stats() failed")
             stats = EngineStats()
         for path, name, kind, doc in _ENGINE_METRICS:
+            if path.startswith(_PER_REPLICA):
+                continue
             family = _family(kind, name, doc)
             family.add_metric([], float(attrgetter(path)(stats)))
             yield family
@@ -94,10 +100,13 @@ class _EngineCollector:
 def _replica_metrics(replicas: tuple[ReplicaStats, ...]):
     if not replicas:
         return
-    for path, name, kind, doc in _REPLICA_METRICS:
+    for path, name, kind, doc in _ENGINE_METRICS:
+        if not path.startswith(_PER_REPLICA):
+            continue
         family = _family(kind, name, doc, labels=["replica"])
+        get = attrgetter(path.removeprefix(_PER_REPLICA))
         for i, s in enumerate(replicas):
-            family.add_metric([str(i)], float(attrgetter(path)(s)))
+            family.add_metric([str(i)], float(get(s)))
         yield family
 
 
