@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from maxjax.engine import speculative
 from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.types import PoolingParams, SamplingParams, TokenLogprob
+from maxjax.engine.stats import EngineStats
+from maxjax.engine.types import FinishReason, PoolingParams, SamplingParams, TokenLogprob
 from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel
 from maxjax.models.source import ModelSource
@@ -25,7 +26,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -181,7 +182,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def profile_report(self) -> str:
@@ -193,5 +194,5 @@ class LLM:
         lines = [f"{steps} steps, {tokens} tokens, {total:.2f} s",
                  "| phase | ms per step | share |", "|---|---|---|"]
         lines += [f"| {k} | {v / steps * 1e3:.2f} | {100 * v / total:.1f}% |" for k, v in prof.items()]
-        spec = speculative.report(self.core.stats())
+        spec = speculative.report(self.core.stats().spec)
         return "\n".join(lines + ([spec] if spec else []))

@@ -12,6 +12,8 @@ import uuid
 
 from aiohttp import web
 
+from maxjax.engine.types import FinishReason
+
 from .anthropic_translate import (CountTokensRequest, MessagesRequest, anthropic_names,
                                   error_body, to_chat)
 from .chat_prompt import chat_prompt
@@ -22,7 +24,8 @@ from .state import ServerState
 from .tools import tool_setup
 
 PREFIX = "/v1/messages"
-_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_STOP = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
+         FinishReason.TOOL_CALLS: "tool_use"}
 
 
 def is_anthropic(path: str) -> bool:
@@ -49,12 +52,12 @@ def _usage(turn: ChatTurn) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-async def _stop_reason(st: ServerState, turn: ChatTurn, finish: str,
+async def _stop_reason(st: ServerState, turn: ChatTurn, finish: FinishReason,
                        stops: list[str]) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence). The engine drops a matched stop string from the text but
     not from the tokens, so the sequence is the stop string the decoded tokens hold right after
     the text; none there (EOS): end_turn."""
-    if finish != "stop" or not stops:
+    if finish != FinishReason.STOP or not stops:
         return _STOP[finish], None
     c = turn.choices[0]
     text = "".join(c.text)
@@ -172,7 +175,7 @@ async def _stream(request, st, req, turn, rid, stops) -> web.StreamResponse:
                                          "cache_read_input_tokens": 0,
                                          "cache_creation_input_tokens": 0})})
     await blocks.event("ping", {})
-    finish = "stop"
+    finish = FinishReason.STOP
     try:
         async for ev in turn.events():
             for d in ev.deltas:

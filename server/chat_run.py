@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 from .chat_output import ChatOutput
 from .chat_prompt import chat_prompt
@@ -29,14 +29,14 @@ class ChoiceEvent:
     index: int
     deltas: list[dict]
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 @dataclass
 class FinalChoice:
     index: int
     message: dict               # content, reasoning fields, tool_calls (ChatOutput.message())
-    finish_reason: str          # "stop" | "length" | "tool_calls"
+    finish_reason: FinishReason    # STOP, LENGTH or TOOL_CALLS
     logprobs: list[TokenLogprob]
 
 
@@ -46,9 +46,11 @@ def _own_spec(params: SamplingParams):
     return spec if spec is not None and spec.param != "tools" else None
 
 
-def finish_reason(c: Choice, out: ChatOutput) -> str:
-    """A cut-off output is "length" even when it holds complete calls before the cut."""
-    return "tool_calls" if out.tool_calls and c.finish_reason != "length" else c.finish_reason
+def finish_reason(c: Choice, out: ChatOutput) -> FinishReason:
+    """A cut-off output is LENGTH even when it holds complete calls before the cut."""
+    if out.tool_calls and c.finish_reason != FinishReason.LENGTH:
+        return FinishReason.TOOL_CALLS
+    return c.finish_reason
 
 
 def chat_constraint(st: ServerState, params: SamplingParams, tools: ToolSetup | None,
@@ -133,7 +135,7 @@ class ChatTurn:
             o = self.outputs[c.index]
             deltas = o.feed(self._strip_eos(out.new_text))
             if out.finished:
-                deltas += o.finish(truncated=c.finish_reason == "length")
+                deltas += o.finish(truncated=c.finish_reason == FinishReason.LENGTH)
             lps = out.new_logprobs if want_lp else None
             if deltas or out.finished or lps:
                 yield ChoiceEvent(c.index, deltas, lps,
@@ -146,7 +148,7 @@ class ChatTurn:
         for c in self.gen.choices:
             o = self.outputs[c.index]
             o.feed(self._strip_eos("".join(c.text)))
-            o.finish(truncated=c.finish_reason == "length")
+            o.finish(truncated=c.finish_reason == FinishReason.LENGTH)
             finals.append(FinalChoice(c.index, o.message(), finish_reason(c, o), c.logprobs))
         return finals
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
+from maxjax.engine.stats import EngineStats
 from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.errors import QueueFullError  # noqa: F401  (re-exported for the server)
 
-STATS_KEYS = ("num_running", "num_waiting", "kv_pages_used", "kv_pages_total",
-              "prefix_cache_queries", "prefix_cache_hits", "preemptions", "xla_compiles")
 
 
 @runtime_checkable
@@ -24,7 +23,7 @@ class EngineClient(Protocol):
                  lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs: each RequestOutput holds the tokens (and their
         detokenized text, stop strings already applied and excluded) new since the last one; the
-        last has finished=True and a finish_reason ("stop" | "length" | "abort" | "error").
+        last has finished=True and a FinishReason (STOP, LENGTH, ABORT, ERROR, GRAMMAR_ERROR).
         Raises ValueError (bad params; the message names the field) or QueueFullError, either
         when called or on the first iteration. Closing or cancelling the iteration before the
         last output must abort the request (free its pages). `lora`: a loaded adapter's name."""
@@ -57,8 +56,8 @@ class EngineClient(Protocol):
         """Stop a request and free its pages; a no-op for unknown or finished requests."""
         ...
 
-    def stats(self) -> dict:
-        """Counters and gauges read at /metrics scrape time; keys as in STATS_KEYS."""
+    def stats(self) -> EngineStats:
+        """Counters and gauges read at /metrics scrape time."""
         ...
 
     def info(self) -> dict:

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from maxjax.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from maxjax.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from maxjax.errors import EngineDeadError, RequestError
 
 from .engine_client import EngineClient, QueueFullError
@@ -30,7 +30,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
     started: bool = False       # first event (output or error) seen
@@ -144,7 +144,8 @@ class Generation:
             self._account(c, out)
             if out.finished:
                 self.unfinished -= 1
-                if out.finish_reason in ("error", "abort", "grammar_error"):
+                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT,
+                                         FinishReason.GRAMMAR_ERROR):
                     raise _engine_failure(out, self.params[c.index])
             yield c, out
 
@@ -173,7 +174,8 @@ class Generation:
         c.completion_tokens = max(out.completion_tokens, len(c.token_ids))
         c.cached_tokens = max(c.cached_tokens, out.cached_tokens)
         if out.finished:
-            c.finish_reason = "length" if out.finish_reason == "length" else "stop"
+            c.finish_reason = (FinishReason.LENGTH if out.finish_reason == FinishReason.LENGTH
+                               else FinishReason.STOP)
             self.metrics.e2e.observe(now - self.t_arrival)
 
     async def close(self) -> None:
@@ -223,12 +225,12 @@ def _api_error(exc: BaseException, error_names: dict[str, str]) -> APIError:
 
 
 def _engine_failure(out: RequestOutput, params: SamplingParams) -> APIError:
-    if out.finish_reason == "grammar_error":     # the request's grammar, not the server, failed
+    if out.finish_reason == FinishReason.GRAMMAR_ERROR:   # the request's grammar, not the server
         spec = params.structured_output
         param = spec.param if spec is not None else None
         return APIError(400, f"{param}: the grammar failed while matching the output: "
                              f"{out.error or 'matcher error'}", param=param)
-    if out.finish_reason == "abort":
+    if out.finish_reason == FinishReason.ABORT:
         return APIError(503, "the request was aborted by the engine (shutting down?)")
     log.error("engine error on %s: %s", out.request_id, out.error)
     return APIError(500, f"the engine failed on this request: {out.error or 'unknown error'}")

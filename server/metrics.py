@@ -1,47 +1,73 @@
 """Prometheus metrics of one server app, in its own CollectorRegistry (so several apps can live in
 one process, as in tests): request/token counters and latency histograms the handlers update,
-plus the engine's gauges and counters read from `engine.stats()` at scrape time."""
+plus the engine's gauges and counters read from `engine.stats()` (an EngineStats,
+maxjax/engine/stats.py) by attribute at scrape time."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from operator import attrgetter
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from maxjax.engine.stats import EngineStats, ReplicaStats, SpecStats
+
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
-# (stats key, metric name, kind, help)
+# (EngineStats attribute, metric name, kind, help); "replicas.X": X of each replica's ReplicaStats,
+# one sample per replica of --data-parallel-degree
 _ENGINE_METRICS = (
-    ("num_waiting", "maxjax_num_requests_waiting", "gauge", "Requests queued in the engine"),
-    ("num_running", "maxjax_num_requests_running", "gauge", "Requests in the running batch"),
-    ("kv_pages_used", "maxjax_kv_cache_pages_used", "gauge", "KV cache pages in use"),
-    ("kv_pages_total", "maxjax_kv_cache_pages_total", "gauge", "KV cache pages in the pool"),
-    ("prefix_cache_queries", "maxjax_prefix_cache_queries", "counter",
+    ("scheduler.waiting", "maxjax_num_requests_waiting", "gauge", "Requests queued in the engine"),
+    ("scheduler.running", "maxjax_num_requests_running", "gauge", "Requests in the running batch"),
+    ("kv.pages_used", "maxjax_kv_cache_pages_used", "gauge", "KV cache pages in use"),
+    ("kv.pages_total", "maxjax_kv_cache_pages_total", "gauge", "KV cache pages in the pool"),
+    ("kv.prefix_query_tokens", "maxjax_prefix_cache_queries", "counter",
      "Prompt tokens looked up in the prefix cache"),
-    ("prefix_cache_hits", "maxjax_prefix_cache_hits", "counter",
+    ("kv.prefix_hit_tokens", "maxjax_prefix_cache_hits", "counter",
      "Prompt tokens found in the prefix cache"),
-    ("preemptions", "maxjax_preemptions", "counter", "Requests preempted for lack of KV pages"),
+    ("scheduler.preemptions", "maxjax_preemptions", "counter",
+     "Requests preempted for lack of KV pages"),
     ("xla_compiles", "maxjax_xla_compiles", "counter", "XLA compilations since start"),
     ("xla_compiles_since_ready", "maxjax_xla_compiles_since_ready", "counter",
      "XLA compilations inside serving steps (must stay 0)"),
     ("steps", "maxjax_engine_steps", "counter", "Engine steps run"),
-    ("scheduled_rows", "maxjax_engine_scheduled_rows", "counter",
+    ("scheduler.scheduled_rows", "maxjax_engine_scheduled_rows", "counter",
      "Rows (requests) over all engine steps"),
-    ("scheduled_tokens", "maxjax_engine_scheduled_tokens", "counter",
+    ("scheduler.scheduled_tokens", "maxjax_engine_scheduled_tokens", "counter",
      "Tokens over all engine steps (prefill and decode)"),
-    ("kv_pages_cached", "maxjax_kv_cache_pages_cached", "gauge",
+    ("kv.pages_cached", "maxjax_kv_cache_pages_cached", "gauge",
      "Free KV pages still holding a reusable prefix"),
-    ("spec_rows_verified", "maxjax_spec_decode_num_drafts", "counter",
+    ("spec.rows_verified", "maxjax_spec_decode_num_drafts", "counter",
      "Speculative decoding: request rows that verified draft tokens in a step"),
-    ("spec_draft_tokens", "maxjax_spec_decode_num_draft_tokens", "counter",
+    ("spec.draft_tokens", "maxjax_spec_decode_num_draft_tokens", "counter",
      "Speculative decoding: draft tokens verified"),
-    ("spec_accepted_tokens", "maxjax_spec_decode_num_accepted_tokens", "counter",
+    ("spec.accepted_tokens", "maxjax_spec_decode_num_accepted_tokens", "counter",
      "Speculative decoding: draft tokens accepted"),
+    ("replicas.up", "maxjax_replica_up", "gauge",
+     "1 while the replica serves, 0 once it failed"),
+    ("replicas.engine.scheduler.running", "maxjax_replica_requests_running", "gauge",
+     "Requests running"),
+    ("replicas.engine.scheduler.waiting", "maxjax_replica_requests_waiting", "gauge",
+     "Requests queued"),
+    ("replicas.in_flight", "maxjax_replica_requests_in_flight", "gauge",
+     "Requests routed, unfinished"),
+    ("replicas.engine.kv.pages_used", "maxjax_replica_kv_cache_pages_used", "gauge",
+     "KV cache pages in use"),
+    ("replicas.routed", "maxjax_replica_requests_routed", "counter",
+     "Requests routed to the replica"),
+    ("replicas.prefix_routed", "maxjax_replica_requests_prefix_routed", "counter",
+     "Requests routed to the replica for the prefix it caches"),
+    ("replicas.engine.steps", "maxjax_replica_engine_steps", "counter", "Engine steps run"),
 )
+_PER_REPLICA = "replicas."
+
+
+def _family(kind: str, name: str, doc: str, labels=None):
+    return (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=labels)
 
 
 class _EngineCollector:
@@ -50,66 +76,55 @@ class _EngineCollector:
 
     def collect(self):
         try:
-            stats = self.engine.stats() or {}
+            stats = self.engine.stats() or EngineStats()
         except Exception:   # a scrape must not fail because the engine is mid-restart
             log.exception("engine.stats() failed")
-            stats = {}
-        for key, name, kind, doc in _ENGINE_METRICS:
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc)
-            family.add_metric([], float(stats.get(key, 0) or 0))
+            stats = EngineStats()
+        for path, name, kind, doc in _ENGINE_METRICS:
+            if path.startswith(_PER_REPLICA):
+                continue
+            family = _family(kind, name, doc)
+            family.add_metric([], float(attrgetter(path)(stats)))
             yield family
         phases = CounterMetricFamily(
             "maxjax_step_phase_seconds", "Engine step time by phase: schedule, build_inputs, "
             "device_step (the compiled step and its transfer back), update, detokenize",
             labels=["phase"])
-        for phase, seconds in (stats.get("step_seconds") or {}).items():
+        for phase, seconds in stats.step_seconds.items():
             phases.add_metric([phase], float(seconds))
         yield phases
-        yield from _spec_metrics(stats)
-        yield from _replica_metrics(stats.get("replicas") or [])
+        yield from _spec_metrics(stats.spec)
+        yield from _replica_metrics(stats.replicas)
 
 
-# (replica stats key, metric name, kind, help): per replica of --data-parallel-degree
-_REPLICA_METRICS = (
-    ("up", "maxjax_replica_up", "gauge", "1 while the replica serves, 0 once it failed"),
-    ("num_running", "maxjax_replica_requests_running", "gauge", "Requests running"),
-    ("num_waiting", "maxjax_replica_requests_waiting", "gauge", "Requests queued"),
-    ("in_flight", "maxjax_replica_requests_in_flight", "gauge", "Requests routed, unfinished"),
-    ("kv_pages_used", "maxjax_replica_kv_cache_pages_used", "gauge", "KV cache pages in use"),
-    ("routed", "maxjax_replica_requests_routed", "counter", "Requests routed to the replica"),
-    ("prefix_routed", "maxjax_replica_requests_prefix_routed", "counter",
-     "Requests routed to the replica for the prefix it caches"),
-    ("steps", "maxjax_replica_engine_steps", "counter", "Engine steps run"),
-)
-
-
-def _replica_metrics(replicas: list):
+def _replica_metrics(replicas: tuple[ReplicaStats, ...]):
     if not replicas:
         return
-    for key, name, kind, doc in _REPLICA_METRICS:
-        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
-            name, doc, labels=["replica"])
+    for path, name, kind, doc in _ENGINE_METRICS:
+        if not path.startswith(_PER_REPLICA):
+            continue
+        family = _family(kind, name, doc, labels=["replica"])
+        get = attrgetter(path.removeprefix(_PER_REPLICA))
         for i, s in enumerate(replicas):
-            family.add_metric([str(i)], float(s.get(key, 0) or 0))
+            family.add_metric([str(i)], float(get(s)))
         yield family
 
 
-def _spec_metrics(stats: dict):
+def _spec_metrics(spec: SpecStats):
     """Acceptance by draft position (0: the first draft after the row's last token)."""
-    drafted, accepted = stats.get("spec_drafted_at") or [], stats.get("spec_accepted_at") or []
     per_pos = CounterMetricFamily("maxjax_spec_decode_num_accepted_tokens_per_pos",
                                   "Speculative decoding: draft tokens accepted, by position",
                                   labels=["position"])
     rate = GaugeMetricFamily("maxjax_spec_decode_acceptance_rate",
                              "Speculative decoding: accepted / verified drafts, by position",
                              labels=["position"])
-    for j, (d, a) in enumerate(zip(drafted, accepted)):
+    for j, (d, a) in enumerate(zip(spec.drafted_at, spec.accepted_at)):
         per_pos.add_metric([str(j)], float(a))
         rate.add_metric([str(j)], a / d if d else 0.0)
-    rows = stats.get("spec_rows_verified") or 0
+    rows = spec.rows_verified
     mean = GaugeMetricFamily("maxjax_spec_decode_mean_accepted_tokens",
                              "Speculative decoding: drafts accepted per verifying row and step")
-    mean.add_metric([], (stats.get("spec_accepted_tokens") or 0) / rows if rows else 0.0)
+    mean.add_metric([], spec.accepted_tokens / rows if rows else 0.0)
     yield from (per_pos, rate, mean)
 
 

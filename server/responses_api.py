@@ -16,6 +16,8 @@ from aiohttp import web
 from pydantic import ValidationError
 from typing_extensions import NotRequired, TypedDict
 
+from maxjax.engine.types import FinishReason
+
 from .chat_run import ChatTurn
 from .openai_routes import SSE, _accept
 from .openapi import describe
@@ -114,8 +116,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             return _drop_none_user(response_object(req, rid, turn.created, st.model_id, status,
                                                    items, usage))
 
-        def done(finish: str, out: OutputItems) -> dict:
-            status = "incomplete" if finish == "length" else "completed"
+        def done(finish: FinishReason, out: OutputItems) -> dict:
+            status = "incomplete" if finish == FinishReason.LENGTH else "completed"
             resp = response(status, out.items, response_usage(*turn.usage_counts()))
             if req.store is not False:
                 store.put(resp, conversation)
@@ -126,7 +128,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             out = OutputItems()
             for d in message_deltas(final.message):
                 out.feed(d)
-            out.finish(truncated=final.finish_reason == "length")
+            out.finish(truncated=final.finish_reason == FinishReason.LENGTH)
             return web.json_response(done(final.finish_reason, out), headers=turn.headers)
 
         sse = await SSE(request, turn.headers).start()
@@ -140,7 +142,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
         await emit({"type": "response.created", "response": response("in_progress", [])})
         await emit({"type": "response.in_progress", "response": response("in_progress", [])})
-        out, finish = OutputItems(), "stop"
+        out, finish = OutputItems(), FinishReason.STOP
         try:
             async for ev in turn.events():
                 for d in ev.deltas:
@@ -155,7 +157,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                "message": e.message}
             await emit({"type": "response.failed", "response": failed}, last=True)
             return sse.resp
-        for e in out.finish(truncated=finish == "length"):
+        for e in out.finish(truncated=finish == FinishReason.LENGTH):
             await emit(e)
         resp = done(finish, out)
         await emit({"type": f"response.{resp['status']}", "response": resp}, last=True)

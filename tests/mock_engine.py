@@ -19,7 +19,9 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams, TokenLogprob
+from maxjax.engine.stats import EngineStats, KVCacheStats, SchedulerStats
+from maxjax.engine.types import (FinishReason, PoolingParams, RequestOutput, SamplingParams,
+                                 TokenLogprob)
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError
 from maxjax.server.engine_client import QueueFullError
@@ -149,13 +151,14 @@ class MockEngine:
             self.pages.pop(request_id, None)
             self.aborted.append(request_id)
 
-    def stats(self):
-        return {"num_running": len(self.running), "num_waiting": 0,
-                "kv_pages_used": self.pages_used, "kv_pages_total": 1000,
-                "prefix_cache_queries": 10 * len(self.requests),
-                "prefix_cache_hits": 5 * len(self.requests),
-                "preemptions": 0, "xla_compiles": self.compiles, "steps": 7,
-                "step_seconds": {"schedule": 0.25, "device_step": 1.5}}
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=SchedulerStats(running=len(self.running)),
+            kv=KVCacheStats(pages_used=self.pages_used, pages_total=1000,
+                            prefix_query_tokens=10 * len(self.requests),
+                            prefix_hit_tokens=5 * len(self.requests)),
+            xla_compiles=self.compiles, steps=7,
+            step_seconds={"schedule": 0.25, "device_step": 1.5})
 
     def info(self):
         return {"model": self.model_name, "max_length": self.max_length, "page_size": PAGE_SIZE,
@@ -207,7 +210,7 @@ class MockEngine:
                     request_id=rid, new_token_ids=[t], new_text=new_text,
                     new_logprobs=[TokenLogprob(t, token_logprob(t), self._top(t, p.top_logprobs))]
                     if p.logprobs else None,
-                    finished=last, finish_reason=reason if last else None,
+                    finished=last, finish_reason=FinishReason(reason) if last else None,
                     prompt_tokens=len(prompt), completion_tokens=i + 1, cached_tokens=0,
                     prompt_logprobs=plps if i == 0 else None)
         finally:

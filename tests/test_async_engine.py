@@ -43,8 +43,8 @@ async def collect(engine, rid, prompt, params=GREEDY):
 
 def test_primes_every_executable_while_idle(engine):
     wait_until(lambda: engine.core.primed, "priming to finish")
-    assert engine.stats()["steps"] == 0               # priming is not an engine step
-    assert engine.stats()["xla_compiles_since_ready"] == 0
+    assert engine.stats().steps == 0               # priming is not an engine step
+    assert engine.stats().xla_compiles_since_ready == 0
 
 
 def test_concurrent_streams_equal_single_streams(engine):
@@ -54,10 +54,10 @@ def test_concurrent_streams_equal_single_streams(engine):
         return await asyncio.gather(*[collect(engine, f"t{i}", p) for i, p in enumerate(PROMPTS)])
     assert list(asyncio.run(together())) == singles
     assert all(len(t) == GREEDY.max_new_tokens and text for t, text in singles)
-    wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "pages to return")
+    wait_until(lambda: engine.stats().kv.pages_used == 0, "pages to return")
     stats = engine.stats()
-    assert stats["steps"] > 0 and stats["xla_compiles_since_ready"] == 0
-    phases = stats["step_seconds"]
+    assert stats.steps > 0 and stats.xla_compiles_since_ready == 0
+    phases = stats.step_seconds
     assert set(phases) >= {"schedule", "build_inputs", "device_step", "update", "detokenize"}
     assert phases["device_step"] > 0 and phases["detokenize"] > 0
 
@@ -72,7 +72,7 @@ def test_leaving_a_stream_aborts_and_frees_pages(engine):
                 break
         return got
     assert len(asyncio.run(first_two())) >= 2
-    wait_until(lambda: engine.stats()["kv_pages_used"] == 0 and engine.stats()["num_running"] == 0,
+    wait_until(lambda: engine.stats().kv.pages_used == 0 and engine.stats().scheduler.running == 0,
                "the aborted request's pages to return")
 
 
@@ -104,7 +104,7 @@ def test_a_failing_request_fails_alone_and_serving_goes_on(engine, monkeypatch):
     assert t1 == singles[1][:2]
     assert (t0, t2) == (singles[0], singles[2]) and o0.finish_reason == o2.finish_reason == "length"
     assert engine.num_step_errors == 0
-    wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "pages to return")
+    wait_until(lambda: engine.stats().kv.pages_used == 0, "pages to return")
 
 
 def test_abort_ends_a_listened_stream_with_abort(engine):
@@ -118,7 +118,7 @@ def test_abort_ends_a_listened_stream_with_abort(engine):
         return outs
     outs = asyncio.run(abort_after_first())
     assert outs[-1].finish_reason == "abort" and sum(len(o.new_token_ids) for o in outs) < 40
-    wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "the aborted request's pages")
+    wait_until(lambda: engine.stats().kv.pages_used == 0, "the aborted request's pages")
 
 
 def test_stop_string_ends_the_stream(engine):
@@ -130,7 +130,7 @@ def test_stop_string_ends_the_stream(engine):
     got, got_text, out = asyncio.run(last_output(engine, "stopped", PROMPTS[1], params))
     assert out.finish_reason == "stop" and got_text == text[:text.index(stop)]
     assert got == tokens[:len(got)] and len(got) <= 5
-    wait_until(lambda: engine.stats()["kv_pages_used"] == 0, "pages to return")
+    wait_until(lambda: engine.stats().kv.pages_used == 0, "pages to return")
 
 
 # ---- --max-pending-requests (backpressure) and --ce-delay-ms, on an engine of their own --------
@@ -172,7 +172,7 @@ def test_max_pending_requests_backs_the_queue_up_instead_of_refusing(paced, engi
     assert list(asyncio.run(together())) == singles        # none refused, none changed
     # All five arrive within the first step's --ce-delay-ms: without the cap all would wait.
     assert len(waiting) == len(prompts) and max(waiting) == MAX_PENDING
-    wait_until(lambda: eng.stats()["kv_pages_used"] == 0, "pages to return")
+    wait_until(lambda: eng.stats().kv.pages_used == 0, "pages to return")
 
 
 def test_max_pending_requests_below_one_is_refused():

@@ -89,7 +89,7 @@ def test_second_start_loads_every_graph(model, filled):
     assert compiles == 0 and sources == {"executable"}
     assert len(llm.core.runner.executables) == len(llm.core.layout.buckets)
     assert tokens(llm) == first
-    assert llm.stats()["xla_compiles_since_ready"] == 0
+    assert llm.stats().xla_compiles_since_ready == 0
     assert entries_in(root) == [os.path.basename(entry)]
 
 

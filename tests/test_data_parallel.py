@@ -12,6 +12,7 @@ from maxjax.cli.args import ModelOptions
 from maxjax.cli.serve import build_engine
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.replicas import ReplicatedEngine
+from maxjax.engine.stats import ReplicaStats
 from maxjax.engine.types import SamplingParams
 from maxjax.llm import LLM
 from maxjax.server.config import ServeConfig
@@ -62,8 +63,8 @@ def complete(srv, prompt: str, max_tokens: int = 16) -> dict:
         return {"status": e.code, **json.loads(e.read())}
 
 
-def replica_stats(srv) -> list[dict]:
-    return srv.engine.stats()["replicas"]
+def replica_stats(srv) -> tuple[ReplicaStats, ...]:
+    return srv.engine.stats().replicas
 
 
 def test_replicas_sit_on_disjoint_devices(server):
@@ -73,26 +74,26 @@ def test_replicas_sit_on_disjoint_devices(server):
 
 
 def test_concurrent_requests_use_both_replicas_and_match_one_device(server, reference):
-    before = [s["routed"] for s in replica_stats(server)]
+    before = [s.routed for s in replica_stats(server)]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         outs = list(pool.map(lambda p: complete(server, p), PROMPTS))
     assert [o["choices"][0]["text"] for o in outs] == reference
-    routed = [s["routed"] - b for s, b in zip(replica_stats(server), before)]
+    routed = [s.routed - b for s, b in zip(replica_stats(server), before)]
     assert sum(routed) == len(PROMPTS) and min(routed) >= 2, routed
     assert all(r.core.step_compiles == 0 for r in server.engine.replicas)
-    assert all(s["kv_pages_used"] == 0 for s in replica_stats(server))
+    assert all(s.engine.kv.pages_used == 0 for s in replica_stats(server))
 
 
 def test_a_repeated_prefix_goes_to_the_replica_that_cached_it(server):
     prefix = " ".join(f"w{i}" for i in range(100, 133))        # 33 tokens: 4 full pages
     complete(server, prefix, 4)
     stats = replica_stats(server)
-    holder = max(range(2), key=lambda i: stats[i]["kv_pages_cached"])
-    assert stats[holder]["kv_pages_cached"] >= 4
+    holder = max(range(2), key=lambda i: stats[i].engine.kv.pages_cached)
+    assert stats[holder].engine.kv.pages_cached >= 4
     for _ in range(3):       # the other replica has routed fewer: load alone would pick it
-        before = [s["prefix_routed"] for s in replica_stats(server)]
+        before = [s.prefix_routed for s in replica_stats(server)]
         complete(server, prefix + " w7 w8", 4)
-        after = [s["prefix_routed"] for s in replica_stats(server)]
+        after = [s.prefix_routed for s in replica_stats(server)]
         assert after[holder] == before[holder] + 1 and after[1 - holder] == before[1 - holder]
 
 
@@ -118,6 +119,6 @@ def test_a_failed_replica_ends_its_requests_and_the_other_serves(server, referen
     for prompt, want in zip(PROMPTS, reference):
         assert complete(server, prompt)["choices"][0]["text"] == want
     stats = replica_stats(server)
-    assert not stats[broken]["up"] and stats[1 - broken]["up"]
+    assert not stats[broken].up and stats[1 - broken].up
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
         assert f'maxjax_replica_up{{replica="{broken}"}} 0.0' in r.read().decode()

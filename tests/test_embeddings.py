@@ -228,8 +228,8 @@ def no_leak_no_compile(request):
     if "engine" in request.fixturenames:
         core = request.getfixturevalue("engine").core
         s = core.stats()
-        assert s["pages_used"] == 0 and s["running"] == 0 and s["waiting"] == 0, s
-        assert s["xla_compiles_since_ready"] == 0, s
+        assert s.kv.pages_used == 0 and s.scheduler.running == 0 and s.scheduler.waiting == 0, s
+        assert s.xla_compiles_since_ready == 0, s
         # embeddings keep nothing in the prefix cache
         assert not any(r.is_embedding for r in core.scheduler.requests.values())
 
@@ -310,7 +310,7 @@ def test_client_gone_frees_pages(engine, server, no_leak_no_compile):
                      b"application/json\r\nContent-Length: " + str(len(body)).encode() +
                      b"\r\n\r\n" + body)
         deadline = time.time() + 60
-        while engine.core.stats()["pages_used"] == 0 and time.time() < deadline:
+        while engine.core.stats().kv.pages_used == 0 and time.time() < deadline:
             time.sleep(0.005)
         sock.close()
         while len(reasons) < 12 and time.time() < deadline:
@@ -372,4 +372,4 @@ def test_tiny_qwen3_matches_transformers(qwen3, pooling):
     for g, p in zip(got, prompts):
         assert cosine(g, hf_embedding(hf, p, pooling)) >= COS
     s = llm.stats()
-    assert s["pages_used"] == 0 and s["running"] == 0 and s["xla_compiles_since_ready"] == 0
+    assert s.kv.pages_used == 0 and s.scheduler.running == 0 and s.xla_compiles_since_ready == 0

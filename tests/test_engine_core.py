@@ -51,7 +51,7 @@ def no_leaks(core):
     assert not core.has_unfinished()
     check_pool(core.block_manager)
     assert core.block_manager.num_used_pages == 0
-    assert core.stats()["xla_compiles_since_ready"] == 0
+    assert core.stats().xla_compiles_since_ready == 0
 
 
 def together(core):

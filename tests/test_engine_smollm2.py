@@ -45,8 +45,8 @@ def pool_empty_after(request):
         if name in request.fixturenames:
             engine = request.getfixturevalue(name)
             stats = engine.stats()
-            assert stats["pages_used"] == 0, stats
-            assert stats["running"] == 0 and stats["waiting"] == 0, stats
+            assert stats.kv.pages_used == 0, stats
+            assert stats.scheduler.running == 0 and stats.scheduler.waiting == 0, stats
 
 
 def alone(llm, prompts, params=GREEDY):
@@ -58,10 +58,10 @@ def test_batch_invariance_with_chunked_prefill_and_preemption(llm, prompts):
     long = [p + prompts[4] * 3 for p in prompts]
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     singles = alone(llm, long, params)
-    before = llm.stats()["preemptions"]
+    before = llm.stats().scheduler.preemptions
     together = [o.token_ids for o in llm.generate(long, params)]
     assert together == singles
-    assert llm.stats()["preemptions"] > before, "the 47-page pool should force preemption"
+    assert llm.stats().scheduler.preemptions > before, "the 47-page pool should force preemption"
     assert all(len(t) == params.max_new_tokens for t in together)
 
 
@@ -71,7 +71,7 @@ def test_batch_invariance_short_prompts(llm, prompts):
 
 def test_prefix_caching_off_gives_same_tokens(llm, llm_no_prefix, prompts):
     assert [o.token_ids for o in llm_no_prefix.generate(prompts, GREEDY)] == alone(llm, prompts)
-    assert llm_no_prefix.stats()["prefix_hit_pages"] == 0
+    assert llm_no_prefix.stats().kv.prefix_hit_pages == 0
 
 
 def test_prefix_cache_reuses_shared_pages(llm, prompts):
@@ -79,13 +79,13 @@ def test_prefix_cache_reuses_shared_pages(llm, prompts):
     first = shared + llm.encode(" Question one:")
     second = shared + llm.encode(" A different ending")
     llm.generate([first], GREEDY)
-    hits = llm.stats()["prefix_hit_pages"]
+    hits = llm.stats().kv.prefix_hit_pages
     cached = llm.generate([second], GREEDY)[0]
-    assert llm.stats()["prefix_hit_pages"] - hits >= 3
+    assert llm.stats().kv.prefix_hit_pages - hits >= 3
     assert cached.cached_tokens >= 48
-    hits = llm.stats()["prefix_hit_pages"]
+    hits = llm.stats().kv.prefix_hit_pages
     salted = llm.generate([second], GREEDY, cache_salt="fresh-salt")[0]
-    assert llm.stats()["prefix_hit_pages"] == hits, "a new cache_salt must reuse nothing"
+    assert llm.stats().kv.prefix_hit_pages == hits, "a new cache_salt must reuse nothing"
     assert salted.cached_tokens == 0 and salted.token_ids == cached.token_ids
 
 
@@ -125,9 +125,9 @@ def test_abort_frees_pages(llm, prompts):
     core = llm.core
     core.add_request("abort-me", prompts[5], SamplingParams(max_new_tokens=50))
     core.step()                                   # mid-prefill: 32 of ~70 prompt tokens
-    assert llm.stats()["pages_used"] > 0
+    assert llm.stats().kv.pages_used > 0
     assert core.abort("abort-me")
-    assert llm.stats()["pages_used"] == 0
+    assert llm.stats().kv.pages_used == 0
 
 
 @pytest.mark.parametrize("prompt,params,field", [
@@ -142,14 +142,14 @@ def test_abort_frees_pages(llm, prompts):
 def test_bad_input_names_the_field(llm, prompt, params, field):
     with pytest.raises(ValueError, match=field):
         llm.generate([prompt], params)
-    assert llm.stats()["pages_used"] == 0
+    assert llm.stats().kv.pages_used == 0
 
 
 def test_profile_accounts_for_every_step(llm, prompts):
     before = dict(llm.core.profile)
     llm.generate([prompts[1]], SamplingParams(max_new_tokens=3, temperature=0.0))
     prof = llm.core.profile
-    assert prof["steps"] - before["steps"] == 3          # one prefill step, two decodes
+    assert prof["steps"] - before["steps"] == 3         # one prefill step, two decodes
     assert prof["device_step"] > before["device_step"] and prof["schedule"] > before["schedule"]
     report = llm.profile_report()
     assert "device_step" in report and "detokenize" in report
@@ -157,8 +157,8 @@ def test_profile_accounts_for_every_step(llm, prompts):
 
 def test_no_compilation_after_warmup(llm, llm_no_prefix):
     # Runs last in this module: every workload above went through the compiled buckets only.
-    assert llm.stats()["xla_compiles_since_ready"] == 0
-    assert llm_no_prefix.stats()["xla_compiles_since_ready"] == 0
+    assert llm.stats().xla_compiles_since_ready == 0
+    assert llm_no_prefix.stats().xla_compiles_since_ready == 0
 
 
 def test_prompt_logprobs_match_generated_logprobs(llm, prompts):

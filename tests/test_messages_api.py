@@ -367,7 +367,7 @@ def real_server(smollm2_chat):
     eng, server = smollm2_chat
     yield server
     st = eng.core.stats()
-    assert st["pages_used"] == 0 and st["running"] == 0, st
+    assert st.kv.pages_used == 0 and st.scheduler.running == 0, st
 
 
 def test_smollm2_answers(real_server):

@@ -534,4 +534,4 @@ def test_smollm2_whole_and_streamed(smollm2):
     assert final["output"][0]["content"][0]["text"] == whole.output_text
     assert final["status"] == whole.status
     st = eng.core.stats()
-    assert st["pages_used"] == 0 and st["running"] == 0
+    assert st.kv.pages_used == 0 and st.scheduler.running == 0

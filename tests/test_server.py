@@ -10,6 +10,7 @@ from mock_engine import (CHAT_TEMPLATE, OUTPUT_TEXT, MockEngine, byte_tokenizer,
                          token_logprob)
 from server_harness import ServerThread, http, validate
 
+from maxjax.engine.stats import EngineStats
 from maxjax.server.config import ServeConfig
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -78,7 +79,7 @@ class Loading:
         return getattr(self.inner, name)
 
     def stats(self):
-        return {}
+        return EngineStats()
 
 
 def test_not_ready_is_503():

@@ -9,6 +9,7 @@ from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request
 from maxjax.engine.scheduler import Scheduler
+from maxjax.engine.stats import EngineStats
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
 from maxjax.llm import LLM
@@ -90,7 +91,7 @@ def test_drafts_that_cost_nothing_are_taken():
     _, drafted, spec = run_mock(PROMPTS, lambda b: 0.01)
     assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
     assert sum(d > 0 for d in drafted) > len(drafted) // 2
-    assert spec.stats()["spec_accepted_at"][0] == spec.stats()["spec_drafted_at"][0]
+    assert spec.stats().accepted_at[0] == spec.stats().drafted_at[0]
 
 
 def test_drafts_stop_when_their_bucket_costs_more_than_they_bring():
@@ -177,7 +178,8 @@ def pool_empty_after(request):
         if name in request.fixturenames:
             llm = request.getfixturevalue(name)
             stats = llm.stats()
-            assert stats["pages_used"] == 0 and stats["running"] == stats["waiting"] == 0, stats
+            assert stats.kv.pages_used == 0, stats
+            assert stats.scheduler.running == stats.scheduler.waiting == 0, stats
             proposer = llm.core.speculator and llm.core.speculator.proposer
             if hasattr(proposer, "bm"):                 # the draft model's own pool
                 assert proposer.bm.num_used_pages == 0 and not proposer.live
@@ -196,7 +198,7 @@ def prompts(base):
 
 
 def accepted(llm) -> int:
-    return llm.stats()["spec_accepted_tokens"]
+    return llm.stats().spec.accepted_tokens
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +206,10 @@ def want(base, prompts):
     return [o.token_ids for o in base.generate(prompts, GREEDY)]
 
 
-def acceptance(llm, before: dict) -> float:
+def acceptance(llm, before: EngineStats) -> float:
     s = llm.stats()
-    return ((s["spec_accepted_tokens"] - before.get("spec_accepted_tokens", 0))
-            / (s["spec_draft_tokens"] - before.get("spec_draft_tokens", 0)))
+    return ((s.spec.accepted_tokens - before.spec.accepted_tokens)
+            / (s.spec.draft_tokens - before.spec.draft_tokens))
 
 
 def test_greedy_output_identical_batched(ngram, prompts, want):
@@ -217,7 +219,7 @@ def test_greedy_output_identical_batched(ngram, prompts, want):
     assert accepted(ngram) - before > 40          # the repetitive prompts copy themselves
     again = [o.token_ids for o in ngram.generate(prompts[::-1], GREEDY)][::-1]
     assert again == want                          # prefix-cached prompts, other neighbours
-    assert ngram.stats()["prefix_hit_pages"] > 0
+    assert ngram.stats().kv.prefix_hit_pages > 0
 
 
 LONG = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
@@ -234,9 +236,9 @@ def want_long(base, long_prompts):
 
 
 def test_greedy_output_identical_with_preemption(ngram, long_prompts, want_long):
-    before = ngram.stats()["preemptions"], accepted(ngram)
+    before = ngram.stats().scheduler.preemptions, accepted(ngram)
     assert [o.token_ids for o in ngram.generate(long_prompts, LONG)] == want_long
-    assert ngram.stats()["preemptions"] > before[0]
+    assert ngram.stats().scheduler.preemptions > before[0]
     assert accepted(ngram) > before[1]
 
 
@@ -272,8 +274,8 @@ def test_profile_and_stats_report_acceptance(ngram):
     report = ngram.profile_report()
     assert "acceptance rate by position" in report
     stats = ngram.stats()
-    assert len(stats["spec_drafted_at"]) == 7
-    assert stats["spec_accepted_at"][0] <= stats["spec_drafted_at"][0]
+    assert len(stats.spec.drafted_at) == 7
+    assert stats.spec.accepted_at[0] <= stats.spec.drafted_at[0]
 
 
 def test_smollm2_drafting_for_itself_accepts_nearly_everything(self_draft, prompts, want):
@@ -285,14 +287,14 @@ def test_smollm2_drafting_for_itself_accepts_nearly_everything(self_draft, promp
 def test_draft_output_identical_with_preemption(self_draft, long_prompts, want_long):
     before = self_draft.stats()
     assert [o.token_ids for o in self_draft.generate(long_prompts, LONG)] == want_long
-    assert self_draft.stats()["preemptions"] > before["preemptions"]
-    assert self_draft.stats()["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert self_draft.stats().scheduler.preemptions > before.scheduler.preemptions
+    assert self_draft.stats().spec.accepted_tokens > before.spec.accepted_tokens
 
 
 def test_random_draft_changes_nothing_and_is_rarely_right(random_draft, prompts, want):
     before = random_draft.stats()
     assert [o.token_ids for o in random_draft.generate(prompts, GREEDY)] == want
-    assert random_draft.stats()["spec_rows_verified"] > before.get("spec_rows_verified", 0)
+    assert random_draft.stats().spec.rows_verified > before.spec.rows_verified
     assert acceptance(random_draft, before) < 0.2
 
 
@@ -308,7 +310,7 @@ def test_draft_with_another_vocabulary_is_a_user_error(model, tmp_path):
 
 def test_no_compilation_after_warmup(base, ngram, self_draft, random_draft):
     for llm in (base, ngram, self_draft, random_draft):
-        assert llm.stats()["xla_compiles_since_ready"] == 0
+        assert llm.stats().xla_compiles_since_ready == 0
 
 
 def test_metrics_show_acceptance_by_position(ngram):
@@ -323,9 +325,9 @@ def test_metrics_show_acceptance_by_position(ngram):
         ServerMetrics(Engine()).render().decode()) for s in fam.samples}
     stats = ngram.stats()
     assert samples[("maxjax_spec_decode_num_accepted_tokens_total", None)] == \
-        stats["spec_accepted_tokens"] > 0
+        stats.spec.accepted_tokens > 0
     assert samples[("maxjax_spec_decode_acceptance_rate", "0")] == \
-        stats["spec_accepted_at"][0] / stats["spec_drafted_at"][0]
+        stats.spec.accepted_at[0] / stats.spec.drafted_at[0]
     assert samples[("maxjax_spec_decode_mean_accepted_tokens", None)] > 0
 
 

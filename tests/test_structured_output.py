@@ -38,8 +38,9 @@ def llm():
 def no_leak_no_compile(llm):
     yield
     stats = llm.stats()
-    assert stats["pages_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0, stats
-    assert stats["xla_compiles_since_ready"] == 0
+    assert stats.kv.pages_used == 0, stats
+    assert stats.scheduler.running == 0 and stats.scheduler.waiting == 0, stats
+    assert stats.xla_compiles_since_ready == 0
 
 
 def params(spec, sampled: bool, seed: int = 0, max_new: int = 160,

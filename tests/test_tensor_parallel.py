@@ -85,7 +85,7 @@ def test_tensor_parallel_equals_one_device(tiny4, reference, n):
     assert_same_outputs(llm.generate(PROMPTS, GREEDY), reference, atol=1e-4)
     assert_declared_shardings(llm.core, n)
     assert llm.core.step_compiles == 0
-    assert llm.stats()["pages_used"] == 0
+    assert llm.stats().kv.pages_used == 0
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_q4_1_tensor_parallel_equals_one_device(quantized, n):
     assert_declared_shardings(llm.core, n)
     assert_quantized_splits(llm.core, n)
     assert llm.core.step_compiles == 0
-    assert llm.stats()["pages_used"] == 0
+    assert llm.stats().kv.pages_used == 0
 
 
 def test_4bit_split_off_block_boundaries_is_refused(tmp_path):

@@ -46,8 +46,8 @@ def client(server):
 def no_leak_no_compile(engine):
     yield
     s = engine.core.stats()
-    assert s["pages_used"] == 0 and s["running"] == 0, s
-    assert s["xla_compiles_since_ready"] == 0
+    assert s.kv.pages_used == 0 and s.scheduler.running == 0, s
+    assert s.xla_compiles_since_ready == 0
 
 
 def check_calls(calls, names=None):

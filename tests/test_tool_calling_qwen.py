@@ -32,7 +32,7 @@ def server(tmp_path_factory):
     s = ServerThread(eng)
     yield s
     s.close()
-    assert core.stats()["pages_used"] == 0 and core.step_compiles == 0
+    assert core.stats().kv.pages_used == 0 and core.step_compiles == 0
     eng.shutdown()
 
 

@@ -143,8 +143,8 @@ def main() -> None:
           f"beside {b:.1f} (runs {', '.join(f'{r:.1f}' for r in beside)}): ratio {b / a:.2f}; "
           f"embeddings/s beside {statistics.median(rates):.1f}")
     s = llm.stats()
-    print(f"pages used after: {s['pages_used']}, compiles since ready: "
-          f"{s['xla_compiles_since_ready']}")
+    print(f"pages used after: {s.kv.pages_used}, compiles since ready: "
+          f"{s.xla_compiles_since_ready}")
 
 
 if __name__ == "__main__":

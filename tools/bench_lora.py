@@ -145,8 +145,8 @@ def main() -> None:
     for c in cases:
         print(f"    {c}: {med[c]:.1f} / {min(steps[c]):.1f} ms = {med['A'] / med[c]:.3f} x A "
               f"(by min {min(steps['A']) / min(steps[c]):.3f})")
-    print(f"  step compiles since ready: {base.stats()['xla_compiles_since_ready']}, "
-          f"{lora.stats()['xla_compiles_since_ready']}; adapter swaps {lora.core.lora.swaps}")
+    print(f"  step compiles since ready: {base.stats().xla_compiles_since_ready}, "
+          f"{lora.stats().xla_compiles_since_ready}; adapter swaps {lora.core.lora.swaps}")
 
 
 if __name__ == "__main__":

@@ -98,16 +98,15 @@ def main():
             best = {"base": 0.0, "spec": 0.0}
             for _ in range(args.repeats):
                 for name, llm in (("base", base), ("spec", spec)):
-                    before = dict(llm.core.stats())
+                    before = llm.core.stats()
                     tps = run_round(llm, prompts, params, n)
                     best[name] = max(best[name], tps)
                     if name == "spec":
                         after = llm.core.stats()
-                        rv = after.get("spec_rows_verified", 0) - before.get("spec_rows_verified", 0)
-                        dr = after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0)
-                        ac = (after.get("spec_accepted_tokens", 0)
-                              - before.get("spec_accepted_tokens", 0))
-                        steps = after["steps"] - before["steps"]
+                        rv = after.spec.rows_verified - before.spec.rows_verified
+                        dr = after.spec.draft_tokens - before.spec.draft_tokens
+                        ac = after.spec.accepted_tokens - before.spec.accepted_tokens
+                        steps = after.steps - before.steps
             rows.append((workload, n, best["base"], best["spec"], steps, rv, dr, ac))
             print(rows[-1], flush=True)
     print(f"\nSmolLM2-135M f32, {args.input_len} in / {args.output_len} out, greedy, ignore_eos; "

@@ -92,7 +92,7 @@ def main() -> None:
         fills.append(time.perf_counter() - t0)
     print(f"mask fill at {n} constrained rows: median {np.median(fills) * 1e3:.2f} ms per step "
           f"(p90 {np.percentile(fills, 90) * 1e3:.2f} ms); step compiles since ready: "
-          f"{llm.stats()['xla_compiles_since_ready']}")
+          f"{llm.stats().xla_compiles_since_ready}")
 
 
 if __name__ == "__main__":

@@ -148,7 +148,8 @@ def cmd_generate(args) -> int:
         print(llm.profile_report(), file=sys.stderr)
     stats = llm.stats()
     logging.getLogger("maxjax.generate").info(
-        "xla compiles: %d total, %d since ready", stats["xla_compiles"], stats["xla_compiles_since_ready"])
+        "xla compiles: %d total, %d since ready", stats.xla_compiles,
+        stats.xla_compiles_since_ready)
     for prompt, out in zip(prompts, outs):
         if gen.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,

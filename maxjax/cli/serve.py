@@ -9,6 +9,7 @@ import threading
 from maxjax.engine.async_engine import AsyncEngine, check_max_pending
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.replicas import ReplicatedEngine
+from maxjax.engine.stats import EngineStats
 from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.serve")
@@ -34,8 +35,8 @@ class LoadingEngine:
             raise AttributeError(name)
         return getattr(inner, name)
 
-    def stats(self) -> dict:
-        return self.inner.stats() if self.inner else {}
+    def stats(self) -> EngineStats:
+        return self.inner.stats() if self.inner else EngineStats()
 
 
 def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True, leader=None,

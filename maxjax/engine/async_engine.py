@@ -34,7 +34,8 @@ from typing import AsyncIterator
 from maxjax.engine import faults
 from maxjax.engine.core import EngineCore
 from maxjax.engine.output import merge_outputs
-from maxjax.engine.types import RequestOutput, SamplingParams
+from maxjax.engine.stats import EngineStats
+from maxjax.engine.types import FinishReason, RequestOutput, SamplingParams
 from maxjax.errors import EngineDeadError, RequestError, UserError
 
 log = logging.getLogger("maxjax.engine")
@@ -91,7 +92,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._stats: dict = core.stats()
+        self._stats: EngineStats = core.stats()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.num_step_errors = 0          # steps that raised out of EngineCore.step
@@ -120,7 +121,7 @@ class AsyncEngine:
             log.critical("the engine thread died: %s: %s", type(e).__name__, e, exc_info=e)
             try:
                 self._flush_intake()
-                for out in self._end_all("error", f"the engine thread died: {e}"):
+                for out in self._end_all(FinishReason.ERROR, f"the engine thread died: {e}"):
                     self._deliver(out)
             finally:
                 if self.on_death is not None:
@@ -155,12 +156,13 @@ class AsyncEngine:
             except Exception as e:
                 self.num_step_errors += 1
                 log.exception("engine step failed")
-                outputs = self._end_all("error", f"engine step failed: {type(e).__name__}: {e}")
+                outputs = self._end_all(FinishReason.ERROR,
+                                        f"engine step failed: {type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out)
             self._stats = self.core.stats()
         self._flush_intake()
-        for out in self._end_all("abort"):
+        for out in self._end_all(FinishReason.ABORT):
             self._deliver(out)
 
     def _run_command(self, cmd) -> None:
@@ -211,7 +213,7 @@ class AsyncEngine:
             self._run_command(cmd)
             self._pull()
 
-    def _end_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
+    def _end_all(self, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
         return [self.core.abort(rid, reason, error) for rid in list(self.core.scheduler.requests)]
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -228,19 +230,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    def stats(self) -> dict:
-        s = self._stats
-        return {"num_running": s.get("running", 0), "num_waiting": s.get("waiting", 0),
-                "kv_pages_used": s.get("pages_used", 0), "kv_pages_total": s.get("pages_total", 0),
-                "prefix_cache_queries": s.get("prefix_query_tokens", 0),
-                "prefix_cache_hits": s.get("prefix_hit_tokens", 0),
-                "preemptions": s.get("preemptions", 0), "xla_compiles": s.get("xla_compiles", 0),
-                "xla_compiles_since_ready": s.get("xla_compiles_since_ready", 0),
-                "steps": s.get("steps", 0), "kv_pages_cached": s.get("pages_cached", 0),
-                "scheduled_tokens": s.get("scheduled_tokens", 0),
-                "scheduled_rows": s.get("scheduled_rows", 0),
-                "step_seconds": dict(s.get("step_seconds", {})),
-                **{k: v for k, v in s.items() if k.startswith("spec_")}}
+    def stats(self) -> EngineStats:
+        return self._stats
 
     def info(self) -> dict:
         core, lay = self.core, self.core.layout

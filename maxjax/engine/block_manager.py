@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from maxjax.engine.request import Request
+from maxjax.engine.stats import KVCacheStats
 
 HASH_ALGOS = ("ahash64", "sha256", "sha256_64")
 HASH_ALIASES = {"fast": "ahash64"}      # maxjax's name before --kv-cache-hash-algo followed max
@@ -139,14 +140,13 @@ class BlockManager:
     def is_cached(self, page: int) -> bool:
         return self._entry[page] is not None
 
-    def stats(self) -> dict:
-        return {
-            "pages_total": self.num_usable_pages, "pages_used": self.num_used_pages,
-            "pages_free": self.num_free_pages, "pages_cached": self.num_cached_pages,
-            "prefix_queries": self.prefix_queries, "prefix_query_tokens": self.prefix_query_tokens,
-            "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_query_pages": self.prefix_query_pages,
-            "prefix_hit_pages": self.prefix_hit_pages, "evictions": self.evictions,
-        }
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            pages_total=self.num_usable_pages, pages_used=self.num_used_pages,
+            pages_free=self.num_free_pages, pages_cached=self.num_cached_pages,
+            prefix_queries=self.prefix_queries, prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens, prefix_query_pages=self.prefix_query_pages,
+            prefix_hit_pages=self.prefix_hit_pages, evictions=self.evictions)
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _page_hash(self, req: Request, i: int):

@@ -28,7 +28,8 @@ from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
-from maxjax.engine.types import PoolingParams, RequestOutput, SamplingParams
+from maxjax.engine.stats import EngineStats, SpecStats
+from maxjax.engine.types import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError, UserError
 from maxjax.graphs.step import RowSlice
@@ -191,7 +192,7 @@ class EngineCore:
     def lora_names(self) -> list[str]:
         return [] if self.lora is None else self.lora.names()
 
-    def abort(self, request_id: str, reason: str = "abort",
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> RequestOutput | None:
         """End a request now, freeing its pages; its last output (None: unknown or finished)."""
         req = self.scheduler.finish(request_id, reason)
@@ -287,7 +288,7 @@ class EngineCore:
             g = u.request.grammar
             if g is not None and not g.accept(u.token_ids) and not u.request.is_finished:
                 log.warning("request %s: grammar matcher error: %s", u.request.request_id, g.error)
-                self.scheduler.finish(u.request.request_id, "grammar_error")
+                self.scheduler.finish(u.request.request_id, FinishReason.GRAMMAR_ERROR)
 
     @staticmethod
     def _next_tokens(row) -> list[int] | None:
@@ -357,9 +358,9 @@ class EngineCore:
     def _fail(self, req: Request, where: str, error: Exception) -> RequestOutput:
         log.error("request %s failed in %s: %s: %s", req.request_id, where,
                   type(error).__name__, error, exc_info=error)
-        self.scheduler.finish(req.request_id, "error")
-        return final_output(req, "error", f"engine step failed in {where}: "
-                                          f"{type(error).__name__}: {error}")
+        self.scheduler.finish(req.request_id, FinishReason.ERROR)
+        return final_output(req, FinishReason.ERROR, f"engine step failed in {where}: "
+                                                     f"{type(error).__name__}: {error}")
 
     def _kv_lost(self) -> bool:
         """True when the KV pool was donated into a call that failed, or holds its error."""
@@ -381,12 +382,10 @@ class EngineCore:
         self.scheduler.preempt_running()
         self.block_manager.reset_prefix_cache()
 
-    def stats(self) -> dict:
-        s = self.scheduler.stats()
-        s["xla_compiles"] = compile_counter.count()
-        s["xla_compiles_since_ready"] = self.step_compiles
-        s["steps"] = self.profile["steps"]
-        s["step_seconds"] = {k: v for k, v in self.profile.items() if k not in ("steps", "tokens")}
-        if self.speculator:
-            s.update(self.speculator.stats())
-        return s
+    def stats(self) -> EngineStats:
+        phases = {k: v for k, v in self.profile.items() if k not in ("steps", "tokens")}
+        return EngineStats(
+            scheduler=self.scheduler.stats(), kv=self.block_manager.stats(),
+            spec=self.speculator.stats() if self.speculator else SpecStats(),
+            steps=self.profile["steps"], xla_compiles=compile_counter.count(),
+            xla_compiles_since_ready=self.step_compiles, step_seconds=phases)

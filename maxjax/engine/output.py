@@ -20,7 +20,7 @@ import numpy as np
 
 from maxjax.engine.detokenizer import TextStream
 from maxjax.engine.request import Request
-from maxjax.engine.types import RequestOutput, TokenLogprob
+from maxjax.engine.types import FinishReason, RequestOutput, TokenLogprob
 
 log = logging.getLogger("maxjax.engine")
 
@@ -42,7 +42,7 @@ def keep_prompt_logprobs(req: Request, start_pos: int, num_tokens: int, plp) -> 
             req.prompt_logprobs[pos] = token_logprob(prompt[pos], lps[i], top_ids[i], top_lps[i], k)
 
 
-def final_output(req: Request, reason: str, error: str | None = None) -> RequestOutput:
+def final_output(req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
     """The last output of a request ended outside its updates (abort, failure): no new tokens."""
     return RequestOutput(req.request_id, [], finished=True, finish_reason=reason,
                          prompt_tokens=req.num_prompt_tokens,
@@ -92,7 +92,7 @@ class OutputProcessor:
     def process(self, updates, samples: dict) -> list[RequestOutput]:
         """One output per StepUpdate. `samples[request_id]`: the row's runner Samples, the first
         ones matching the update's tokens. A finished output whose request the scheduler still
-        runs (a stop string, or "error" when processing it raised) is for the caller to finish."""
+        runs (a stop string, or an ERROR when processing it raised) is for the caller to finish."""
         outs = []
         for u in updates:
             req = u.request
@@ -103,8 +103,8 @@ class OutputProcessor:
                 outs.append(self._output(req, u.token_ids, samples[req.request_id]))
             except Exception as e:
                 log.exception("output processing failed for %s", req.request_id)
-                outs.append(final_output(req, "error", f"output processing failed: "
-                                                       f"{type(e).__name__}: {e}"))
+                outs.append(final_output(req, FinishReason.ERROR, f"output processing failed: "
+                                                                f"{type(e).__name__}: {e}"))
         return outs
 
     def _text(self, req: Request) -> TextStream | None:
@@ -136,10 +136,10 @@ class OutputProcessor:
                 break
         out.completion_tokens = n_before + len(out.new_token_ids)
         if text is not None and text.stopped:
-            out.finished, out.finish_reason = True, "stop"
+            out.finished, out.finish_reason = True, FinishReason.STOP
         elif req.is_finished:
             out.finished, out.finish_reason = True, req.finish_reason
-            if req.finish_reason == "grammar_error":
+            if req.finish_reason == FinishReason.GRAMMAR_ERROR:
                 out.error = f"the output broke its grammar: {req.grammar.error}"
         if out.finished and text is not None:
             out.new_text += text.finish()

@@ -14,12 +14,14 @@ requests with an error. The others keep serving; with none left, requests are re
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import AsyncIterator
 
 from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.core import EMBEDDING_SAMPLING
 from maxjax.engine.request import Request
+from maxjax.engine.stats import EngineStats, ReplicaStats
 from maxjax.engine.types import RequestOutput, SamplingParams
 from maxjax.errors import RequestError
 
@@ -134,24 +136,14 @@ class ReplicatedEngine:
 
     unload_lora = load_lora
 
-    def stats(self) -> dict:
-        """The replicas' counters summed, and each one's under "replicas"."""
+    def stats(self) -> EngineStats:
+        """The replicas' stats summed, and each one's under `replicas`."""
         self._check_health()
         per = [r.stats() for r in self.replicas]
-        total: dict = {}
-        for s in per:
-            for k, v in s.items():
-                if isinstance(v, (int, float)):
-                    total[k] = total.get(k, 0) + v
-                elif isinstance(v, dict):
-                    d = total.setdefault(k, {})
-                    for kk, vv in v.items():
-                        d[kk] = d.get(kk, 0) + vv
-        for i, s in enumerate(per):
-            s.update(up=i not in self.down, routed=self.routed[i],
-                     prefix_routed=self.prefix_routed[i], in_flight=self.in_flight[i])
-        total["replicas"] = per
-        return total
+        each = tuple(ReplicaStats(s, up=i not in self.down, routed=self.routed[i],
+                                  prefix_routed=self.prefix_routed[i], in_flight=self.in_flight[i])
+                     for i, s in enumerate(per))
+        return dataclasses.replace(EngineStats.total(per), replicas=each)
 
     def info(self) -> dict:
         info = self.replicas[0].info()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from maxjax.engine.detokenizer import TextStream
-from maxjax.engine.types import SamplingParams, TokenLogprob
+from maxjax.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
 
@@ -61,7 +61,7 @@ class Request:
     num_computed_tokens: int = 0          # tokens whose K/V are in this request's pages
     pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None      # "stop" | "length" | "abort" | ...
+    finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     admitted: bool = False                # admitted at least once (num_cached_tokens is final)

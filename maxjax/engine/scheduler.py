@@ -46,6 +46,8 @@ import numpy as np
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request, RequestStatus
+from maxjax.engine.stats import SchedulerStats
+from maxjax.engine.types import FinishReason
 from maxjax.engine.step_policy import ALL, StepPolicy
 from maxjax.errors import RequestError
 
@@ -166,9 +168,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
-        return self.finish(request_id, "abort")
+        return self.finish(request_id, FinishReason.ABORT)
 
-    def finish(self, request_id: str, reason: str) -> Request | None:
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
         """End a request now (a stop string, an abort, an error): frees its pages. None if unknown
         or already finished."""
         req = self.requests.get(request_id)
@@ -181,7 +183,7 @@ class Scheduler:
         self._finish(req, reason)
         return req
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         self.bm.free(req)
         if self.lora is not None:
             self.lora.done(req)
@@ -413,7 +415,7 @@ class Scheduler:
                 if req.is_embedding and req.num_computed_tokens == req.num_tokens:
                     updates.append(StepUpdate(req, []))   # its last chunk: done, pages freed
                     self.running.remove(req)
-                    self._finish(req, "stop")
+                    self._finish(req, FinishReason.STOP)
                 continue
             tokens = [int(tokens)] if isinstance(tokens, (int, np.integer)) else [int(t) for t in tokens]
             if len(tokens) != row.num_samples:
@@ -437,25 +439,25 @@ class Scheduler:
                 self._finish(req, reason)
         return updates
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
         n = req.num_output_tokens
         # min_tokens: the output, stop token included, has at least min_tokens tokens (as vLLM).
         if n >= sp.min_tokens:
             if token in self.eos_token_ids and not sp.ignore_eos:
-                return "stop"
+                return FinishReason.STOP
             if token in sp.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if n >= sp.max_new_tokens or req.num_tokens >= self.length_limit:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def stats(self) -> dict:
-        return {"steps": self.num_steps, "preemptions": self.num_preemptions,
-                "scheduled_tokens": self.num_scheduled_tokens,
-                "scheduled_rows": self.num_scheduled_rows, "prefill_tokens": self.num_prefill_tokens,
-                "decode_tokens": self.num_decode_tokens, "waiting": len(self.waiting),
-                "running": len(self.running), **self.bm.stats()}
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            waiting=len(self.waiting), running=len(self.running),
+            preemptions=self.num_preemptions, scheduled_tokens=self.num_scheduled_tokens,
+            scheduled_rows=self.num_scheduled_rows, prefill_tokens=self.num_prefill_tokens,
+            decode_tokens=self.num_decode_tokens)
 
 
 def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:

@@ -39,6 +39,7 @@ from maxjax.engine.buckets import pick_bucket
 from maxjax.engine.ngram import propose as ngram_propose
 from maxjax.engine.request import Request
 from maxjax.engine.scheduler import accept_drafts
+from maxjax.engine.stats import SpecStats
 from maxjax.errors import UserError
 
 _DECAY = 0.9          # per observation, of a request's acceptance counts
@@ -296,23 +297,21 @@ class Speculator:
             self.kept, self.verified = self.kept + n, self.verified + trials
         self.proposer.observe(rows, results)
 
-    def stats(self) -> dict:
-        return {"spec_rows_verified": self.num_rows_verified,
-                "spec_draft_tokens": self.num_draft_tokens,
-                "spec_accepted_tokens": self.num_accepted_tokens,
-                "spec_drafted_at": list(self.drafted_at),
-                "spec_accepted_at": list(self.accepted_at)}
+    def stats(self) -> SpecStats:
+        return SpecStats(rows_verified=self.num_rows_verified, draft_tokens=self.num_draft_tokens,
+                         accepted_tokens=self.num_accepted_tokens,
+                         drafted_at=tuple(self.drafted_at), accepted_at=tuple(self.accepted_at))
 
 
-def report(stats: dict) -> str:
+def report(spec: SpecStats) -> str:
     """A few lines on acceptance for `maxjax generate --profile` (empty without speculation)."""
-    rows = stats.get("spec_rows_verified", 0)
+    rows = spec.rows_verified
     if not rows:
         return ""
-    drafted, accepted = stats["spec_drafted_at"], stats["spec_accepted_at"]
-    by_pos = " ".join(f"{a / d:.2f}" if d else "-" for a, d in zip(accepted, drafted))
-    return (f"speculation: {rows} rows verified, {stats['spec_draft_tokens']} drafts, "
-            f"{stats['spec_accepted_tokens']} accepted "
-            f"({stats['spec_accepted_tokens'] / rows:.2f} per verified row, "
-            f"{stats['spec_accepted_tokens'] / max(stats['spec_draft_tokens'], 1):.0%})\n"
+    by_pos = " ".join(f"{a / d:.2f}" if d else "-"
+                      for a, d in zip(spec.accepted_at, spec.drafted_at))
+    return (f"speculation: {rows} rows verified, {spec.draft_tokens} drafts, "
+            f"{spec.accepted_tokens} accepted "
+            f"({spec.accepted_tokens / rows:.2f} per verified row, "
+            f"{spec.accepted_tokens / max(spec.draft_tokens, 1):.0%})\n"
             f"acceptance rate by position: {by_pos}")

@@ -11,6 +11,7 @@ arrays (graphs/sampling.py) against it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from dataclasses import dataclass, field
 
@@ -140,6 +141,17 @@ class PoolingParams:
     normalize: bool = True
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request ended. A str: the value is what every API sends (OpenAI's finish_reason;
+    server/anthropic_api.py and server/responses_api.py map it to their own words)."""
+    STOP = "stop"                     # EOS, a stop token or a stop string
+    LENGTH = "length"                 # max_tokens, or the model's length
+    ABORT = "abort"                   # the caller went away, or the engine shut down
+    ERROR = "error"                   # the engine failed the request (RequestOutput.error says how)
+    GRAMMAR_ERROR = "grammar_error"   # its grammar matcher refused a sampled token
+    TOOL_CALLS = "tool_calls"         # the server's, for a chat output holding tool calls
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -155,7 +167,7 @@ class RequestOutput:
     new_text: str = ""
     new_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "grammar_error"
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
