@@ -222,5 +222,6 @@ def test_flag_errors_are_one_line(setup):
     bare = make_lora_manager(EngineConfig(enable_lora=True, max_lora_rank=8,
                                           lora_paths=[setup.paths["a"]]), setup.model)
     assert bare.resolve(setup.paths["a"]) is not None
+    from maxjax.engine.plan import check_flags
     with pytest.raises(UserError, match="needs --enable-lora"):
-        make_lora_manager(EngineConfig(lora_paths=["a=b"]), setup.model)
+        check_flags(EngineConfig(lora_paths=["a=b"]))

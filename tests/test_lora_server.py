@@ -168,7 +168,7 @@ def test_unload_that_outlasts_its_timeout_is_a_clear_error(served, monkeypatch):
              headers=AUTH)
     assert r.status_code == 200, r.text
     _slow_steps(core, monkeypatch)
-    monkeypatch.setattr(core.cfg, "lora_unload_timeout", 0.2)
+    monkeypatch.setattr(core, "cfg", core.cfg.replace(lora_unload_timeout=0.2))
     long, got = _start_long_request(server, core, "d")
     r = http("POST", url + "unload_lora_adapter", {"lora_name": "d"}, headers=AUTH)
     assert r.status_code == 400, r.text

@@ -283,15 +283,13 @@ def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
 
 
 def test_lora_on_moe_is_refused(checkpoint):
-    from types import SimpleNamespace
-
     from maxjax.engine.config import EngineConfig
-    from maxjax.engine.core import make_lora_manager
+    from maxjax.engine.plan import check_model_flags
     from maxjax.errors import UserError
     _, path = checkpoint
     _, cfg, _ = _load(path)
     with pytest.raises(UserError, match="--enable-lora: .* routes its MLPs over experts"):
-        make_lora_manager(EngineConfig(enable_lora=True), SimpleNamespace(config=cfg))
+        check_model_flags(EngineConfig(enable_lora=True), cfg)
 
 
 def test_list_shows_the_moe_families(capsys):

@@ -7,7 +7,7 @@ from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request
 from maxjax.engine.scheduler import Scheduler
-from maxjax.engine.step_policy import check_flags
+from maxjax.engine.plan import check_flags
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import RequestError, UserError
 from mock_model import MockModel, reference_generate
@@ -21,12 +21,17 @@ class Run:
     (request id, "d" for a decode or "p" for a prefill chunk, tokens)."""
 
     def __init__(self, *, pages=128, page_size=4, budget=16, rows=8, max_length=256, **knobs):
-        cfg = EngineConfig(max_batch_size=rows, max_batch_input_tokens=budget,
-                           kv_cache_page_size=page_size, **knobs)
+        cfg = self.config(page_size=page_size, budget=budget, rows=rows, **knobs)
+        check_flags(cfg)            # as the engine's plan does before it builds a Scheduler
         self.bm = BlockManager(pages, page_size, True, "fast")
         self.s = Scheduler(cfg, self.bm, max_length)
         self.model = MockModel(page_size, VOCAB)
         self.plans, self.reqs, self.running_sizes = [], {}, []
+
+    @staticmethod
+    def config(*, page_size=4, budget=16, rows=8, **knobs) -> EngineConfig:
+        return EngineConfig(max_batch_size=rows, max_batch_input_tokens=budget,
+                            kv_cache_page_size=page_size, **knobs)
 
     def add(self, rid, n_prompt=8, n_out=4):
         r = Request(rid, [(hash(rid) + 7 * i) % VOCAB for i in range(n_prompt)],

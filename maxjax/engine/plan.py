@@ -56,9 +56,7 @@ def plan_engine(flags: EngineConfig, model, *, platform: str | None = None,
     if kernels is None:
         kernels = choose_kernels(cfg, platforms=[platform])
     check_mesh_flags(cfg, _params_mesh(model))
-    if cfg.enable_lora and model.config.moe_layers:  # adapters target w_gate_up / w_down
-        raise UserError(f"--enable-lora: {model.config.architecture} routes its MLPs over "
-                        "experts; LoRA on mixture-of-experts models is not supported yet")
+    check_model_flags(cfg, model.config)
     cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=kernels)
     layout = plan_layout(cfg, model, platform, resident)
     cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length)
@@ -84,6 +82,13 @@ def check_flags(cfg: EngineConfig) -> None:
     if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
         raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
                         f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")
+
+
+def check_model_flags(cfg: EngineConfig, model_cfg) -> None:
+    """What this model does not support yet."""
+    if cfg.enable_lora and model_cfg.moe_layers:    # adapters target w_gate_up / w_down
+        raise UserError(f"--enable-lora: {model_cfg.architecture} routes its MLPs over "
+                        "experts; LoRA on mixture-of-experts models is not supported yet")
 
 
 def check_mesh_flags(cfg: EngineConfig, mesh) -> None:

@@ -106,12 +106,7 @@ class Scheduler:
                  eos_token_ids=(), max_draft_tokens: int = 0, lora=None):
         """`lora`: the LoraManager (maxjax/lora/manager.py) whose device slots running requests
         hold, None without LoRA."""
-        cfg = engine_config
-        if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
-            raise ValueError("max_batch_size and max_batch_input_tokens must be >= 1")
-        if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
-            raise ValueError(f"chunked_prefill_min_chunk_size must be in [0, max_batch_input_tokens="
-                             f"{cfg.max_batch_input_tokens}], got {cfg.chunked_prefill_min_chunk_size}")
+        cfg = engine_config      # its flags were checked by maxjax/engine/plan.py check_flags
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {max_length}")
         self.cfg = cfg

@@ -61,7 +61,6 @@ def check_flags(cfg) -> None:
 
 class StepPolicy:
     def __init__(self, cfg):
-        check_flags(cfg)
         self.cfg = cfg
         self.tg_cap = min(cfg.max_queue_size_tg or cfg.max_batch_size, cfg.max_batch_size)
         self.tg_floor = self.tg_cap if cfg.min_batch_size_tg is None else cfg.min_batch_size_tg
