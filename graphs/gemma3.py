@@ -50,7 +50,8 @@ def gguf_config(hf: dict, get, tensors) -> None:
     hf["model_type"] = "gemma3_text"
     hf["sliding_window"] = int(get("attention.sliding_window", 512))
     hf["sliding_window_pattern"] = pattern
-    hf["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    hf["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                         for i in range(n)]
     hf["rope_local_base_freq"] = _LOCAL_THETA
     hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if n == 62 \
         else hf["head_dim"]
@@ -61,8 +62,8 @@ def gguf_config(hf: dict, get, tensors) -> None:
     full = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
     if "rope_scaling" in hf:
         full = dict(hf["rope_scaling"], rope_theta=hf["rope_theta"])
-    hf["rope_parameters"] = {"full_attention": full,
-                             "sliding_attention": {"rope_type": "default", "rope_theta": _LOCAL_THETA}}
+    local = {"rope_type": "default", "rope_theta": _LOCAL_THETA}
+    hf["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
 
 
 ARCHITECTURE = Architecture("Gemma3ForCausalLM", config_from_hf, gguf_archs=("gemma3",),

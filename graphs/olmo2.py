@@ -13,5 +13,6 @@ def config_from_hf(hf: dict):
 
 
 ARCHITECTURE = Architecture("Olmo2ForCausalLM", config_from_hf, gguf_archs=("olmo2",),
-                            gguf_layer_names=POST_NORM_GGUF_NAMES | {"input_layernorm.weight": None},
+                            gguf_layer_names={**POST_NORM_GGUF_NAMES,
+                                              "input_layernorm.weight": None},
                             description="OLMo 2 (post-norms, q/k norm over all heads)")

@@ -33,8 +33,9 @@ import jax.extend
 from maxjax.graphs.attention import (AttentionBackend, QueryBlocks, build_blocks,
                                      query_block_attention)
 
-# The custom call a Pallas kernel lowers to on CUDA: jax.export does not guarantee it stable across
-# jax versions, so an artifact holding one is tied to the jax that wrote it (manifest.check_versions).
+# The custom call a Pallas kernel lowers to on CUDA: jax.export does not guarantee it stable
+# across jax versions, so an artifact holding one is tied to the jax that wrote it
+# (maxjax/aot/manifest.py check_versions).
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # Query tokens per block when a bucket has prefill chunks (T > R): M = 16 x G' rows per program.
 BLOCK_QUERIES = 16

@@ -46,7 +46,8 @@ def test_a_new_family_is_its_file_alone(tmp_path, monkeypatch):
 
 def test_gguf_layer_names_per_family():
     shared = G.LAYER_NAMES
-    names = {a: G.layer_names(registry.for_gguf_arch(a)) for a in ("llama", "gemma2", "olmo2", "phi3")}
+    names = {a: G.layer_names(registry.for_gguf_arch(a))
+             for a in ("llama", "gemma2", "olmo2", "phi3")}
     assert names["llama"] == shared
     assert names["gemma2"]["pre_feedforward_layernorm.weight"] == "ffn_norm.weight"
     assert names["gemma2"]["post_attention_layernorm.weight"] == "post_attention_norm.weight"
