@@ -1,11 +1,14 @@
 """What an architecture provides, and the HF config fields every decoder shares.
 
-Custom architectures (`--custom-architectures`) expose `ARCHITECTURES = [Architecture(...)]`.
+A built-in family is a module of this package exposing `ARCHITECTURE = Architecture(...)`, found
+by maxjax/models/registry.py; custom architectures (`--custom-architectures`) expose
+`ARCHITECTURES = [Architecture(...)]`. An architecture also carries what llama.cpp's GGUF files
+of its family hold differently (read by maxjax/models/gguf.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import decoder, sharding
@@ -24,9 +27,26 @@ class Architecture:
     params_from_hf: Callable = decoder.params_from_hf
     gguf_archs: tuple[str, ...] = ()            # GGUF general.architecture values it reads
     description: str = ""
+    # The HF config fields its GGUF metadata gives beyond the keys every family shares:
+    # (hf, get, tensor_names) -> None, filling hf in place; get(key, default) reads the family's
+    # metadata key; a ValueError refuses the file.
+    gguf_config: Callable | None = None
+    # Decoder-layer tensor names where llama.cpp's differ from the shared ones (gguf.LAYER_NAMES):
+    # HF name suffix -> GGUF name suffix; None: the family has no such tensor.
+    gguf_layer_names: Mapping[str, str | None] = field(default_factory=dict, hash=False)
+    gguf_permuted_qk: bool = False      # Q/K rows permuted (convert_hf_to_gguf LlamaModel.permute)
+    gguf_norm_plus_one: bool = False    # RMSNorm weights stored with Gemma's +1 added
+    gguf_tokenizer: str | None = None   # transformers' tokenizer class (None: AutoTokenizer's)
 
     def param_shapes(self, cfg: ModelConfig) -> dict:
         return sharding.shapes(self.param_specs(cfg))
+
+
+# llama.cpp's names of the norms after attention and after the MLP (Gemma, OLMo 2)
+POST_NORM_GGUF_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                        "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+# Gemma's sandwich norms: llama.cpp names the pre-MLP norm ffn_norm.
+GEMMA_GGUF_NAMES = POST_NORM_GGUF_NAMES | {"pre_feedforward_layernorm.weight": "ffn_norm.weight"}
 
 
 def rope_params(hf: dict) -> tuple[float, tuple | None]:

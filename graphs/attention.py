@@ -1,7 +1,9 @@
 """Attention over KV pages, behind one seam: a backend is the per-bucket metadata it needs (specs
 for tracing, numpy arrays built on the host for each step) plus its `attend` function.
 
-`backend_for(platform)` picks the backend; the step carries its metadata as `StepInputs.attn`,
+Each backend carries its own facts (the platforms it fits, whether it needs the CPU kernels, the
+head and page sizes it takes, its custom calls, its priority) and is listed once in `REGISTRY`;
+`choose_backend` picks one from those facts. The step carries its metadata as `StepInputs.attn`,
 and `attend` dispatches on the backend that metadata names, so the decoder never names a kernel.
 The CPU runs the query-block algorithm below (written for XLA:CPU), or with
 --use-experimental-kernels the FFI kernel of graphs/cpu_attention.py; CUDA runs the Pallas kernel
@@ -14,6 +16,7 @@ read once per block instead of once per token. (blocks, B) is a function of the 
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -34,6 +37,19 @@ class AttentionBackend:
     attend: Callable    # (q, k_pool, v_pool, layer, step, window, scale, softcap) -> [T, H, hd]
     write_kv: Callable | None = None    # (pool, layer, slots, new, page) -> pool; None: XLA scatter
     zero_pool: Callable | None = None   # (k, v ShapeDtypeStructs) -> zero pools; None: jnp.zeros
+    # its facts, read by `choose_backend`:
+    platforms: tuple[str, ...] = ()     # the platforms it may be chosen for; (): any
+    needs_cpu_kernels: bool = False     # runs graphs/cpu_kernels.py (--use-experimental-kernels)
+    priority: int = 0                   # the highest that fits a platform is that platform's
+    # why it cannot take a KV page size (None: it can): an error, the page size is the user's flag
+    check_page_size: Callable[[int], str | None] = lambda page_size: None
+    # why it cannot run a model of this head size here (None: it can): the next backend runs it
+    check_head_dim: Callable[[int], str | None] = lambda head_dim: None
+    custom_calls: tuple[str, ...] = ()  # the custom-call targets its graphs may hold
+
+    def fits(self, platform: str, kernels: bool) -> bool:
+        return (not self.platforms or platform in self.platforms) and \
+            (kernels or not self.needs_cpu_kernels)
 
 
 @jax.tree_util.register_dataclass
@@ -169,30 +185,53 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
 
 QUERY_BLOCKS = AttentionBackend("query_blocks", query_block_specs, build_query_blocks,
                                 query_block_attention)
-# Platforms whose graphs run the Pallas kernel (graphs/pallas_attention.py).
-KERNEL_PLATFORMS = ("cuda", "gpu")
 
-
-BACKENDS = {QUERY_BLOCKS.name: QUERY_BLOCKS}
+# Every backend: name -> "module:attribute" of its AttentionBackend, imported when first asked
+# for (the Pallas one pulls in jax.experimental.pallas).
+REGISTRY = {"query_blocks": f"{__name__}:QUERY_BLOCKS",
+            "pallas_paged": "maxjax.graphs.pallas_attention:PAGED_KERNEL",
+            "cpu_paged_kernel": "maxjax.graphs.cpu_attention:CPU_PAGED_KERNEL"}
+BACKENDS = {QUERY_BLOCKS.name: QUERY_BLOCKS}     # the ones imported so far
 
 
 def backend_named(name: str) -> AttentionBackend:
     """A backend by its name (as an engine layout and artifact manifests record it)."""
-    if name not in BACKENDS and name == "pallas_paged":
-        from maxjax.graphs.pallas_attention import PAGED_KERNEL
-        BACKENDS[name] = PAGED_KERNEL
-    if name not in BACKENDS and name == "cpu_paged_kernel":
-        from maxjax.graphs.cpu_attention import CPU_PAGED_KERNEL
-        BACKENDS[name] = CPU_PAGED_KERNEL
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}")
+        if name not in REGISTRY:
+            raise ValueError(f"unknown attention backend {name!r}")
+        module, _, attr = REGISTRY[name].partition(":")
+        BACKENDS[name] = getattr(importlib.import_module(module), attr)
     return BACKENDS[name]
+
+
+def _fitting(platform: str, kernels: bool) -> list[AttentionBackend]:
+    """The backends that fit `platform` (and the CPU kernels, where `kernels`), best first."""
+    fit = [b for b in map(backend_named, REGISTRY) if b.fits(platform, kernels)]
+    return sorted(fit, key=lambda b: -b.priority)
 
 
 def backend_for(platform: str | None = None) -> AttentionBackend:
     """The attention backend for a platform ("cpu", "cuda", ...; None: JAX's default)."""
-    platform = platform or jax.default_backend()
-    return backend_named("pallas_paged" if platform in KERNEL_PLATFORMS else "query_blocks")
+    return _fitting(platform or jax.default_backend(), False)[0]
+
+
+def choose_backend(platform: str, head_dim: int, page_size: int,
+                   kernels: bool = False) -> AttentionBackend:
+    """The backend for a model of `head_dim` on `platform` with KV pages of `page_size`:
+    the best that fits and runs the head size. `kernels`: --use-experimental-kernels. A
+    ValueError (the reason) for a page size the platform's best backend refuses."""
+    for backend in _fitting(platform, kernels):
+        why = backend.check_page_size(page_size)
+        if why:
+            raise ValueError(why)
+        if backend.check_head_dim(head_dim) is None:
+            return backend
+    raise ValueError(f"no attention backend runs head size {head_dim} on {platform}")
+
+
+def custom_calls() -> tuple[str, ...]:
+    """Every backend's custom-call targets (what jax.export must allow: maxjax/aot/graphs.py)."""
+    return tuple(c for name in REGISTRY for c in backend_named(name).custom_calls)
 
 
 def write_kv(pool, layer: int, step, new, page_size: int):

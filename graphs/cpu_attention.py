@@ -5,9 +5,9 @@ for the process's instruction set, `cpu_kernels.isa()`: AVX-512F or AVX2 + FMA +
 Its metadata is one array, the request row of each token slot (-1: padding); the kernel reads
 the positions and the page table from the step itself, groups each row's consecutive tokens into
 tiles that share every K/V page load, and handles GQA, sliding windows, softcapping and
-float32 / bfloat16 / float16 pools. `plan_layout` (maxjax/engine/core.py) picks it on the CPU
+float32 / bfloat16 / float16 pools. `choose_backend` (graphs/attention.py) picks it on the CPU
 when the flag is given, the kernels build, and `supports_head_dim` holds; otherwise the
-query-block algorithm (graphs/attention.py) runs.
+query-block algorithm runs.
 """
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ class TokenRows:
 
 def supports_head_dim(head_dim: int) -> bool:
     return head_dim in HEAD_DIMS
+
+
+def check_head_dim(head_dim: int) -> str | None:
+    """Why the kernel cannot run here for this head size (None: it can): the kernels do not
+    build (the int8 side refuses the flag then, naming why), or no instantiation for it."""
+    why = cpu_kernels.unavailable()
+    if why is None and not supports_head_dim(head_dim):
+        why = f"the CPU attention kernel has no head size {head_dim} (it has {HEAD_DIMS})"
+    return why
 
 
 def token_row_specs(num_tokens: int, num_rows: int) -> TokenRows:
@@ -87,5 +96,8 @@ def kernel_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: fl
                            step.positions, window, scale, softcap)
 
 
-CPU_PAGED_KERNEL = AttentionBackend("cpu_paged_kernel", token_row_specs, build_token_rows,
-                                    kernel_attention, write_kv, zero_pool)
+CPU_PAGED_KERNEL = AttentionBackend(
+    "cpu_paged_kernel", token_row_specs, build_token_rows, kernel_attention, write_kv, zero_pool,
+    platforms=("cpu",), needs_cpu_kernels=True, priority=1, check_head_dim=check_head_dim,
+    custom_calls=tuple(f"{t}_{isa}" for isa in cpu_kernels.ISAS
+                       for t in (TARGET, WRITE_TARGET, ZERO_TARGET)))

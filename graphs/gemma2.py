@@ -6,7 +6,7 @@ embeddings times sqrt(hidden) (cast to the weight dtype first), query_pre_attn_s
 attention scale, attention scores through cap * tanh(s / cap) before the mask, gelu-tanh MLP, one
 rope theta for every layer, no q/k norm. Missing config fields take Gemma2Config's defaults.
 """
-from maxjax.graphs.arch import Architecture, base_config, layer_windows
+from maxjax.graphs.arch import GEMMA_GGUF_NAMES, Architecture, base_config, layer_windows
 
 
 def _cap(value):
@@ -35,5 +35,20 @@ def config_from_hf(hf: dict):
     )
 
 
+def gguf_config(hf: dict, get, tensors) -> None:
+    # llama.cpp (llama-model.cpp): even layers sliding, odd full; queries scaled by
+    # 1/sqrt(head_dim) except 27B (46 layers: hidden / heads), as Gemma 2's query_pre_attn_scalar.
+    n = hf["num_hidden_layers"]
+    hf["sliding_window"] = int(get("attention.sliding_window", 4096))
+    hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if n == 46 \
+        else hf["head_dim"]
+    hf["hidden_activation"] = hf["hidden_act"] = "gelu_pytorch_tanh"
+    hf["attn_logit_softcapping"] = float(get("attn_logit_softcapping", 50.0))   # llama.cpp's
+    hf["final_logit_softcapping"] = float(get("final_logit_softcapping", 30.0))  # defaults
+
+
 ARCHITECTURE = Architecture("Gemma2ForCausalLM", config_from_hf, gguf_archs=("gemma2",),
+                            gguf_config=gguf_config, gguf_layer_names=GEMMA_GGUF_NAMES,
+                            gguf_norm_plus_one=True, gguf_tokenizer="GemmaTokenizer",
                             description="Gemma 2 (alternating sliding window, logit softcapping)")

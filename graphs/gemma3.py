@@ -8,7 +8,7 @@ ignored because transformers' Gemma3Attention ignores it (Gemma 3 checkpoints se
 Reads both config layouts: transformers 4 (rope_theta, rope_local_base_freq,
 sliding_window_pattern) and 5 (rope_parameters per layer type, layer_types).
 """
-from maxjax.graphs.arch import Architecture, base_config, layer_windows
+from maxjax.graphs.arch import GEMMA_GGUF_NAMES, Architecture, base_config, layer_windows
 
 _GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0   # transformers' Gemma3TextConfig defaults
 
@@ -42,5 +42,31 @@ def config_from_hf(hf: dict):
     )
 
 
+def gguf_config(hf: dict, get, tensors) -> None:
+    # llama.cpp hard-codes these for Gemma 3 (llama-model.cpp): 5 local : 1 global layers, local
+    # rope base 10k, queries scaled by 1/sqrt(head_dim) except 27B (hidden / heads).
+    n = hf["num_hidden_layers"]
+    pattern = 6
+    hf["model_type"] = "gemma3_text"
+    hf["sliding_window"] = int(get("attention.sliding_window", 512))
+    hf["sliding_window_pattern"] = pattern
+    hf["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                         for i in range(n)]
+    hf["rope_local_base_freq"] = _LOCAL_THETA
+    hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if n == 62 \
+        else hf["head_dim"]
+    hf["hidden_activation"] = "gelu_pytorch_tanh"
+    hf["hidden_act"] = "gelu_pytorch_tanh"
+    hf["final_logit_softcapping"] = None
+    hf["attn_logit_softcapping"] = None
+    full = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
+    if "rope_scaling" in hf:
+        full = dict(hf["rope_scaling"], rope_theta=hf["rope_theta"])
+    local = {"rope_type": "default", "rope_theta": _LOCAL_THETA}
+    hf["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+
+
 ARCHITECTURE = Architecture("Gemma3ForCausalLM", config_from_hf, gguf_archs=("gemma3",),
+                            gguf_config=gguf_config, gguf_layer_names=GEMMA_GGUF_NAMES,
+                            gguf_norm_plus_one=True, gguf_tokenizer="GemmaTokenizer",
                             description="Gemma 3 text (local/global attention, softcapping)")

@@ -21,6 +21,17 @@ def config_from_hf(hf: dict):
     )
 
 
+def gguf_config(hf: dict, get, tensors) -> None:
+    # convert_hf_to_gguf GraniteModel writes the four multipliers; llama.cpp's defaults when
+    # absent: 1, and 1/sqrt(head_dim) for the attention scale.
+    for key, field in (("embedding_scale", "embedding_multiplier"),
+                       ("residual_scale", "residual_multiplier"),
+                       ("logit_scale", "logits_scaling")):
+        hf[field] = float(get(key, 1.0))
+    hf["attention_multiplier"] = float(get("attention.scale", hf["head_dim"] ** -0.5))
+
+
 ARCHITECTURE = Architecture("GraniteForCausalLM", config_from_hf, gguf_archs=("granite",),
+                            gguf_config=gguf_config, gguf_permuted_qk=True,
                             description="Granite 3 dense (embedding/residual/attention/logit "
                                         "multipliers)")

@@ -7,4 +7,5 @@ def config_from_hf(hf: dict):
 
 
 ARCHITECTURE = Architecture("LlamaForCausalLM", config_from_hf, gguf_archs=("llama",),
+                            gguf_permuted_qk=True, gguf_tokenizer="TokenizersBackend",
                             description="Llama 2/3, SmolLM2 (rope scaling: llama3, linear)")

@@ -1,7 +1,7 @@
 """Olmo2ForCausalLM (OLMo 2): no norms before attention and MLP, RMSNorm after each instead
 (post_attention_layernorm, post_feedforward_layernorm), and q/k RMSNorm over the whole q and k
 projections (all heads at once) before rope (transformers' modeling_olmo2)."""
-from maxjax.graphs.arch import Architecture, base_config
+from maxjax.graphs.arch import POST_NORM_GGUF_NAMES, Architecture, base_config
 
 
 def config_from_hf(hf: dict):
@@ -13,4 +13,6 @@ def config_from_hf(hf: dict):
 
 
 ARCHITECTURE = Architecture("Olmo2ForCausalLM", config_from_hf, gguf_archs=("olmo2",),
+                            gguf_layer_names={**POST_NORM_GGUF_NAMES,
+                                              "input_layernorm.weight": None},
                             description="OLMo 2 (post-norms, q/k norm over all heads)")

@@ -12,7 +12,7 @@ size of this backend's choosing): one program per (block, KV head) holds the blo
 times the G query heads sharing that KV head, M = B x G' rows (G padded to a power of two, and M
 to at least 16, as Triton's dots and blocks want), and reads each page of its row once.
 Page sizes and head sizes must be powers of two of at least 16 (`check_page_size`; a model
-with another head size runs the query-block algorithm on the GPU too).
+with another head size runs the query-block algorithm on the GPU too: `check_head_dim`).
 
 The exported graph is platform-dependent: the kernel on CUDA, the query-block algorithm on the
 same metadata elsewhere, so one export for (cuda, cpu) runs on both. In tests the kernel itself
@@ -33,6 +33,10 @@ import jax.extend
 from maxjax.graphs.attention import (AttentionBackend, QueryBlocks, build_blocks,
                                      query_block_attention)
 
+# The custom call a Pallas kernel lowers to on CUDA: jax.export does not guarantee it stable
+# across jax versions, so an artifact holding one is tied to the jax that wrote it
+# (maxjax/aot/manifest.py check_versions).
+TRITON_CALL = "__gpu$xla.gpu.triton"
 # Query tokens per block when a bucket has prefill chunks (T > R): M = 16 x G' rows per program.
 BLOCK_QUERIES = 16
 MIN_ROWS = 16           # Triton's dot wants every dimension >= 16
@@ -72,9 +76,11 @@ def check_page_size(page_size: int) -> str | None:
     return None
 
 
-def supports_head_dim(head_dim: int) -> bool:
+def check_head_dim(head_dim: int) -> str | None:
     """Triton blocks are powers of two: other head sizes take the XLA attention."""
-    return _pow2_at_least_16(head_dim)
+    if not _pow2_at_least_16(head_dim):
+        return f"the GPU attention kernel needs a power of two >= 16, got head size {head_dim}"
+    return None
 
 
 def _pow2(n: int) -> int:
@@ -206,4 +212,6 @@ def kernel_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: fl
 
 
 PAGED_KERNEL = AttentionBackend("pallas_paged", kernel_block_specs, build_kernel_blocks,
-                                kernel_attention)
+                                kernel_attention, platforms=("cuda", "gpu"), priority=1,
+                                check_page_size=check_page_size, check_head_dim=check_head_dim,
+                                custom_calls=(TRITON_CALL,))

@@ -78,7 +78,26 @@ def params_from_hf(cfg, get, dtype, progress=None, quantizer=None):
     return decoder.params_from_hf(cfg, SplitFused(get, cfg), dtype, progress, quantizer)
 
 
+def gguf_config(hf: dict, get, tensors) -> None:
+    # convert_hf_to_gguf's Phi3MiniModel: rope.dimension_count is the rotary part of a head
+    # (partial_rotary_factor), LongRoPE comes as rope_factors_long/short tensors.
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise ValueError("Phi3 LongRoPE (rope_factors_long/short) is not supported")
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    rotary = int(get("rope.dimension_count") or head_dim)
+    hf["head_dim"] = head_dim
+    hf["partial_rotary_factor"] = rotary / head_dim
+    hf["sliding_window"] = int(get("attention.sliding_window", 0)) or None
+
+
+# llama.cpp keeps the fused tensors, under its own names; the decoder's unfused ones are absent.
+GGUF_LAYER_NAMES = dict.fromkeys(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                  "self_attn.v_proj.bias", "self_attn.q_norm.weight",
+                                  "self_attn.k_norm.weight", *_PART_OF)) | {
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+
 ARCHITECTURE = Architecture("Phi3ForCausalLM", config_from_hf, params_from_hf=params_from_hf,
-                            gguf_archs=("phi3",),
+                            gguf_archs=("phi3",), gguf_config=gguf_config,
+                            gguf_layer_names=GGUF_LAYER_NAMES,
                             description="Phi-3, Phi-4 (fused qkv/gate_up, partial rotary; "
                                         "no LongRoPE)")

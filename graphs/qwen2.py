@@ -8,4 +8,5 @@ def config_from_hf(hf: dict):
 
 
 ARCHITECTURE = Architecture("Qwen2ForCausalLM", config_from_hf, gguf_archs=("qwen2",),
+                            gguf_tokenizer="Qwen2Tokenizer",
                             description="Qwen2, Qwen2.5 (q/k/v bias)")

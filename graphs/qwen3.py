@@ -10,4 +10,5 @@ def config_from_hf(hf: dict):
 
 
 ARCHITECTURE = Architecture("Qwen3ForCausalLM", config_from_hf, gguf_archs=("qwen3",),
+                            gguf_tokenizer="Qwen2Tokenizer",
                             description="Qwen3 dense (q/k norm)")

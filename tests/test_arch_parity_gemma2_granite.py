@@ -92,7 +92,7 @@ def _write_gguf(path, name: str, model, hf_dir: str) -> str:
         w.add_logit_scale(c.logits_scaling)
     gemma = name == "gemma2"
     names = G.GGUFTensorReader.__new__(G.GGUFTensorReader)
-    names.layer_names = G._GEMMA_LAYER_NAMES if gemma else G._LAYER_NAMES
+    names.layer_names = G.layer_names(registry.for_gguf_arch(name))
     tensors = {}
     for f in glob.glob(f"{hf_dir}/*.safetensors"):
         tensors.update(load_file(f))

@@ -10,6 +10,7 @@ from gguf.quants import quantize
 
 from maxjax.errors import UserError
 from maxjax.models import gguf as G
+from maxjax.models import registry
 
 RNG = np.random.default_rng(0)
 TOKENS = ["<unk>", "<s>", "</s>", "ab"] + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567")
@@ -151,7 +152,7 @@ def write_gguf(path, arch, hf, qtype=T.F32, extra_kv=None, tokenizer=False, gemm
         w.add_eos_token_id(2)
         w.add_chat_template("{{ messages }}")
     reader = G.GGUFTensorReader.__new__(G.GGUFTensorReader)
-    reader.layer_names = G._GEMMA_LAYER_NAMES if gemma else G._LAYER_NAMES
+    reader.layer_names = G.layer_names(registry.for_gguf_arch("gemma3" if gemma else "llama"))
     for name, t in hf.items():
         gname = reader.gguf_name(name)
         if arch == "llama" and ".attn_q." in gname:
@@ -198,7 +199,6 @@ def test_llama_config_from_metadata(llama_file):
     assert template == "{{ messages }}"
     assert tokenizer.convert_ids_to_tokens(5) == "b" and tokenizer.eos_token == "</s>"
     assert tokenizer("abc").input_ids == [3, 6]
-    from maxjax.models import registry
     cfg = registry.get_architecture("LlamaForCausalLM").config_from_hf(hf)
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.eos_token_ids) == (L, NKV, HD, (2,))
 

@@ -23,21 +23,18 @@ import jax
 
 from maxjax.errors import UserError
 from maxjax.graphs import cpu_kernels
-from maxjax.graphs.attention import backend_named
+from maxjax.graphs.attention import backend_named, custom_calls
 from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.lora import lora_specs
 from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
 from maxjax.graphs.sharding import abstract
 
 
-# The Pallas kernel of the CUDA attention backend (graphs/pallas_attention.py) is a Triton custom
-# call, which jax.export does not guarantee stable across jax versions: allowed here, and an
-# artifact holding one is tied to the jax that wrote it (manifest.check_versions).
-TRITON_CALL = "__gpu$xla.gpu.triton"
-# --use-experimental-kernels' CPU kernels: registered before an artifact holding one is
+# The custom calls the graphs may hold: every attention backend's (graphs/attention.py), and
+# --use-experimental-kernels' CPU kernels, registered before an artifact holding one is
 # compiled (maxjax/engine/build.experimental_kernels).
 EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c)
-                 for c in (TRITON_CALL, *cpu_kernels.TARGETS)]
+                 for c in dict.fromkeys((*custom_calls(), *cpu_kernels.TARGETS))]
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:

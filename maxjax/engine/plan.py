@@ -20,7 +20,7 @@ from maxjax.engine import memory, speculative
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
-from maxjax.graphs.attention import backend_for as backend_for_platform
+from maxjax.graphs.attention import choose_backend
 
 log = logging.getLogger("maxjax.engine")
 # A default pool holds every row at up to this many tokens (with --max-length unset the limit
@@ -190,16 +190,11 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
     platform = platform or local_platform()
     mesh = params_mesh(model.params)     # the mesh the model's params are placed on
     check_layout_flags(cfg)
-    attention = backend_for_platform(platform)
-    if attention.name == "pallas_paged":
-        from maxjax.graphs import pallas_attention as kernel
-        why = kernel.check_page_size(cfg.kv_cache_page_size)
-        if why:
-            raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {why}")
-        if not kernel.supports_head_dim(mc.head_dim):
-            attention = backend_for_platform("cpu")
-    elif cfg.use_experimental_kernels and platform == "cpu":
-        attention = cpu_kernel_attention(mc.head_dim) or attention
+    try:
+        attention = choose_backend(platform, mc.head_dim, cfg.kv_cache_page_size,
+                                   cfg.use_experimental_kernels)
+    except ValueError as e:
+        raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {e}") from None
     max_length = resolve_max_length(cfg, mc)
     kv_dtype = cfg.kv_cache_format or np.dtype(model.compute_dtype).name
     if kv_dtype not in KV_CACHE_FORMATS:
@@ -253,17 +248,6 @@ def check_layout_flags(cfg: EngineConfig) -> None:
                         f"{len(seed)} characters")
     if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
         raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
-
-
-def cpu_kernel_attention(head_dim: int):
-    """--use-experimental-kernels' attention backend (graphs/cpu_attention.py), or None where it
-    cannot run: the kernels do not build here (the int8 side refuses the flag then, naming
-    why), or a head size it has no instantiation for (the query-block algorithm runs)."""
-    from maxjax.graphs import cpu_attention, cpu_kernels
-    from maxjax.graphs.attention import backend_named
-    if cpu_kernels.unavailable() is not None or not cpu_attention.supports_head_dim(head_dim):
-        return None
-    return backend_named(cpu_attention.CPU_PAGED_KERNEL.name)
 
 
 def lora_shape(cfg: EngineConfig) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import struct
 import numpy as np
 
 from maxjax.errors import UserError
-from maxjax.models import gguf_families
+from maxjax.models import registry
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -33,8 +33,9 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 _CHUNK_BLOCKS = 1 << 15     # dequantize this many blocks per numpy pass: bounds the temporaries
 
-# GGUF tensor names per HF decoder-layer suffix (llama.cpp's convert_hf_to_gguf naming).
-_LAYER_NAMES = {
+# GGUF tensor names per HF decoder-layer suffix (llama.cpp's convert_hf_to_gguf naming); an
+# architecture names those of its family that differ (Architecture.gguf_layer_names).
+LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
@@ -45,37 +46,9 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
-# Gemma's sandwich norms: llama.cpp names the pre-MLP norm ffn_norm.
-_GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, **{
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-})
-# OLMo 2: no pre-norms; a norm after attention and after the MLP. Phi-3: fused q|k|v and gate|up
-# (graphs/phi3.py cuts them).
-_OLMO2_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items()
-                      if k not in ("input_layernorm.weight", "post_attention_layernorm.weight")}
-_OLMO2_LAYER_NAMES.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
-                           "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
-_PHI3_LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight",
-                     "self_attn.qkv_proj.weight": "attn_qkv.weight",
-                     "self_attn.o_proj.weight": "attn_output.weight",
-                     "post_attention_layernorm.weight": "ffn_norm.weight",
-                     "mlp.gate_up_proj.weight": "ffn_up.weight",
-                     "mlp.down_proj.weight": "ffn_down.weight"}
-_ARCH_LAYER_NAMES = {"olmo2": _OLMO2_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-# GGUF general.architecture -> transformers model_type, and the tokenizer class AutoTokenizer
-# picks for it (transformers 5 TOKENIZER_MAPPING_NAMES).
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
-_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "gemma3": "GemmaTokenizer",
-                      "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer",
-                      "gemma2": "GemmaTokenizer"}
-# Architectures whose Q/K rows llama.cpp permutes (convert_hf_to_gguf LlamaModel and subclasses).
-_PERMUTED_QK = ("llama", "granite")
 
 
 class GGUFFile:
@@ -245,16 +218,21 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def layer_names(arch) -> dict[str, str]:
+    """HF decoder-layer suffix -> GGUF suffix for `arch`'s family."""
+    names = LAYER_NAMES | dict(arch.gguf_layer_names)
+    return {k: v for k, v in names.items() if v is not None}
+
+
 class GGUFTensorReader:
     """`reader(hf_name)` -> float32 numpy array in HF naming and layout, dequantized on demand."""
 
     def __init__(self, gf: GGUFFile, gguf_arch: str, hf: dict):
+        arch = registry.for_gguf_arch(gguf_arch)
         self.gf = gf
-        self.arch = gguf_arch
-        self.permute = gguf_arch in _PERMUTED_QK
-        self.gemma = gguf_arch.startswith("gemma")
-        self.layer_names = _ARCH_LAYER_NAMES.get(
-            gguf_arch, _GEMMA_LAYER_NAMES if self.gemma else _LAYER_NAMES)
+        self.permute = arch.gguf_permuted_qk
+        self.norm_plus_one = arch.gguf_norm_plus_one
+        self.layer_names = layer_names(arch)
         self.n_heads = hf["num_attention_heads"]
         self.n_kv_heads = hf["num_key_value_heads"]
 
@@ -285,7 +263,7 @@ class GGUFTensorReader:
         w = dequantize(*self.gf.raw(name))
         if self.permute and (".attn_q." in name or ".attn_k." in name):
             w = unpermute_qk(w, self.n_heads if ".attn_q." in name else self.n_kv_heads)
-        if self.gemma and name.endswith("norm.weight"):
+        if self.norm_plus_one and name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         return w
 
@@ -338,6 +316,7 @@ def hf_config(gf: GGUFFile, gguf_arch: str, arch_name: str) -> dict:
     config mapping, plus the fields our architectures read that transformers takes as defaults)."""
     md = gf.metadata
     p = gguf_arch + "."
+    arch = registry.get_architecture(arch_name)
 
     def get(key, default=None):
         v = md.get(p + key, default)
@@ -361,7 +340,7 @@ def hf_config(gf: GGUFFile, gguf_arch: str, arch_name: str) -> dict:
     theta = float(get("rope.freq_base", 10000.0))
     hf = {
         "architectures": [arch_name],
-        "model_type": _MODEL_TYPES.get(gguf_arch, gguf_arch),
+        "model_type": gguf_arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -392,22 +371,20 @@ def hf_config(gf: GGUFFile, gguf_arch: str, arch_name: str) -> dict:
     if "rope_freqs.weight" in gf.tensors:
         freqs = dequantize(*gf.raw("rope_freqs.weight"))
         hf["rope_scaling"] = _llama3_scaling(freqs, theta, int(head_dim), md, p)
-    if gguf_arch == "gemma3":
-        gguf_families.gemma3_fields(hf, get)
-    if gguf_arch == "phi3":
-        gguf_families.phi3_fields(hf, get, gf)
-    if gguf_arch == "gemma2":
-        gguf_families.gemma2_fields(hf, get)
-    if gguf_arch == "granite":
-        gguf_families.granite_fields(hf, get)
+    if arch.gguf_config is not None:
+        try:
+            arch.gguf_config(hf, get, gf.tensors)
+        except ValueError as e:
+            raise UserError(f"{gf.path}: {e}") from None
     return hf
 
 
-def load_tokenizer(gf: GGUFFile, gguf_arch: str):
+def load_tokenizer(gf: GGUFFile, gguf_arch: str, cls_name: str | None = None):
     """transformers' tokenizer for the GGUF's `tokenizer.ggml.*` metadata, built the way
     `TokenizersBackend.from_pretrained(dir, gguf_file=...)` builds it (transformers'
     get_gguf_tokenizer + convert_gguf_tokenizer) but from the metadata parsed here:
-    AutoTokenizer re-reads the file twice, once through gguf's slow reader (~8 s for SmolLM2)."""
+    AutoTokenizer re-reads the file twice, once through gguf's slow reader (~8 s for SmolLM2).
+    `cls_name`: the tokenizer class (Architecture.gguf_tokenizer; None: AutoTokenizer's)."""
     import transformers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
@@ -422,10 +399,9 @@ def load_tokenizer(gf: GGUFFile, gguf_arch: str):
     for name, key in _SPECIAL_TOKENS.items():
         token_id = md.get(f"tokenizer.ggml.{key}")
         config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
-    cls_name = _TOKENIZER_CLASSES.get(gguf_arch)
     if cls_name is None:    # AutoTokenizer's choice; its module imports torch (~3 s), so only here
         from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-        cls_name = TOKENIZER_MAPPING_NAMES.get(_MODEL_TYPES.get(gguf_arch, gguf_arch))
+        cls_name = TOKENIZER_MAPPING_NAMES.get(gguf_arch)
     cls = getattr(transformers, cls_name, None) if isinstance(cls_name, str) else None
     cls = cls or transformers.TokenizersBackend
     try:
@@ -440,7 +416,6 @@ def open_gguf(path: str, tokenizer: bool = True):
     """(hf_config, reader, tokenizer, chat_template) for a GGUF file; see the module docstring.
     `tokenizer` False: a callable that builds the tokenizer in its place (maxjax/models/loader.py
     runs it on a thread while the weights convert)."""
-    from maxjax.models import registry
     gf = GGUFFile(path)
     gguf_arch = gf.metadata.get("general.architecture")
     if not isinstance(gguf_arch, str):
@@ -453,6 +428,7 @@ def open_gguf(path: str, tokenizer: bool = True):
     hf = hf_config(gf, gguf_arch, arch.name)
     reader = GGUFTensorReader(gf, gguf_arch, hf)
     def make():
-        return load_tokenizer(gf, gguf_arch) if "tokenizer.ggml.tokens" in gf.metadata else None
+        return load_tokenizer(gf, gguf_arch, arch.gguf_tokenizer) \
+            if "tokenizer.ggml.tokens" in gf.metadata else None
     template = gf.metadata.get("tokenizer.chat_template")
     return hf, reader, make() if tokenizer else make, template if isinstance(template, str) else None

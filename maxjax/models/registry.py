@@ -1,31 +1,33 @@
-"""Architecture registry: the built-ins from graphs/ plus any `--custom-architectures`."""
+"""Architecture registry: the built-ins, every module of graphs/ that defines ARCHITECTURE (so a
+family is its file alone), plus any `--custom-architectures`."""
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
+import pkgutil
 import sys
 
+from maxjax import graphs
 from maxjax.errors import UserError
 from maxjax.graphs.arch import Architecture
-
-BUILTIN_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3",
-                   "gemma2", "granite", "qwen3_moe", "mixtral")
 
 _registry: dict[str, Architecture] = {}
 
 
+def builtin_architectures() -> list[Architecture]:
+    """The ARCHITECTURE of every module of the maxjax.graphs package, by module name."""
+    found = []
+    for mod in pkgutil.iter_modules(graphs.__path__, graphs.__name__ + "."):
+        arch = getattr(importlib.import_module(mod.name), "ARCHITECTURE", None)
+        if isinstance(arch, Architecture):
+            found.append(arch)
+    return found
+
+
 def _ensure_builtins() -> None:
-    if _registry:
-        return
-    for mod in BUILTIN_MODULES:
-        try:
-            arch = importlib.import_module(f"maxjax.graphs.{mod}").ARCHITECTURE
-        except ModuleNotFoundError as e:
-            if e.name != f"maxjax.graphs.{mod}":
-                raise
-            continue
-        _registry[arch.name] = arch
+    if not _registry:
+        _registry.update((arch.name, arch) for arch in builtin_architectures())
 
 
 def architectures() -> dict[str, Architecture]:
