@@ -98,8 +98,7 @@ def check_mesh_flags(cfg: EngineConfig, mesh) -> None:
     if cfg.enable_lora:
         raise UserError(f"--enable-lora with --devices {cfg.devices} or "
                         "--data-parallel-degree: LoRA runs on one device only for now")
-    if cfg.speculative_method == "draft" and (
-            (mesh is not None and mesh.size > 1) or cfg.data_parallel_degree > 1):
+    if cfg.speculative_method == "draft" and (mesh.size > 1 or cfg.data_parallel_degree > 1):
         raise UserError(f"--speculative-method draft with --devices {cfg.devices} or "
                         "--data-parallel-degree: with a draft model the target runs on one "
                         "device only (the draft's: --draft-devices)")
@@ -117,7 +116,7 @@ def replica_mesh(cfg: EngineConfig, replica: int = 0):
 
 
 def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
-                   platforms: Sequence[str] | None = None, source: str | None = None) -> bool:
+                   platforms: Sequence[str] | None = None) -> bool:
     """Whether maxjax's CPU kernels (graphs/cpu_kernels.py) run. --use-experimental-kernels:
     True requires them (a UserError naming why they cannot run), False keeps XLA's path, None
     (the default) turns them on wherever they run: as `pinned` (what --precompiled-artifacts
