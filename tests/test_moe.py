@@ -18,6 +18,7 @@ from maxjax.models import quantize, registry
 from maxjax.models.hf import SafetensorsReader, read_config
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
+from tiny_llama import write_word_tokenizer
 
 VOCAB, NEW_TOKENS = 512, 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -243,17 +244,6 @@ def test_expert_parallel_on_four_devices_equals_one(checkpoint, quantized):
                                rtol=1e-4, atol=1e-4)
 
 
-def _write_tokenizer(path):
-    """A word-level tokenizer over the tiny vocabulary (the engine needs one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-
-
 def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     """Through the loader and the engine (scheduler, buckets, sampling): the same greedy tokens
     on one device and with the experts split over four (--devices cpu:4); int8 serves."""
@@ -263,7 +253,7 @@ def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     _, path = checkpoint
     if "mixtral" in path:
         pytest.skip("one family through the engine; the graph-level tests cover both")
-    _write_tokenizer(path)
+    write_word_tokenizer(path, VOCAB)     # the engine needs a tokenizer
     model = load_model(path, "float32", progress=False)
     engine = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
                   kv_cache_page_size=8)
