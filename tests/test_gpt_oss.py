@@ -16,9 +16,8 @@ import torch
 
 from maxjax.errors import UserError
 from maxjax.graphs import attention, cpu_kernels, moe, sharding
-from maxjax.models import quantize, registry
-from maxjax.models.hf import SafetensorsReader, read_config
-from paged_harness import paged_greedy
+from maxjax.models import registry
+from paged_harness import load_checkpoint, paged_greedy
 from reference import assert_logits_close, hf_greedy
 from tiny_llama import write_word_tokenizer
 
@@ -68,15 +67,6 @@ def checkpoint(tmp_path_factory):
     return model, str(path)
 
 
-def _load(path, quantizer=False):
-    hf = read_config(path)
-    arch = registry.get_architecture(hf["architectures"][0])
-    cfg = arch.config_from_hf(hf)
-    reader = SafetensorsReader(path)
-    extra = {"quantizer": quantize.Quantizer("int8", reader)} if quantizer else {}
-    return arch, cfg, arch.params_from_hf(cfg, reader, jnp.float32, **extra)
-
-
 def _prompts():
     rng = np.random.default_rng(0)
     return [list(map(int, rng.integers(3, VOCAB, n))) for n in (5, 13, 29)]
@@ -84,7 +74,7 @@ def _prompts():
 
 def test_config(checkpoint):
     _, path = checkpoint
-    _, cfg, params = _load(path)
+    _, cfg, params = load_checkpoint(path)
     assert cfg.layer_windows == (8, 0) and cfg.attention_sinks and cfg.attention_out_bias
     assert cfg.rope_scaling[:6] == ("yarn", 4.0, 8.0, 1.0, 128, False)
     assert cfg.clamped_swiglu == (1.702, 2.0) and cfg.norm_topk_prob and cfg.moe_bias
@@ -96,7 +86,7 @@ def test_config(checkpoint):
 def test_paged_graph_matches_transformers(checkpoint):
     """A 29-token prompt prefilled in chunks of 8 and 8 greedy tokens: past the window."""
     model, path = checkpoint
-    arch, cfg, params = _load(path)
+    arch, cfg, params = load_checkpoint(path)
     prompt = _prompts()[2]
     logits, tokens = paged_greedy(arch, cfg, params, [prompt], chunk=8, new_tokens=8,
                                   page_size=8)
@@ -109,7 +99,7 @@ def test_routed_block_matches_transformers(checkpoint):
     """The routed MLP of layer 1 (router bias, softmax over the top k, interleaved gate|up,
     clamped SwiGLU, expert biases) on the states transformers gives it, both grouped forms."""
     model, path = checkpoint
-    _, cfg, params = _load(path)
+    _, cfg, params = load_checkpoint(path)
     block = model.model.layers[1].mlp
     seen = {}
     handle = block.register_forward_hook(lambda m, args, out: seen.update(x=args[0], y=out[0]))
@@ -129,7 +119,7 @@ def test_routed_block_matches_transformers(checkpoint):
 
 def test_expert_parallel_with_biases_equals_one_device(checkpoint):
     _, path = checkpoint
-    _, cfg, params = _load(path)
+    _, cfg, params = load_checkpoint(path)
     ep_cfg, laid = sharding.tensor_parallel_layout(cfg, jax.tree.map(np.asarray, params), 4)
     assert ep_cfg.expert_shards == 4
     specs = sharding.tensor_parallel_rules(cfg, 4)
@@ -195,7 +185,7 @@ def test_int8_perplexity_close_to_float(checkpoint):
     step = build_step_inputs([RowSlice(tokens, 0, [1, 2, 3, 4])], 32, 1, 4, 8)
 
     def ppl(quantized):
-        _, cfg, params = _load(path, quantizer=quantized)
+        _, cfg, params = load_checkpoint(path, int8=quantized)
 
         @jax.jit
         def nll(params, step):
@@ -221,7 +211,7 @@ def test_mxfp4_is_refused_in_one_line(checkpoint, tmp_path):
         load_model(str(tmp_path / "mxfp4"), "float32", progress=False)
     assert "\n" not in str(e.value) and str(tmp_path / "mxfp4") in str(e.value)
     # the expert blocks without the config's word: refused by their tensor name
-    arch, cfg, _ = _load(path)
+    arch, cfg, _ = load_checkpoint(path)
     get = lambda name: None                                            # noqa: E731
     get.names = lambda: ["model.layers.0.mlp.experts.gate_up_proj_blocks"]
     with pytest.raises(UserError, match="gate_up_proj_blocks: MXFP4 weights are not supported"):
@@ -232,7 +222,7 @@ def test_gguf_and_lora_are_refused(checkpoint):
     from maxjax.engine.config import EngineConfig
     from maxjax.engine.plan import check_model_flags
     _, path = checkpoint
-    _, cfg, _ = _load(path)
+    _, cfg, _ = load_checkpoint(path)
     with pytest.raises(UserError, match="unsupported GGUF architecture 'gpt-oss'"):
         registry.for_gguf_arch("gpt-oss")
     with pytest.raises(UserError, match="--enable-lora: GptOssForCausalLM routes its MLPs"):
