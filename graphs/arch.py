@@ -7,6 +7,7 @@ of its family hold differently (read by maxjax/models/gguf.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -70,7 +71,25 @@ def scaling_tuple(s: dict | None) -> tuple | None:
     if kind == "llama3":
         return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
                 float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
-    raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+    if kind == "yarn":
+        return ("yarn", float(s["factor"]), float(s.get("beta_fast") or 32),
+                float(s.get("beta_slow") or 1), int(s["original_max_position_embeddings"]),
+                bool(s.get("truncate", True)), yarn_attention_factor(s))
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
+
+
+def yarn_attention_factor(s: dict) -> float:
+    """YaRN's scale of cos and sin: `attention_factor`, else from the factor (and DeepSeek's
+    mscale / mscale_all_dim), as transformers' _compute_yarn_parameters infers it."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(s["mscale"]) / mscale(s["mscale_all_dim"])
+    return mscale()
 
 
 def eos_ids(hf: dict) -> tuple[int, ...]:

@@ -34,7 +34,9 @@ class AttentionBackend:
     name: str
     metadata_specs: Callable[[int, int], Any]                 # (T, R) -> ShapeDtypeStructs
     build_metadata: Callable[[Sequence, int, int], Any]       # (rows, T, R) -> numpy pytree
-    attend: Callable    # (q, k_pool, v_pool, layer, step, window, scale, softcap) -> [T, H, hd]
+    # (q, k_pool, v_pool, layer, step, window, scale, softcap[, sinks]) -> [T, H, hd]; sinks
+    # only to a backend that `takes_sinks`
+    attend: Callable
     write_kv: Callable | None = None    # (pool, layer, slots, new, page) -> pool; None: XLA scatter
     zero_pool: Callable | None = None   # (k, v ShapeDtypeStructs) -> zero pools; None: jnp.zeros
     # its facts, read by `choose_backend`:
@@ -46,10 +48,11 @@ class AttentionBackend:
     # why it cannot run a model of this head size here (None: it can): the next backend runs it
     check_head_dim: Callable[[int], str | None] = lambda head_dim: None
     custom_calls: tuple[str, ...] = ()  # the custom-call targets its graphs may hold
+    takes_sinks: bool = False   # runs attention sinks (a per-head logit in the denominator)
 
-    def fits(self, platform: str, kernels: bool) -> bool:
+    def fits(self, platform: str, kernels: bool, sinks: bool = False) -> bool:
         return (not self.platforms or platform in self.platforms) and \
-            (kernels or not self.needs_cpu_kernels)
+            (kernels or not self.needs_cpu_kernels) and (self.takes_sinks or not sinks)
 
 
 @jax.tree_util.register_dataclass
@@ -110,7 +113,7 @@ def build_blocks(rows: Sequence, num_tokens: int, nb: int, b: int, cls=QueryBloc
 
 
 def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: float,
-                          softcap=None):
+                          softcap=None, sinks=None):
     """Causal attention of each token over its request's KV pages, one page at a time.
 
     q [T, H, hd]; pools [L, N, KV, page, hd], already holding this step's keys. Queries are
@@ -119,7 +122,9 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
     with no transposes of K or V. Blocks are visited in chunks of a few (`_CHUNK_QUERIES`): each
     chunk loops only over the pages its own queries can see (from the first page inside `window`,
     the layer's sliding window, 0: none), and chunks holding only padding are skipped. An online
-    softmax over pages keeps memory at O(T x page).
+    softmax over pages keeps memory at O(T x page). `sinks` [H] (gpt-oss, transformers'
+    eager_attention_forward): a logit per head that joins the softmax's denominator with no
+    value, as the online softmax's starting max (and its term 1 in the sum).
     """
     meta: QueryBlocks = step.attn
     T, H, hd = q.shape
@@ -139,6 +144,11 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
     last = chunk_pos.max(-1)
     first = jnp.where(chunk_pos >= 0, chunk_pos, jnp.iinfo(jnp.int32).max).min(-1)
     offsets = jnp.arange(page_size, dtype=jnp.int32)
+    if sinks is None:
+        m0, l0 = jnp.full((C, KV, M), NEG_INF, jnp.float32), jnp.zeros((C, KV, M), jnp.float32)
+    else:     # M runs over (B, G): each query's head is its KV head's g-th
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(KV, 1, G), (C, KV, B, G))
+        m0, l0 = m0.reshape(C, KV, M), jnp.ones((C, KV, M), jnp.float32)
 
     def chunk(c, out):
         qc = jax.lax.dynamic_slice_in_dim(qb, c * C, C)
@@ -166,8 +176,7 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
             acc = acc * corr[..., None] + jnp.einsum("nkmp,nkpd->nkmd", p, v)
             return m_new, l, acc
 
-        init = (jnp.full((C, KV, M), NEG_INF, jnp.float32), jnp.zeros((C, KV, M), jnp.float32),
-                jnp.zeros((C, KV, M, hd), jnp.float32))
+        init = (m0, l0, jnp.zeros((C, KV, M, hd), jnp.float32))
         start = jnp.maximum(first[c] - window + 1, 0) // page_size if window else 0
         stop = jnp.minimum(last[c] // page_size + 1, pages.shape[1])
         _, l, acc = jax.lax.fori_loop(start, stop, body, init)
@@ -184,7 +193,7 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
 
 
 QUERY_BLOCKS = AttentionBackend("query_blocks", query_block_specs, build_query_blocks,
-                                query_block_attention)
+                                query_block_attention, takes_sinks=True)
 
 # Every backend: name -> "module:attribute" of its AttentionBackend, imported when first asked
 # for (the Pallas one pulls in jax.experimental.pallas).
@@ -204,9 +213,10 @@ def backend_named(name: str) -> AttentionBackend:
     return BACKENDS[name]
 
 
-def _fitting(platform: str, kernels: bool) -> list[AttentionBackend]:
-    """The backends that fit `platform` (and the CPU kernels, where `kernels`), best first."""
-    fit = [b for b in map(backend_named, REGISTRY) if b.fits(platform, kernels)]
+def _fitting(platform: str, kernels: bool, sinks: bool = False) -> list[AttentionBackend]:
+    """The backends that fit `platform` (and the CPU kernels, where `kernels`; attention sinks,
+    where `sinks`), best first."""
+    fit = [b for b in map(backend_named, REGISTRY) if b.fits(platform, kernels, sinks)]
     return sorted(fit, key=lambda b: -b.priority)
 
 
@@ -216,11 +226,12 @@ def backend_for(platform: str | None = None) -> AttentionBackend:
 
 
 def choose_backend(platform: str, head_dim: int, page_size: int,
-                   kernels: bool = False) -> AttentionBackend:
+                   kernels: bool = False, sinks: bool = False) -> AttentionBackend:
     """The backend for a model of `head_dim` on `platform` with KV pages of `page_size`:
-    the best that fits and runs the head size. `kernels`: --use-experimental-kernels. A
-    ValueError (the reason) for a page size the platform's best backend refuses."""
-    for backend in _fitting(platform, kernels):
+    the best that fits and runs the head size. `kernels`: --use-experimental-kernels; `sinks`:
+    the model has attention sinks. A ValueError (the reason) for a page size the platform's
+    best backend refuses."""
+    for backend in _fitting(platform, kernels, sinks):
         why = backend.check_page_size(page_size)
         if why:
             raise ValueError(why)
@@ -242,7 +253,13 @@ def write_kv(pool, layer: int, step, new, page_size: int):
     return write(pool, layer, step.slot_mapping, new, page_size)
 
 
-def attend(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None):
-    """q [T, H, hd] attends over its rows' pages with the backend whose metadata the step holds."""
+def attend(q, k_pool, v_pool, layer: int, step, window: int, scale: float, softcap=None,
+           sinks=None):
+    """q [T, H, hd] attends over its rows' pages with the backend whose metadata the step holds;
+    `sinks` [H]: attention sinks (a backend that `takes_sinks`: `choose_backend`)."""
     backend = backend_named(step.attn.backend)
-    return backend.attend(q, k_pool, v_pool, layer, step, window, scale, softcap)
+    if sinks is None:
+        return backend.attend(q, k_pool, v_pool, layer, step, window, scale, softcap)
+    if not backend.takes_sinks:
+        raise ValueError(f"attention backend {backend.name} cannot run attention sinks")
+    return backend.attend(q, k_pool, v_pool, layer, step, window, scale, softcap, sinks)

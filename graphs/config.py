@@ -28,7 +28,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings),
-    # ("linear", factor) or None.
+    # ("linear", factor), ("yarn", factor, beta_fast, beta_slow, original_max_position_embeddings,
+    # truncate, attention_factor) or None (graphs/arch.py `scaling_tuple`).
     rope_scaling: tuple | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -75,6 +76,13 @@ class ModelConfig:
     # Expert parallelism (graphs/sharding.py `tensor_parallel_layout`): the expert stacks split
     # over this many devices of the mesh axis, each running the pairs routed to its experts.
     expert_shards: int = field(default=1, metadata=_OMIT_DEFAULT)
+    # gpt-oss: a learned per-head logit joining each softmax's denominator (`sinks` [heads]); a
+    # bias on the output projection; biases on the router and the experts' projections; the
+    # experts' clamped SwiGLU as (alpha, limit) (graphs/layers.py `glu`), None: act(gate) * up.
+    attention_sinks: bool = field(default=False, metadata=_OMIT_DEFAULT)
+    attention_out_bias: bool = field(default=False, metadata=_OMIT_DEFAULT)
+    moe_bias: bool = field(default=False, metadata=_OMIT_DEFAULT)
+    clamped_swiglu: tuple[float, float] | None = field(default=None, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:
@@ -101,4 +109,4 @@ class ModelConfig:
 
 
 MOE_FIELDS = ("moe_layers", "num_experts", "experts_per_token", "expert_intermediate_size",
-              "norm_topk_prob", "expert_shards")
+              "norm_topk_prob", "expert_shards", "moe_bias", "clamped_swiglu")

@@ -42,6 +42,10 @@ def param_specs(cfg: ModelConfig) -> dict:
            "w_down": ArraySpec((F, D), ("mlp", "embed"))}
     if cfg.attention_bias:
         lay["bqkv"] = ArraySpec((qkv,), ("qkv",))
+    if cfg.attention_out_bias:
+        lay["bo"] = ArraySpec((D,), ("embed",))
+    if cfg.attention_sinks:
+        lay["sinks"] = ArraySpec((cfg.num_heads,), ("heads",))
     if cfg.qk_norm and cfg.qk_norm_full:
         lay["q_norm"] = ArraySpec((cfg.q_size,), ("q_heads",))
         lay["k_norm"] = ArraySpec((cfg.kv_size,), ("kv_heads",))
@@ -118,8 +122,10 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
         v_pool = attention.write_kv(v_pool, layer, step, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale,
-                                cfg.attn_logit_softcap)
+                                cfg.attn_logit_softcap, p.get("sinks"))
         out = L.linear(attn.reshape(T, cfg.q_size), p["wo"], live=live)
+        if "bo" in p:
+            out = out + p["bo"]
         if "post_attn_norm" in p:
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
         h = _residual(cfg, h, out)
@@ -157,7 +163,8 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     inv_g = L.rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling)
     local_theta = cfg.rope_local_theta or cfg.rope_theta
     inv_l = L.rope_inv_freq(rot_dim, local_theta, None)
-    rope = (L.rope_cos_sin(step.positions, inv_g), L.rope_cos_sin(step.positions, inv_l))
+    rope = (L.rope_cos_sin(step.positions, inv_g, L.rope_attention_factor(cfg.rope_scaling)),
+            L.rope_cos_sin(step.positions, inv_l))
     adapters = params.get("lora")     # present when the engine serves LoRA (graphs/lora.py)
     if adapters:
         onehot = lora.slot_onehot(step.lora_slot, adapters[0]["wo"]["a"].shape[1], h.dtype)
@@ -189,7 +196,7 @@ def hf_layer_names(post_norms: bool) -> dict:
         "wqkv": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
         "bqkv": [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
         "q_norm": [a + "q_norm.weight"], "k_norm": [a + "k_norm.weight"],
-        "wo": [a + "o_proj.weight"],
+        "wo": [a + "o_proj.weight"], "bo": [a + "o_proj.bias"], "sinks": [a + "sinks"],
         "w_gate_up": [m + "gate_proj.weight", m + "up_proj.weight"],
         "w_down": [m + "down_proj.weight"],
         "attn_norm": ["model.layers.{i}.input_layernorm.weight"],
@@ -223,9 +230,10 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
     for i, layer_shapes in enumerate(shapes["layers"]):
         layer = {}
         for key, shape in layer_shapes.items():
-            if len(shape) == 3:     # stacked experts [E, in, out]
+            if key in moe.EXPERT_KEYS:     # stacked experts [E, in, out], their biases [E, out]
                 layer[key] = moe.stacked_experts(
-                    get, [n.format(i=i, j="{j}") for n in names[key]], shape[0], put, quantizer)
+                    get, [n.format(i=i, j="{j}") for n in names[key]], shape[0], put,
+                    quantizer if len(shape) == 3 else None)
                 continue
             if quantizer and len(shape) == 2 and key not in moe.FLOAT_MATRICES:
                 layer[key] = quantizer.matrix([n.format(i=i) for n in names[key]])

@@ -69,11 +69,23 @@ def activation(name: str):
     raise ValueError(f"unsupported activation {name!r} (supported: silu, gelu, gelu_pytorch_tanh)")
 
 
+def glu(gate, up, act: str, clamped: tuple[float, float] | None = None):
+    """act(gate) * up; with `clamped` (alpha, limit) gpt-oss's SwiGLU instead (transformers'
+    GptOssExperts._apply_gate): gate clamped above at limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if clamped is None:
+        return activation(act)(gate) * up
+    alpha, limit = clamped
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
 def gated_mlp(x, w_gate_up, w_down, act: str, shards: int = 1, live=None):
     gate_up = linear(x, w_gate_up, live=live)
     F = gate_up.shape[-1] // 2
     gate, up = split_fused(gate_up, (F, F), shards)
-    return linear(activation(act)(gate) * up, w_down, live=live)
+    return linear(glu(gate, up, act), w_down, live=live)
 
 
 def split_fused(x, sizes, shards: int = 1):
@@ -112,13 +124,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None):
         out = jnp.where(wavelen > low_wavelen, inv / factor, inv)
         mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return jnp.where(mid, smoothed, out)
-    raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, head_dim, theta, *scaling[1:6])
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
 
 
-def rope_cos_sin(positions, inv_freq):
+def _yarn_inv_freq(inv, dim: int, theta: float, factor: float, beta_fast: float,
+                   beta_slow: float, orig: int, truncate: bool):
+    """YaRN (transformers' _compute_yarn_parameters): interpolated (inv / factor) below the
+    dimensions that turn `beta_fast` times over `orig` positions, kept above those that turn
+    `beta_slow` times, a linear ramp between."""
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(scaling: tuple | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+    return scaling[6] if scaling is not None and scaling[0] == "yarn" else 1.0
+
+
+def rope_cos_sin(positions, inv_freq, attention_factor: float = 1.0):
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if attention_factor == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * attention_factor, jnp.sin(emb) * attention_factor
 
 
 def apply_rope(x, cos, sin):

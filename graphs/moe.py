@@ -5,11 +5,16 @@ parameters replace the dense w_gate_up / w_down:
   router           [D, E]       float always (a quantized router could flip a top-k choice)
   experts_gate_up  [E, D, 2F]   each expert's gate|up, stacked at load time from per-expert tensors
   experts_down     [E, F, D]
-with the logical axis "experts" first, so a mesh axis can shard experts (graphs/sharding.py).
+and where `cfg.moe_bias` (gpt-oss) their biases router_bias [E], experts_gate_up_bias [E, 2F],
+experts_down_bias [E, D]; with the logical axis "experts" first, so a mesh axis can shard experts
+(graphs/sharding.py). The experts' gate|up is act(gate) * up, or gpt-oss's clamped SwiGLU
+(`cfg.clamped_swiglu`, graphs/layers.py `glu`).
 
 Routing (transformers' Qwen3MoeTopKRouter / MixtralTopKRouter): softmax over the router logits
-in float32, the top k, renormalised over the k when `norm_topk_prob` (Mixtral always). Every
-routed (token, expert) pair is computed; nothing is dropped for capacity.
+in float32, the top k, renormalised over the k when `norm_topk_prob` (Mixtral always). gpt-oss's
+GptOssTopKRouter (a softmax over the top k logits) is that renormalised form: exp(l_i) over the
+k's sum of exp(l_j) either way. Every routed (token, expert) pair is computed; nothing is
+dropped for capacity.
 
 Grouped compute: the T*k pairs are sorted by expert, each expert's run padded to a multiple of a
 block of B rows, and a loop with a traced trip count runs the used blocks only, each through its
@@ -27,6 +32,8 @@ and one psum adds the partial outputs.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,8 +42,11 @@ from maxjax.graphs import layers as L
 from maxjax.graphs import quant
 from maxjax.graphs.sharding import ArraySpec
 
-# Never quantized (maxjax/models/quantize.py asks).
-FLOAT_MATRICES = ("router",)
+# 2-D parameters never quantized (maxjax/models/quantize.py asks).
+FLOAT_MATRICES = ("router", "experts_gate_up_bias", "experts_down_bias")
+# A routed layer's stacked expert parameters (the ones split over the mesh under parallelism).
+EXPERT_KEYS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
+ROUTER_KEYS = ("router", "router_bias")
 MAX_BLOCK = 64
 
 
@@ -51,14 +61,20 @@ def layer_specs(cfg, dense: dict) -> dict:
     lay["router"] = ArraySpec((D, E), ("embed", "router"))
     lay["experts_gate_up"] = ArraySpec((E, D, 2 * F), ("experts", "embed", "expert_gate_up"))
     lay["experts_down"] = ArraySpec((E, F, D), ("experts", "expert_mlp", "embed"))
+    if cfg.moe_bias:
+        lay["router_bias"] = ArraySpec((E,), ("router",))
+        lay["experts_gate_up_bias"] = ArraySpec((E, 2 * F), ("experts", "expert_gate_up"))
+        lay["experts_down_bias"] = ArraySpec((E, D), ("experts", "embed"))
     return lay
 
 
 # --- routing -----------------------------------------------------------------------------------
 
-def route(x, router, k: int, norm_topk_prob: bool):
+def route(x, router, k: int, norm_topk_prob: bool, bias=None):
     """(weights float32 [T, k], expert ids int32 [T, k]) of each token's top k experts."""
     logits = jnp.matmul(x, router.astype(x.dtype), preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, k)
     if norm_topk_prob:
@@ -90,9 +106,22 @@ def expert(w, e):
     return w[e]
 
 
-def grouped_blocks(xs, sorted_e, group_sizes, w_gate_up, w_down, act: str):
+def expert_mlp(x, experts: dict, e, glu):
+    """x [B, D] through expert e's gated MLP (`experts`: the layer's EXPERT_KEYS it has)."""
+    gate_up = L.linear(x, expert(experts["experts_gate_up"], e))
+    if "experts_gate_up_bias" in experts:
+        gate_up = gate_up + experts["experts_gate_up_bias"][e]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    out = L.linear(glu(gate, up), expert(experts["experts_down"], e))
+    if "experts_down_bias" in experts:
+        out = out + experts["experts_down_bias"][e]
+    return out
+
+
+def grouped_blocks(xs, sorted_e, group_sizes, experts: dict, glu):
     """Each row of xs [N, D] (sorted by expert `sorted_e`, rows past sum(group_sizes) unused)
-    through its expert's gated MLP, as blocks of rows of one expert each; -> [N, D]."""
+    through its expert's gated MLP (`glu`: (gate, up) -> hidden), as blocks of rows of one
+    expert each; -> [N, D]."""
     N, D = xs.shape
     E = group_sizes.shape[0]
     B = block_rows(N, E)
@@ -111,18 +140,24 @@ def grouped_blocks(xs, sorted_e, group_sizes, w_gate_up, w_down, act: str):
     def body(b, yp):
         ex = block_expert[b]
         xb = jax.lax.dynamic_slice_in_dim(xp, b * B, B)
-        out = L.gated_mlp(xb, expert(w_gate_up, ex), expert(w_down, ex), act)
+        out = expert_mlp(xb, experts, ex, glu)
         return jax.lax.dynamic_update_slice_in_dim(yp, out.astype(yp.dtype), b * B, 0)
 
     yp = jax.lax.fori_loop(0, used, body, jnp.zeros_like(xp))
     return jnp.where(real[:, None], yp[jnp.minimum(dest, blocks * B - 1)], 0)
 
 
-def grouped_ragged(xs, sorted_e, group_sizes, w_gate_up, w_down, act: str):
+def grouped_ragged(xs, sorted_e, group_sizes, experts: dict, glu):
     """`grouped_blocks` through jax.lax.ragged_dot (float weights): rows past the groups are 0."""
-    gate_up = jax.lax.ragged_dot(xs, w_gate_up, group_sizes)
+    e = jnp.minimum(sorted_e, group_sizes.shape[0] - 1)
+    gate_up = jax.lax.ragged_dot(xs, experts["experts_gate_up"], group_sizes)
+    if "experts_gate_up_bias" in experts:
+        gate_up = gate_up + experts["experts_gate_up_bias"][e]
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.lax.ragged_dot(L.activation(act)(gate) * up, w_down, group_sizes)
+    out = jax.lax.ragged_dot(glu(gate, up), experts["experts_down"], group_sizes)
+    if "experts_down_bias" in experts:
+        out = out + experts["experts_down_bias"][e]
+    return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(group_sizes))[:, None], out, 0)
 
 
 def moe_mlp(cfg, x, p, live=None, grouped=None):
@@ -132,39 +167,41 @@ def moe_mlp(cfg, x, p, live=None, grouped=None):
     the grouped compute (None: `grouped_blocks`)."""
     grouped = grouped or grouped_blocks
     live = jnp.int32(x.shape[0]) if live is None else live
+    router = {k: p[k] for k in ROUTER_KEYS if k in p}
+    experts = {k: p[k] for k in EXPERT_KEYS if k in p}
     if cfg.expert_shards == 1:
-        return _routed(cfg, x, p["router"], p["experts_gate_up"], p["experts_down"], live,
-                       grouped)
+        return _routed(cfg, x, router, experts, live, grouped)
     from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
     from maxjax.graphs.sharding import MODEL_AXIS
     n = cfg.expert_shards
     local = cfg.num_experts // n
 
-    def shard(x, router, w_gate_up, w_down, live):
+    def shard(x, router, experts, live):
         first = jax.lax.axis_index(MODEL_AXIS) * local
-        y = _routed(cfg, x, router, w_gate_up, w_down, live, grouped, first)
+        y = _routed(cfg, x, router, experts, live, grouped, first)
         return jax.lax.psum(y, MODEL_AXIS)
 
     mesh = AbstractMesh((n,), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
-    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(MODEL_AXIS), P(MODEL_AXIS), P()),
-                         out_specs=P(), check_vma=False)(
-        x, p["router"], p["experts_gate_up"], p["experts_down"], live)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(MODEL_AXIS), P()),
+                         out_specs=P(), check_vma=False)(x, router, experts, live)
 
 
-def _routed(cfg, x, router, w_gate_up, w_down, live, grouped, first=0):
-    """The routed MLP over the experts [first, first + len(w_gate_up)) of the router's E: pairs
+def _routed(cfg, x, router: dict, experts: dict, live, grouped, first=0):
+    """The routed MLP over the experts [first, first + len(experts)) of the router's E: pairs
     routed elsewhere (and padding slots, from `live` on) sort last, outside every group."""
     T, D = x.shape
     k = cfg.experts_per_token
+    w_gate_up = experts["experts_gate_up"]
     E = (w_gate_up.q if isinstance(w_gate_up, quant.QuantizedWeight) else w_gate_up).shape[0]
-    weights, experts = route(x, router, k, cfg.norm_topk_prob)
-    experts = experts - first
-    mine = (experts >= 0) & (experts < E) & (jnp.arange(T)[:, None] < live)
-    flat = jnp.where(mine, experts, E).reshape(-1)
+    weights, chosen = route(x, router["router"], k, cfg.norm_topk_prob, router.get("router_bias"))
+    chosen = chosen - first
+    mine = (chosen >= 0) & (chosen < E) & (jnp.arange(T)[:, None] < live)
+    flat = jnp.where(mine, chosen, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
     group_sizes = jnp.sum(flat[:, None] == jnp.arange(E), axis=0, dtype=jnp.int32)
-    ys = grouped(x[order // k], sorted_e, group_sizes, w_gate_up, w_down, cfg.hidden_act)
+    glu = functools.partial(L.glu, act=cfg.hidden_act, clamped=cfg.clamped_swiglu)
+    ys = grouped(x[order // k], sorted_e, group_sizes, experts, glu)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, D)
     return jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
 
@@ -172,19 +209,24 @@ def _routed(cfg, x, router, w_gate_up, w_down, live, grouped, first=0):
 # --- checkpoint conversion -------------------------------------------------------------------
 
 def stacked_experts(get, names: list[str], num_experts: int, put, quantizer=None):
-    """[E, in, out] from per-expert HF weights: `names` (with {j} for the expert) fused on their
-    output axis per expert, as the dense w_gate_up is. `quantizer`: int8 per expert and output
-    channel (a QuantizedWeight with q [E, in, out], scale [E, out])."""
-    per_expert = [np.concatenate([np.asarray(get(n.format(j=j)), np.float32) for n in names])
-                  for j in range(num_experts)]          # each [out, in]
+    """A stacked expert weight [E, in, out] (or bias [E, out]) from HF tensors `names`, fused on
+    their output axis per expert as the dense w_gate_up is: per-expert tensors (names with {j}
+    for the expert; weights [out, in]) or whole stacks already [E, in, out] (gpt-oss).
+    `quantizer`: int8 per expert and output channel (a QuantizedWeight with q [E, in, out],
+    scale [E, out])."""
+    if "{j}" in names[0]:
+        stack = np.stack([np.concatenate([np.asarray(get(n.format(j=j)), np.float32)
+                                          for n in names]).T for j in range(num_experts)])
+    else:
+        stack = np.concatenate([np.asarray(get(n), np.float32) for n in names], axis=-1)
     if quantizer is None:
-        return put(np.stack([w.T for w in per_expert]))
+        return put(stack)
     if quantizer.encoding != "int8":
         from maxjax.errors import UserError
         raise UserError(f"--quantization-encoding {quantizer.encoding}: expert weights of a "
                         "mixture-of-experts model quantize to int8 only; supported: float32, "
                         "bfloat16, float16, int8")
     from maxjax.models.quantize import int8_rows
-    qs, scales = zip(*(int8_rows(w) for w in per_expert))
+    qs, scales = zip(*(int8_rows(w.T) for w in stack))
     return quant.QuantizedWeight(jax.device_put(np.ascontiguousarray(np.stack([q.T for q in qs]))),
                                  jax.device_put(np.stack(scales)))

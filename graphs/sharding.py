@@ -16,6 +16,7 @@ Logical axes of the decoder (graphs/decoder.py declares which array has which):
   gate_up   the fused gate|up output axis of w_gate_up
   mlp       the intermediate size F (w_down's input)
   head_dim  the per-head axis of the q/k norms
+  heads     one entry per query head (gpt-oss's attention sinks; replicated: H numbers)
   layers, pages, page   the KV pool's layer, page and in-page token axes (head_dim as above)
   router    a routed layer's router output (one logit per expert; graphs/moe.py)
   experts   the expert axis of stacked expert weights; expert_gate_up / expert_mlp: their
@@ -44,7 +45,7 @@ Rules = Mapping[str, str | None]   # logical axis -> mesh axis name, None: repli
 
 TENSOR_PARALLEL: Rules = {
     "embed": None, "vocab": MODEL_AXIS, "q_heads": MODEL_AXIS, "kv_heads": MODEL_AXIS,
-    "qkv": MODEL_AXIS, "gate_up": MODEL_AXIS, "mlp": MODEL_AXIS, "head_dim": None,
+    "qkv": MODEL_AXIS, "gate_up": MODEL_AXIS, "mlp": MODEL_AXIS, "head_dim": None, "heads": None,
     "layers": None, "pages": None, "page": None, "lora_slots": None, "lora_rank": None,
     "router": None, "experts": None, "expert_gate_up": None, "expert_mlp": None,
 }

@@ -11,6 +11,21 @@ from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.step import RowSlice, build_step_inputs
 
 
+def load_checkpoint(path, int8: bool = False):
+    """(architecture, config, params) of an HF checkpoint directory, float32 or int8 (as
+    --quantization-encoding int8 converts it)."""
+    import jax.numpy as jnp
+
+    from maxjax.models import quantize, registry
+    from maxjax.models.hf import SafetensorsReader, read_config
+    hf = read_config(path)
+    arch = registry.get_architecture(hf["architectures"][0])
+    cfg = arch.config_from_hf(hf)
+    reader = SafetensorsReader(path)
+    extra = {"quantizer": quantize.Quantizer("int8", reader)} if int8 else {}
+    return arch, cfg, arch.params_from_hf(cfg, reader, jnp.float32, **extra)
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -15,9 +15,9 @@ import torch
 from maxjax.graphs import moe, quant, sharding
 from maxjax.graphs.config import MOE_FIELDS
 from maxjax.models import quantize, registry
-from maxjax.models.hf import SafetensorsReader, read_config
-from paged_harness import paged_greedy
+from paged_harness import load_checkpoint, paged_greedy
 from reference import assert_logits_close, hf_greedy
+from tiny_llama import write_word_tokenizer
 
 VOCAB, NEW_TOKENS = 512, 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -62,15 +62,6 @@ def checkpoint(request, tmp_path_factory):
     return model, str(path)
 
 
-def _load(path, quantizer=None):
-    hf = read_config(path)
-    arch = registry.get_architecture(hf["architectures"][0])
-    cfg = arch.config_from_hf(hf)
-    reader = SafetensorsReader(path)
-    extra = {"quantizer": quantize.Quantizer("int8", reader)} if quantizer else {}
-    return arch, cfg, arch.params_from_hf(cfg, reader, jnp.float32, **extra)
-
-
 def _prompts():
     rng = np.random.default_rng(0)
     return [list(map(int, rng.integers(0, VOCAB, n))) for n in (5, 40, 90)]
@@ -90,7 +81,7 @@ def _one_step(arch, cfg, params):
 
 def test_paged_graph_matches_transformers(checkpoint):
     model, path = checkpoint
-    arch, cfg, params = _load(path)
+    arch, cfg, params = load_checkpoint(path)
     prompts = _prompts()
     logits, tokens = paged_greedy(arch, cfg, params, prompts, chunk=24, new_tokens=NEW_TOKENS,
                                   page_size=16)
@@ -102,7 +93,7 @@ def test_paged_graph_matches_transformers(checkpoint):
 
 def test_configs_and_param_layout(checkpoint):
     model, path = checkpoint
-    arch, cfg, params = _load(path)
+    arch, cfg, params = load_checkpoint(path)
     if cfg.architecture == "Qwen3MoeForCausalLM":
         assert cfg.moe_layers == (False, True) and cfg.qk_norm and cfg.norm_topk_prob
         assert (cfg.num_experts, cfg.expert_intermediate_size) == (8, 32)
@@ -145,7 +136,7 @@ def _moe_block_and_input(model, cfg):
 
 def test_routed_counts_match_transformers_router(checkpoint):
     model, path = checkpoint
-    arch, cfg, params = _load(path)
+    arch, cfg, params = load_checkpoint(path)
     block, x, y = _moe_block_and_input(model, cfg)
     with torch.no_grad():
         _, hf_weights, hf_idx = block.gate(x)
@@ -166,7 +157,7 @@ def test_routed_counts_match_transformers_router(checkpoint):
 
 def test_padding_slots_route_nowhere_and_do_not_move_real_rows(checkpoint):
     model, path = checkpoint
-    arch, cfg, params = _load(path)
+    arch, cfg, params = load_checkpoint(path)
     _, x, _ = _moe_block_and_input(model, cfg)
     x = jnp.asarray(x.numpy())[:24]
     padded = jnp.concatenate([x, 100.0 * jnp.ones((8, x.shape[1]), x.dtype)])
@@ -183,7 +174,7 @@ def test_padding_slots_route_nowhere_and_do_not_move_real_rows(checkpoint):
 @pytest.mark.parametrize("rows", [1, 3, 32, 200])
 def test_grouped_blocks_equal_ragged_dot_and_a_per_token_loop(checkpoint, rows):
     _, path = checkpoint
-    arch, cfg, params = _load(path)
+    arch, cfg, params = load_checkpoint(path)
     p = params["layers"][1]
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)),
                     jnp.float32)
@@ -207,8 +198,8 @@ def test_int8_experts_stay_close_to_float(checkpoint):
     the float logits' scale (two-digit activations and int8 weights give ~0.5% on dense
     models, tests/test_quant.py)."""
     _, path = checkpoint
-    arch, cfg, params = _load(path)
-    _, _, qparams = _load(path, quantizer=True)
+    arch, cfg, params = load_checkpoint(path)
+    _, _, qparams = load_checkpoint(path, int8=True)
     layer = qparams["layers"][1]
     assert isinstance(layer["experts_gate_up"], quant.QuantizedWeight)
     assert layer["experts_gate_up"].q.dtype == jnp.int8
@@ -228,7 +219,7 @@ def test_expert_parallel_on_four_devices_equals_one(checkpoint, quantized):
     each device holds E/4 experts, runs the pairs routed to them, and the step's logits equal
     one device's (summation order aside)."""
     _, path = checkpoint
-    arch, cfg, params = _load(path, quantizer=quantized)
+    arch, cfg, params = load_checkpoint(path, int8=quantized)
     n = 4
     rules = sharding.tensor_parallel_rules(cfg, n)
     assert rules["experts"] == sharding.MODEL_AXIS
@@ -243,17 +234,6 @@ def test_expert_parallel_on_four_devices_equals_one(checkpoint, quantized):
                                rtol=1e-4, atol=1e-4)
 
 
-def _write_tokenizer(path):
-    """A word-level tokenizer over the tiny vocabulary (the engine needs one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-
-
 def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     """Through the loader and the engine (scheduler, buckets, sampling): the same greedy tokens
     on one device and with the experts split over four (--devices cpu:4); int8 serves."""
@@ -263,7 +243,7 @@ def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     _, path = checkpoint
     if "mixtral" in path:
         pytest.skip("one family through the engine; the graph-level tests cover both")
-    _write_tokenizer(path)
+    write_word_tokenizer(path, VOCAB)     # the engine needs a tokenizer
     model = load_model(path, "float32", progress=False)
     engine = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
                   kv_cache_page_size=8)
@@ -287,7 +267,7 @@ def test_lora_on_moe_is_refused(checkpoint):
     from maxjax.engine.plan import check_model_flags
     from maxjax.errors import UserError
     _, path = checkpoint
-    _, cfg, _ = _load(path)
+    _, cfg, _ = load_checkpoint(path)
     with pytest.raises(UserError, match="--enable-lora: .* routes its MLPs over experts"):
         check_model_flags(EngineConfig(enable_lora=True), cfg)
 

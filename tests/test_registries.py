@@ -17,7 +17,8 @@ from maxjax.models import registry
 
 BUILTINS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
             "Gemma3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-            "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+            "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+            "GptOssForCausalLM"}
 
 
 # --- architectures ----------------------------------------------------------------------------

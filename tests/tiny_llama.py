@@ -14,8 +14,6 @@ def write_tiny_llama(path, rms_norm_eps=1e-5, tokenizer=None, vocab_size=512,
     tokenizer; or `tokenizer`, a transformers tokenizer of `vocab_size` ids, e.g. another
     model's)."""
     from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     os.makedirs(path, exist_ok=True)
     V, H, I, L, NH, KV, D = vocab_size, 64, 128, 2, 4, num_kv_heads, 16
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
@@ -39,13 +37,20 @@ def write_tiny_llama(path, rms_norm_eps=1e-5, tokenizer=None, vocab_size=512,
     save_file(t, os.path.join(path, "model.safetensors"))
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
-        return str(path)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
+    else:
+        write_word_tokenizer(path, V)
+    return str(path)
+
+
+def write_word_tokenizer(path, vocab_size: int) -> None:
+    """A word-level tokenizer over ids 0..vocab_size-1 (<unk> <s> </s> w3 w4 ...) into `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(path)
-    return str(path)
 
 
 def tiny_core(directory, **engine_options):
