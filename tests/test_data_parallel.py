@@ -122,3 +122,22 @@ def test_a_failed_replica_ends_its_requests_and_the_other_serves(server, referen
     assert not stats[broken].up and stats[1 - broken].up
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
         assert f'maxjax_replica_up{{replica="{broken}"}} 0.0' in r.read().decode()
+
+
+def test_a_second_start_loads_every_replica_from_the_compile_cache(server, tiny_path, caplog):
+    """Each replica's executables are serialized for its own devices: each keeps its own
+    compile cache entry (one replica's entry used to be refused by the next and compiled again
+    on every start)."""
+    import logging
+
+    from maxjax.engine import compile_counter
+    before = compile_counter.count()
+    with caplog.at_level(logging.WARNING, logger="maxjax.cache"):
+        engine = build_engine(ModelOptions(model_path=tiny_path),
+                              EngineConfig(devices="cpu:4", data_parallel_degree=2, **ENGINE),
+                              ServeConfig(), progress=False)
+    try:
+        assert "refused" not in caplog.text
+        assert compile_counter.count() == before
+    finally:
+        engine.shutdown()

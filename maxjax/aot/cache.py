@@ -66,10 +66,14 @@ def max_bytes(flag: str | None = None) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def entry_key(model_fp: dict, engine_fp: dict) -> str:
+def entry_key(model_fp: dict, engine_fp: dict, device_ids: list[int] = (0,)) -> str:
+    """`device_ids`: the devices the executables run on (an executable serialized for device 0
+    does not load onto device 1: each data-parallel replica keeps an entry of its own)."""
     key = {"format_version": mf.FORMAT_VERSION, "model": model_fp["fingerprint"],
            "engine": engine_fp["fingerprint"], "versions": mf.versions(),
            "code": mf.code_digest(), "device": mf.local_device()}
+    if list(device_ids) != [0]:
+        key["device_ids"] = list(device_ids)
     if group.size() > 1:    # each process of a group keeps an entry of its own executables
         key["process"] = group.executable_key()
     return mf.digest(key)
@@ -78,8 +82,10 @@ def entry_key(model_fp: dict, engine_fp: dict) -> str:
 def entry_path(model, plan, root: str | None = None) -> str:
     """Where the entry for this model, engine layout, versions and device lives (named by the
     key alone: a model's name or path shapes no graph; `maxjax cache list` shows it)."""
+    from maxjax.aot.graphs import execution_devices
     key = entry_key(mf.model_fingerprint(model),
-                    mf.engine_fingerprint(plan.layout, plan.config, model.dtype))
+                    mf.engine_fingerprint(plan.layout, plan.config, model.dtype),
+                    [d.id for d in execution_devices(plan.layout)])
     return os.path.join(root or directory(), key[:32])
 
 

@@ -284,27 +284,44 @@ def _load_graphs(manifests, model, layout, local, require_compiled,
                             f"({local['platform']} {local['device_kind']}, "
                             f"{local['platform_version']}) for graph {name}: {built}, and "
                             "--require-compiled-artifacts is set; run warm-cache on this machine")
-        exp = jax.export.deserialize(bytearray(_read_verified(m, name, g["files"]["export"])))
-        if local["platform"] not in exp.platforms:
-            raise UserError(f"{m.path}: graph {name} was exported for {', '.join(exp.platforms)}, "
-                            f"not {local['platform']}")
-        sig = g["signature"]
-        if mf.avals(exp.in_avals) != mf.flat_in(sig) or \
-                mf.avals(exp.out_avals) != sig["out"]["sample"] + sig["out"]["kv"]:
-            raise UserError(f"{m.path}: graph {name}: the export's signature differs from its "
-                            "manifest")
-        log.info("compiling exported graph %s for %s (%s)", name, local["device_kind"], built)
-        out[name] = (graphs.compile_export(exp, spec), "export",
-                     g["output_structure"])
+        out[name] = (_compile_export(m, g, spec, local, built), "export", g["output_structure"])
         counts["export"] += 1
     with pool:
         for name, (future, structure) in loads.items():
-            out[name] = (future.result(), "executable", structure)
+            try:
+                out[name] = (future.result(), "executable", structure)
+            except KeyError:    # compiled for other device ids (another replica's devices)
+                m, g = next((m, g) for m in manifests for g in m.data["graphs"]
+                            if g["name"] == name)
+                if require_compiled:
+                    raise UserError(f"{m.path}: graph {name}: its executable is for other "
+                                    f"devices than {devices}") from None
+                spec = next(s for s in specs if s.name == name)
+                out[name] = (_compile_export(m, g, spec, local, "its executable is for other "
+                                             "devices"), "export", structure)
+                counts["executable"] -= 1
+                counts["export"] += 1
     early = f", {counts['early']} deserialized while the weights loaded" if counts["early"] else ""
     log.info("Loaded %d graphs from %s in %.2f s (%d executables%s, %d compiled from exports)",
              len(out), ", ".join(m.directory for m in manifests), time.perf_counter() - t0,
              counts["executable"], early, counts["export"])
     return graphs.engine_graphs(out, model, layout)
+
+
+def _compile_export(m: mf.Manifest, g: dict, spec, local: dict, why: str):
+    """Graph `g`'s portable export, checked against its manifest and compiled here."""
+    name = g["name"]
+    exp = jax.export.deserialize(bytearray(_read_verified(m, name, g["files"]["export"])))
+    if local["platform"] not in exp.platforms:
+        raise UserError(f"{m.path}: graph {name} was exported for {', '.join(exp.platforms)}, "
+                        f"not {local['platform']}")
+    sig = g["signature"]
+    if mf.avals(exp.in_avals) != mf.flat_in(sig) or \
+            mf.avals(exp.out_avals) != sig["out"]["sample"] + sig["out"]["kv"]:
+        raise UserError(f"{m.path}: graph {name}: the export's signature differs from its "
+                        "manifest")
+    log.info("compiling exported graph %s for %s (%s)", name, local["device_kind"], why)
+    return graphs.compile_export(exp, spec)
 
 
 def device_arch() -> str | None:
