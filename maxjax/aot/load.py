@@ -30,6 +30,7 @@ from maxjax.aot.export import (KERNEL_FLAGS, LORA_FLAGS, SERVE_FLAGS, SPEC_FLAGS
                                warm_cache_command)
 from maxjax.engine.config import EngineConfig, platform_defaults
 from maxjax.errors import UserError
+from maxjax.graphs.attention import backend_named
 
 log = logging.getLogger("maxjax.aot")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -119,14 +120,14 @@ def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, Engi
 
 def pinned_kernels(dirs) -> bool:
     """Whether the first artifact directory's graphs take the CPU kernels (packed weights or
-    their attention); False where it has no readable manifest (load_for_engine says why)."""
+    their attention); False where it has no readable manifest (open_artifacts says why)."""
     d = [dirs] if isinstance(dirs, str) else list(dirs)
     try:
         data = mf.read_manifest(os.path.abspath(d[0]), "maxjax warm-cache").data
-    except UserError:
+        attention = backend_named(data.get("engine", {}).get("attention", "query_blocks"))
+    except (UserError, ValueError):     # open_artifacts says why
         return False
-    return bool(data.get("model", {}).get("kernels")) or \
-        data.get("engine", {}).get("attention") == "cpu_paged_kernel"
+    return bool(data.get("model", {}).get("kernels")) or attention.needs_cpu_kernels
 
 
 @dataclass(frozen=True)

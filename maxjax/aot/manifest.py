@@ -22,6 +22,7 @@ import numpy as np
 
 from maxjax.errors import UserError
 from maxjax.graphs import cpu_kernels
+from maxjax.graphs.attention import backend_named
 
 log = logging.getLogger("maxjax.aot")
 
@@ -212,7 +213,7 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "kv_cache_format": layout.kv_dtype,
           # the graphs are sharded over it: its shape and device kind (not which devices)
           "mesh": describe_mesh(layout.mesh)}
-    if layout.attention == "cpu_paged_kernel":   # its custom calls are built for one ISA
+    if backend_named(layout.attention).needs_cpu_kernels:  # its calls are built for one ISA
         fp["kernel_isa"] = cpu_kernels.isa()
     fp["fingerprint"] = digest(fp)
     return fp

@@ -177,7 +177,7 @@ def params_source(dirs, mesh=None):
             try:
                 m = mf.read_manifest(os.path.abspath(d), "maxjax warm-cache")
             except UserError:
-                return None         # load_for_engine reports the problem with the full command
+                return None         # open_artifacts reports the problem with the full command
             entry = m.data.get("weights")
             reason = entry and _mismatch(m, entry, cfg, dtype, source, mesh)
             if entry and not reason:

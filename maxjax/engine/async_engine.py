@@ -33,6 +33,7 @@ from typing import AsyncIterator
 
 from maxjax.engine import faults
 from maxjax.engine.core import EngineCore
+from maxjax.graphs.attention import backend_named
 from maxjax.engine.output import merge_outputs
 from maxjax.engine.stats import EngineStats
 from maxjax.engine.types import FinishReason, RequestOutput, SamplingParams
@@ -72,7 +73,7 @@ def kernels_info(core) -> dict | None:
         return None
     from maxjax.graphs import cpu_kernels
     return {"isa": cpu_kernels.isa(), "linear": cpu_kernels.kernels_of(core.model.params),
-            "attention": core.layout.attention == "cpu_paged_kernel"}
+            "attention": backend_named(core.layout.attention).needs_cpu_kernels}
 
 
 class AsyncEngine:
