@@ -65,8 +65,7 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
                               compile_cache_max_size=model_opts.compile_cache_max_size,
                               replica=replica, pins=pins)
             # Every replica runs replica 0's plan (memory is planned for all of them at once).
-            pins = pins or {"num_kv_pages": core.layout.num_pages,
-                            "max_length": core.layout.max_length}
+            pins = pins or core.plan.pins
         if model_opts.export_artifacts and replica == 0:
             from maxjax.aot import export as aot_export
             aot_export.export_engine(model_opts.export_artifacts, core)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
-from maxjax.engine.plan import (EnginePlan, adopt, check_flags, check_mesh_flags,
+from maxjax.engine.plan import (EnginePlan, check_flags, check_mesh_flags,
                                  choose_kernels, plan_engine, replica_mesh)
 from maxjax.errors import UserError
 from maxjax.models.loader import LoadedModel, load_model
@@ -73,7 +73,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     `executor`: what the runner's calls go through (ModelRunner; None: this process's own)."""
     from maxjax.aot import cache
     phases = {"start": since_process_start()}
-    flags = adopt(flags.for_platform(None), pins or {})
+    flags = flags.for_platform(None).replace(**(pins or {}))
     check_flags(flags)                          # before the weights load
     pinned_kernels = None
     if precompiled_artifacts:

@@ -300,7 +300,7 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
     if isinstance(channel, Leader):
         if not artifacts:       # artifacts pin the layout for every process alike
             plan = plan_engine(flags, model, kernels=False)
-            pins = {"num_kv_pages": plan.layout.num_pages, "max_length": plan.layout.max_length}
+            pins = plan.pins
         channel.send_layout(pins, bool(artifacts))
     else:
         pins = channel.receive_layout(bool(artifacts))

@@ -42,11 +42,17 @@ class EnginePlan:
     def kernels(self) -> bool:
         return bool(self.config.use_experimental_kernels)
 
+    @property
+    def pins(self) -> dict:
+        """The values another engine adopts to run this layout (a group's followers, the other
+        data-parallel replicas): `flags.replace(**plan.pins)`."""
+        return {k: getattr(self.config, k) for k in PINNED_FIELDS}
+
 
 def plan_engine(flags: EngineConfig, model, *, platform: str | None = None,
                 kernels: bool | None = None, resident: bool = True) -> EnginePlan:
     """The plan for `model` (its params placed where it runs: `maxjax/engine/build.py`
-    on_devices) from `flags` (the user's, with any pinned values adopted: `adopt`), for graphs
+    on_devices) from `flags` (the user's, with any pinned values adopted), for graphs
     that run on `platform` (None: this machine's). `kernels`: whether the CPU kernels run, as
     `choose_kernels` decided before the weights loaded (None: decide here). `resident` False:
     the params are ShapeDtypeStructs (`maxjax suggest`)."""
@@ -61,12 +67,6 @@ def plan_engine(flags: EngineConfig, model, *, platform: str | None = None,
     layout = plan_layout(cfg, model, platform, resident)
     cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length)
     return EnginePlan(cfg, layout)
-
-
-def adopt(flags: EngineConfig, pins: dict) -> EngineConfig:
-    """`flags` with the values another party fixed (artifacts' layout, a group's process 0):
-    the caller checked them against the user's explicit flags."""
-    return flags.replace(**pins) if pins else flags
 
 
 def check_flags(cfg: EngineConfig) -> None:

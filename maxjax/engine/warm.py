@@ -14,7 +14,7 @@ from maxjax.aot.export import default_jobs, normalize_targets, write_artifacts
 from maxjax.aot.load import check_target_arch
 from maxjax.engine.build import load, on_devices
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.plan import adopt, check_flags, choose_kernels, plan_engine
+from maxjax.engine.plan import check_flags, choose_kernels, plan_engine
 from maxjax.errors import UserError
 
 
@@ -45,10 +45,9 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
     model = on_devices(model, flags, kernels=kernels)   # every replica runs the first one's
     plan = plan_engine(flags, model, platform=platforms[0], kernels=kernels)
     # A group plans on process 0: the others take its pool size and max length.
-    pinned = dict(zip(("num_kv_pages", "max_length"), group.from_leader(
-        [plan.layout.num_pages, plan.layout.max_length])))
-    if pinned != {"num_kv_pages": plan.layout.num_pages, "max_length": plan.layout.max_length}:
-        plan = plan_engine(adopt(flags, pinned), model, platform=platforms[0], kernels=kernels)
+    pinned = dict(zip(plan.pins, group.from_leader(list(plan.pins.values()))))
+    if pinned != plan.pins:
+        plan = plan_engine(flags.replace(**pinned), model, platform=platforms[0], kernels=kernels)
     t0 = time.perf_counter()
     if artifacts_dir is None:
         directory = cache.entry_path(model, plan)
