@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import decoder, sharding
@@ -38,6 +38,8 @@ class Architecture:
     gguf_permuted_qk: bool = False      # Q/K rows permuted (convert_hf_to_gguf LlamaModel.permute)
     gguf_norm_plus_one: bool = False    # RMSNorm weights stored with Gemma's +1 added
     gguf_tokenizer: str | None = None   # transformers' tokenizer class (None: AutoTokenizer's)
+    # An image-text model: its image encoder (graphs/vision.py); None: text only.
+    vision: Any = None
 
     def param_shapes(self, cfg: ModelConfig) -> dict:
         return sharding.shapes(self.param_specs(cfg))

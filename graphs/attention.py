@@ -49,10 +49,14 @@ class AttentionBackend:
     check_head_dim: Callable[[int], str | None] = lambda head_dim: None
     custom_calls: tuple[str, ...] = ()  # the custom-call targets its graphs may hold
     takes_sinks: bool = False   # runs attention sinks (a per-head logit in the denominator)
+    # reads the step's `visible_end` (graphs/step.py): image tokens that see their whole image
+    takes_image_blocks: bool = False
 
-    def fits(self, platform: str, kernels: bool, sinks: bool = False) -> bool:
+    def fits(self, platform: str, kernels: bool, sinks: bool = False,
+             image_blocks: bool = False) -> bool:
         return (not self.platforms or platform in self.platforms) and \
-            (kernels or not self.needs_cpu_kernels) and (self.takes_sinks or not sinks)
+            (kernels or not self.needs_cpu_kernels) and (self.takes_sinks or not sinks) and \
+            (self.takes_image_blocks or not image_blocks)
 
 
 @jax.tree_util.register_dataclass
@@ -140,8 +144,13 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
     qb = jnp.pad(qb, ((0, pad), (0, 0), (0, 0), (0, 0)))
     pages = jnp.pad(step.page_table[meta.block_row], ((0, pad), (0, 0)))   # [NB + pad, P]
     pos = jnp.pad(meta.block_pos, ((0, pad), (0, 0)), constant_values=-1)   # -1: padding
+    if step.visible_end is None:
+        ends = pos
+    else:      # the last position each query sees: beyond its own within an image
+        ends = jnp.where(pos >= 0, jnp.pad(step.visible_end[meta.block_tokens],
+                                           ((0, pad), (0, 0))), -1)
     chunk_pos = pos.reshape(n_chunks, C * B)
-    last = chunk_pos.max(-1)
+    last = ends.reshape(n_chunks, C * B).max(-1)
     first = jnp.where(chunk_pos >= 0, chunk_pos, jnp.iinfo(jnp.int32).max).min(-1)
     offsets = jnp.arange(page_size, dtype=jnp.int32)
     if sinks is None:
@@ -154,6 +163,7 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
         qc = jax.lax.dynamic_slice_in_dim(qb, c * C, C)
         pc = jax.lax.dynamic_slice_in_dim(pages, c * C, C)
         qpos = jax.lax.dynamic_slice_in_dim(pos, c * C, C)[:, None, :, None, None]
+        qend = jax.lax.dynamic_slice_in_dim(ends, c * C, C)[:, None, :, None, None]
 
         def body(j, carry):
             m, l, acc = carry
@@ -164,7 +174,7 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
             if softcap is not None:
                 s = softcap * jnp.tanh(s / softcap)
             kpos = j * page_size + offsets
-            visible = kpos <= qpos
+            visible = kpos <= qend
             if window:
                 visible &= kpos > qpos - window
             s = jnp.where(visible, s.reshape(C, KV, B, G, page_size), -jnp.inf)
@@ -193,7 +203,8 @@ def query_block_attention(q, k_pool, v_pool, layer: int, step, window: int, scal
 
 
 QUERY_BLOCKS = AttentionBackend("query_blocks", query_block_specs, build_query_blocks,
-                                query_block_attention, takes_sinks=True)
+                                query_block_attention, takes_sinks=True,
+                                takes_image_blocks=True)
 
 # Every backend: name -> "module:attribute" of its AttentionBackend, imported when first asked
 # for (the Pallas one pulls in jax.experimental.pallas).
@@ -213,10 +224,12 @@ def backend_named(name: str) -> AttentionBackend:
     return BACKENDS[name]
 
 
-def _fitting(platform: str, kernels: bool, sinks: bool = False) -> list[AttentionBackend]:
+def _fitting(platform: str, kernels: bool, sinks: bool = False,
+             image_blocks: bool = False) -> list[AttentionBackend]:
     """The backends that fit `platform` (and the CPU kernels, where `kernels`; attention sinks,
-    where `sinks`), best first."""
-    fit = [b for b in map(backend_named, REGISTRY) if b.fits(platform, kernels, sinks)]
+    where `sinks`; images attended both ways, where `image_blocks`), best first."""
+    fit = [b for b in map(backend_named, REGISTRY)
+           if b.fits(platform, kernels, sinks, image_blocks)]
     return sorted(fit, key=lambda b: -b.priority)
 
 
@@ -226,12 +239,14 @@ def backend_for(platform: str | None = None) -> AttentionBackend:
 
 
 def choose_backend(platform: str, head_dim: int, page_size: int,
-                   kernels: bool = False, sinks: bool = False) -> AttentionBackend:
+                   kernels: bool = False, sinks: bool = False,
+                   image_blocks: bool = False) -> AttentionBackend:
     """The backend for a model of `head_dim` on `platform` with KV pages of `page_size`:
     the best that fits and runs the head size. `kernels`: --use-experimental-kernels; `sinks`:
-    the model has attention sinks. A ValueError (the reason) for a page size the platform's
+    the model has attention sinks; `image_blocks`: its image tokens attend to their whole image
+    (`visible_end`). A ValueError (the reason) for a page size the platform's
     best backend refuses."""
-    for backend in _fitting(platform, kernels, sinks):
+    for backend in _fitting(platform, kernels, sinks, image_blocks):
         why = backend.check_page_size(page_size)
         if why:
             raise ValueError(why)

@@ -83,6 +83,11 @@ class ModelConfig:
     attention_out_bias: bool = field(default=False, metadata=_OMIT_DEFAULT)
     moe_bias: bool = field(default=False, metadata=_OMIT_DEFAULT)
     clamped_swiglu: tuple[float, float] | None = field(default=None, metadata=_OMIT_DEFAULT)
+    # A model that reads images (graphs/vision.py): the token that stands for one image
+    # embedding in a prompt, and whether an image's tokens attend to each other both ways
+    # (Gemma 3) rather than causally. Its step graphs take the image inputs (graphs/step.py).
+    image_token_id: int | None = field(default=None, metadata=_OMIT_DEFAULT)
+    bidirectional_images: bool = field(default=False, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:

@@ -159,6 +159,8 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     h = quant.embed(params["embed"], step.token_ids)
     if cfg.embed_scale is not None:
         h = h * jnp.asarray(cfg.embed_scale, jnp.float32).astype(h.dtype)
+    if step.embeds is not None:       # image embeddings at their placeholder tokens
+        h = jnp.where(step.embed_mask[:, None], step.embeds.astype(h.dtype), h)
     rot_dim = cfg.rotary_dim or cfg.head_dim
     inv_g = L.rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling)
     local_theta = cfg.rope_local_theta or cfg.rope_theta

@@ -120,13 +120,21 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, h
     specs = []
     for b in sorted(buckets):
         step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend,
-                                lora="lora" in params)
+                                lora="lora" in params, embeds=image_embeds(cfg, params))
         samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
         if mesh is not None:      # per-step inputs are replicated: every device reads them whole
             step, samp = (_on(x, sharding.replicated(mesh)) for x in (step, samp))
         specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED,
                                out_shardings))
     return specs
+
+
+def image_embeds(cfg, params) -> tuple | None:
+    """(hidden size, dtype) of the image embeddings a step takes (graphs/step.py); None: the
+    model reads no images. Their dtype is the activations' (the final norm's)."""
+    if cfg.image_token_id is None:
+        return None
+    return cfg.hidden_size, params["final_norm"].dtype
 
 
 def _kv_shardings(cfg, num_pages: int, page_size: int, mesh):

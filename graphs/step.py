@@ -17,6 +17,11 @@ engine accumulates them over an embedding request's prefill chunks (graphs/progr
 
 What the attention kernel needs beyond the page table (e.g. query blocks) is the attention
 backend's own metadata, `attn` (graphs/attention.py), built with the rest of the step.
+
+A model that reads images (graphs/vision.py) takes three more per-token inputs: `embeds`, the
+image embeddings that replace the token embeddings where `embed_mask` is set, and `visible_end`,
+the last position each token attends to (its own position; for Gemma 3's image tokens, their
+image's last one: an image attends to itself both ways).
 """
 from __future__ import annotations
 
@@ -44,6 +49,9 @@ class StepInputs:
     next_token: jax.Array     # int32[T]  prompt token after each slot, for prompt logprobs; -1: none
     token_row: jax.Array      # int32[T]  request row of each token slot; -1: padding
     lora_slot: Any = None     # int32[T]  each token's adapter slot (0: none); None: LoRA off
+    embeds: Any = None        # [T, hidden] image embeddings (compute dtype); None: text only
+    embed_mask: Any = None    # bool[T]   token slots that take `embeds`
+    visible_end: Any = None   # int32[T]  last position each token attends to
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -64,11 +72,16 @@ class RowSlice:
     next_tokens: Sequence[int] | None = None   # per token: the prompt token after it (-1: none)
     num_samples: int = 1      # sample slots at the row's last tokens
     lora_slot: int = 0        # the row's adapter slot (0: the base model)
+    embeds: Any = None        # [k, hidden] per token, its image embedding, or None
+    embed_mask: Any = None    # bool[k] the tokens that take `embeds`
+    visible_end: Any = None   # int[k] per token, the last position it sees (None: its own)
 
 
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
                      num_samples: int | None = None,
-                     backend: AttentionBackend | None = None, lora: bool = False) -> StepInputs:
+                     backend: AttentionBackend | None = None, lora: bool = False,
+                     embeds: tuple | None = None) -> StepInputs:
+    """`embeds`: (hidden size, dtype) of a model that reads images; None: text only."""
     i32 = np.int32
     backend = backend or backend_for()
     return StepInputs(
@@ -81,14 +94,23 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
         next_token=jax.ShapeDtypeStruct((num_tokens,), i32),
         token_row=jax.ShapeDtypeStruct((num_tokens,), i32),
         lora_slot=jax.ShapeDtypeStruct((num_tokens,), i32) if lora else None,
+        **(_embed_specs(num_tokens, *embeds) if embeds else {}),
     )
+
+
+def _embed_specs(num_tokens: int, dim: int, dtype) -> dict:
+    return {"embeds": jax.ShapeDtypeStruct((num_tokens, dim), dtype),
+            "embed_mask": jax.ShapeDtypeStruct((num_tokens,), np.bool_),
+            "visible_end": jax.ShapeDtypeStruct((num_tokens,), np.int32)}
 
 
 def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, max_pages: int,
                       page_size: int, num_samples: int | None = None,
-                      backend: AttentionBackend | None = None, lora: bool = False) -> StepInputs:
+                      backend: AttentionBackend | None = None, lora: bool = False,
+                      embeds: tuple | None = None) -> StepInputs:
     """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
-    bucket. `lora`: fill `lora_slot` (padding tokens: slot 0)."""
+    bucket. `lora`: fill `lora_slot` (padding tokens: slot 0); `embeds`: (hidden size, dtype),
+    fill the image inputs (`step_input_specs`)."""
     n = sum(len(r.token_ids) for r in rows)
     num_samples = num_samples or num_rows
     n_samples = sum(r.num_samples for r in rows)
@@ -126,5 +148,27 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
             lora_slot[t:t + k] = getattr(row, "lora_slot", 0)
         t += k
     attn = (backend or backend_for()).build_metadata(rows, num_tokens, num_rows)
-    return StepInputs(token_ids, positions, slots, page_table, attn, sample_idx, next_token,
+    step = StepInputs(token_ids, positions, slots, page_table, attn, sample_idx, next_token,
                       token_row, lora_slot)
+    if embeds:
+        step.embeds, step.embed_mask, step.visible_end = _image_inputs(rows, positions, n,
+                                                                       *embeds)
+    return step
+
+
+def _image_inputs(rows: Sequence[RowSlice], positions, n: int, dim: int, dtype):
+    """(embeds, embed_mask, visible_end) of the rows' tokens; padding sees nothing (-1)."""
+    embeds = np.zeros((len(positions), dim), dtype)
+    mask = np.zeros(len(positions), np.bool_)
+    end = np.full(len(positions), -1, np.int32)
+    end[:n] = positions[:n]
+    t = 0
+    for row in rows:
+        k = len(row.token_ids)
+        if row.embeds is not None:
+            embeds[t:t + k] = row.embeds
+            mask[t:t + k] = row.embed_mask
+        if row.visible_end is not None:
+            end[t:t + k] = row.visible_end
+        t += k
+    return embeds, mask, end

@@ -152,7 +152,7 @@ class BlockManager:
     def _page_hash(self, req: Request, i: int):
         """Hash of req's i-th full page, memoized on the request (tokens never change)."""
         hashes = req.page_hashes
-        toks, ps = req.all_token_ids, self.page_size
+        toks, ps = req.cache_token_ids, self.page_size
         while len(hashes) <= i:
             j = len(hashes)
             prev = hashes[-1] if hashes else self._root
@@ -164,7 +164,7 @@ class BlockManager:
         sequence's last token: its logits must be computed. No side effects."""
         if not self.enable_prefix_caching or req.sampling.prompt_logprobs or req.is_embedding:
             return _NO_MATCH   # prompt logprobs (and mean pooling) need every position computed
-        ps, toks = self.page_size, req.all_token_ids
+        ps, toks = self.page_size, req.cache_token_ids
         pages, uids = [], []
         parent = _ROOT_UID
         for i in range((req.num_tokens - 1) // ps):
@@ -190,7 +190,7 @@ class BlockManager:
         n_full = req.num_computed_tokens // ps
         if uids and uids[-1] is None:
             return            # a collision broke the chain: the rest of this sequence stays private
-        toks = req.all_token_ids
+        toks = req.cache_token_ids
         while len(uids) < n_full:
             i = len(uids)
             key = self._page_hash(req, i)

@@ -30,6 +30,7 @@ from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
 from maxjax.engine.stats import EngineStats, SpecStats
 from maxjax.engine.types import FinishReason, PoolingParams, RequestOutput, SamplingParams
+from maxjax.engine.vision import ImageEncoder, image_rows
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError, UserError
 from maxjax.graphs.step import RowSlice
@@ -63,11 +64,12 @@ def make_lora_manager(cfg: EngineConfig, model):
 
 class EngineCore:
     def __init__(self, model, plan: EnginePlan | EngineConfig, executables: dict | None = None,
-                 kv_init=None, executor=None):
+                 kv_init=None, executor=None, vision_executables: dict | None = None):
         """`plan`: maxjax/engine/plan.py's (an EngineConfig: planned here); `executables` (per
         bucket) and `kv_init`: loaded for that plan (maxjax/aot/load.py, the compile cache), or
         None to compile them here; `executor`: the runner's (ModelRunner; None: this
-        process's own)."""
+        process's own); `vision_executables`: an image-text model's encoder graphs, loaded
+        likewise (maxjax/engine/vision.py)."""
         if isinstance(plan, EngineConfig):
             plan = plan_engine(plan, model)
         self.model = model
@@ -86,6 +88,7 @@ class EngineCore:
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
                                   self.lora, lay.attention, lay.kv_dtype, lay.mesh, executor)
         self.output = OutputProcessor(model.tokenizer)
+        self.images = ImageEncoder(model.vision, vision_executables) if model.vision else None
         self.grammars = backend_for(cfg, model)     # None: structured output off
         # How a step waits out --ce-delay-ms; the AsyncEngine takes commands meanwhile.
         self.sleep = time.sleep
@@ -102,6 +105,9 @@ class EngineCore:
     def warmup(self, progress=None) -> None:
         """Compile (or check loaded) every bucket; after this no step compiles."""
         self.runner.compile_all(progress)
+        if self.images:
+            self.images.compile_all()
+            self.images.prime()
         if self.speculator:
             self.speculator.warmup()
         self._priming = self.runner.prime_steps()
@@ -126,16 +132,24 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, grammar=None, lora: str | None = None) -> None:
+                    cache_salt: str | None = None, grammar=None, lora: str | None = None,
+                    images: list | None = None) -> None:
         """Queue a request; RequestError (naming the field) if it breaks a limit. `grammar`:
         its structured_output compiled by `self.grammars` (the server awaits that off the engine
-        thread); None: compiled here, blocking. `lora`: the name of a loaded adapter."""
+        thread); None: compiled here, blocking. `lora`: the name of a loaded adapter.
+        `images`: the ImageInputs (maxjax/models/vision.py) of the prompt's image placeholder
+        runs, in order; encoded here."""
         if self.cfg.task == "embeddings_generation":
             raise RequestError("model", "this server runs --task embeddings_generation: it "
                                         "serves /v1/embeddings only")
         check_request(prompt_token_ids, params, self._limits())
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
                       adapter_id=self._adapter(lora))
+        if images:
+            if self.images is None:
+                raise RequestError("messages", "this model does not read images")
+            req.images = self.images.spans(req.prompt_token_ids, images, self.model.config,
+                                           self.cfg.max_batch_input_tokens)
         spec = params.structured_output
         if spec is not None:
             if self.grammars is None:
@@ -263,8 +277,12 @@ class EngineCore:
 
     def _row_input(self, row: ScheduledRow) -> RowRequest:
         req = row.request
-        return RowRequest(RowSlice(row.token_ids, row.start_pos, row.pages, self._next_tokens(row),
-                                   row.num_samples, req.lora_slot),
+        rs = RowSlice(row.token_ids, row.start_pos, row.pages, self._next_tokens(row),
+                      row.num_samples, req.lora_slot)
+        if req.images:
+            rs.embeds, rs.embed_mask, rs.visible_end = image_rows(req.images, row.start_pos,
+                                                                  len(row.token_ids))
+        return RowRequest(rs,
                           req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed,
                           pool=req.is_embedding)
 

@@ -191,7 +191,8 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
     check_layout_flags(cfg)
     try:
         attention = choose_backend(platform, mc.head_dim, cfg.kv_cache_page_size,
-                                   cfg.use_experimental_kernels, mc.attention_sinks)
+                                   cfg.use_experimental_kernels, mc.attention_sinks,
+                                   mc.bidirectional_images)
     except ValueError as e:
         raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {e}") from None
     max_length = resolve_max_length(cfg, mc)

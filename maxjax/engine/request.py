@@ -53,6 +53,7 @@ class Request:
     pooling: Any = None
     pool_sum: np.ndarray | None = None    # f64[H] sum over its computed prompt tokens
     pool_last: np.ndarray | None = None   # f32[H] at its last computed token
+    images: list = field(default_factory=list)   # its prompt's ImageSpans (engine/vision.py)
 
     output_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)   # proposed next tokens, unverified
@@ -90,6 +91,17 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._tokens.append(token_id)
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """What the prefix cache keys pages by: the tokens, each image's placeholders replaced
+        by its content's key, so two different images never share a page."""
+        if not self.images:
+            return self._tokens
+        keyed = list(self._tokens)
+        for im in self.images:
+            keyed[im.start:im.start + im.length] = [im.key] * im.length
+        return keyed
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,8 @@ from maxjax.engine.executor import LocalExecutor, StepExecutor
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for, backend_named
-from maxjax.graphs.program import GraphSpec, jit_kwargs, kv_init_spec, step_graph_specs
+from maxjax.graphs.program import (GraphSpec, image_embeds, jit_kwargs, kv_init_spec,
+                                   step_graph_specs)
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
 log = logging.getLogger("maxjax.runner")
@@ -114,6 +115,7 @@ class ModelRunner:
         self.executor: StepExecutor = executor(local) if executor else local
         self.eos = tuple(self.cfg.eos_token_ids)
         self.attention = backend_named(attention) if attention else backend_for()
+        self.embeds = image_embeds(self.cfg, model.params)
 
     @property
     def kv(self) -> tuple:
@@ -162,7 +164,8 @@ class ModelRunner:
             rows = [RowSlice([0] * n, 0, [SCRATCH_PAGE] * -(-n // self.page_size))] + [
                 RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
             step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size,
-                                     b.num_samples, self.attention, self.lora is not None)
+                                     b.num_samples, self.attention, self.lora is not None,
+                                     self.embeds)
             for params in (greedy, sampled):
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
                                                       b.num_samples, self.history_len, self.eos,
@@ -177,7 +180,7 @@ class ModelRunner:
         bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
                                  self.max_pages, self.page_size, bucket.num_samples, self.attention,
-                                 self.lora is not None)
+                                 self.lora is not None, self.embeds)
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()

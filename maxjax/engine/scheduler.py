@@ -45,6 +45,7 @@ import numpy as np
 
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
+from maxjax.engine.vision import chunk_end
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.stats import SchedulerStats
 from maxjax.engine.types import FinishReason
@@ -214,7 +215,12 @@ class Scheduler:
             return 0
         m = max(1, self.cfg.chunked_prefill_min_chunk_size)
         chunk = budget if remaining < 2 * m else min(budget, remaining - m)
-        return chunk if chunk >= m else 0
+        if chunk < m:
+            return 0
+        if req.images:           # an image attended both ways is computed in one chunk
+            start = req.num_tokens - remaining
+            return max(0, chunk_end(req.images, start, start + chunk) - start)
+        return chunk
 
     def _row(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledRow:
         s = req.num_computed_tokens

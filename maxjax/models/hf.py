@@ -22,6 +22,7 @@ def read_config(path: str) -> dict:
     if "text_config" in hf and "architectures" in hf:   # multimodal wrapper: take the text model
         text = dict(hf["text_config"])
         text.setdefault("architectures", hf["architectures"])
+        text["multimodal_config"] = hf      # what an image encoder reads (graphs/vision.py)
         hf = text
     if not hf.get("architectures"):
         raise UserError(f"{cfg_path}: has no 'architectures' entry")

@@ -38,6 +38,7 @@ class LoadedModel:
     # What the user called it (--model-path as given; the server's default model id); `name`,
     # the file or directory's, is what artifacts and logs record and requests may still use.
     served_name: str = ""
+    vision: Any = None        # an image-text model's encoder (maxjax/models/vision.py)
 
     @property
     def compute_dtype(self):
@@ -111,6 +112,9 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
     # weights convert (numpy, which releases the GIL): ~1 s of a start on two cores.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenizer") as pool:
         tokenizing = pool.submit(make_tokenizer)
+        vision = None
+        if arch.vision is not None:
+            vision = load_vision_of(arch, ckpt, reader, dtype, files)
         stored = params_source(arch, cfg, dtype, path) if params_source else None
         if stored is not None:
             cfg, params = stored
@@ -126,7 +130,17 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
         template = read_chat_template_file(chat_template)
     return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype,
                        model_name(src.model_path, path), time.perf_counter() - t0,
-                       served_name=src.model_path or EMBEDDED_NAME)
+                       served_name=src.model_path or EMBEDDED_NAME, vision=vision)
+
+
+def load_vision_of(arch: Architecture, ckpt, reader, dtype: str, files):
+    """The image encoder of an image-text checkpoint, in float (its activations' dtype)."""
+    from maxjax.models.vision import load_vision
+    if files.is_gguf:
+        raise UserError(f"{files.config}: {arch.name} from GGUF: its image encoder is not "
+                        "read (serve the HF checkpoint)")
+    return load_vision(arch.vision, ckpt.hf["multimodal_config"], reader,
+                       DTYPES.get(dtype, jnp.float32), files.tokenizer)
 
 
 @dataclass
