@@ -54,6 +54,7 @@ class GraphSpec:
     args: tuple              # pytree of jax.ShapeDtypeStruct
     donate_argnums: tuple
     out_shardings: Any = None   # on a mesh: (outputs', kv's) shardings; None: one device
+    returns_kv: bool = True     # False: its (outputs, kv) has no kv (an image encoder)
 
 
 def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, samp):

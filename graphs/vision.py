@@ -65,8 +65,16 @@ def _encode_graph(spec: VisionSpec, vcfg, params, inputs):
     return spec.encode(vcfg, params, inputs), ()      # (outputs, no KV): the graphs' convention
 
 
-def vision_graph_specs(spec: VisionSpec, vcfg, params, sizes) -> list[GraphSpec]:
-    """One graph per image size bucket: (params, inputs) -> (embeddings, ())."""
+def vision_sizes(spec: VisionSpec, vcfg) -> tuple[int, ...]:
+    """The image size buckets, smallest first: one graph each."""
+    return tuple(sorted(spec.buckets(vcfg, spec.max_size(vcfg))))
+
+
+def vision_graph_specs(vision) -> list[GraphSpec]:
+    """One graph per image size bucket of a VisionModel (maxjax/models/vision.py):
+    (params, inputs) -> (embeddings, ())."""
+    spec, vcfg = vision.spec, vision.config
     fn = partial(_encode_graph, spec, vcfg)
-    return [GraphSpec(graph_name(s), None, fn, (abstract(params), spec.input_specs(vcfg, s)), ())
-            for s in sizes]
+    return [GraphSpec(graph_name(s), None, fn,
+                      (abstract(vision.params), spec.input_specs(vcfg, s)), (), returns_kv=False)
+            for s in vision_sizes(spec, vcfg)]

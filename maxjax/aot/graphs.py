@@ -28,6 +28,7 @@ from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.lora import lora_specs
 from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
 from maxjax.graphs.sharding import abstract
+from maxjax.graphs.vision import vision_graph_specs
 
 
 # The custom calls the graphs may hold: every attention backend's (graphs/attention.py), and
@@ -52,8 +53,9 @@ def graph_specs(model, layout) -> list[GraphSpec]:
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
                              MAX_TOP_LOGPROBS, backend_named(layout.attention),
                              mesh=layout.mesh)
+    vision = vision_graph_specs(model.vision) if model.vision else []
     return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype, layout.mesh,
-                                 layout.attention)]
+                                 layout.attention)] + vision
 
 
 def execution_devices(layout) -> list:
@@ -124,13 +126,26 @@ class StepCallable:
         return rebuild(self.out_spec, iter(out)), kv_def.unflatten(new_kv)
 
 
-def engine_graphs(compiled: dict, model, layout) -> tuple[dict, Callable]:
+def engine_graphs(compiled: dict, model, layout) -> tuple:
     """{graph name: (executable, source, output_structure)} -> what EngineCore takes after the
-    layout: ({Bucket: StepCallable}, the KV initializer)."""
+    layout: ({Bucket: StepCallable}, the KV initializer), and for a model that reads images
+    {graph name: EncoderCallable}."""
     specs = graph_specs(model, layout)
     init = compiled[KV_INIT][0]
     steps = {s.bucket: StepCallable(*compiled[s.name]) for s in specs if s.bucket is not None}
-    return steps, kv_initializer(init, pool_specs(model, layout))
+    out = (steps, kv_initializer(init, pool_specs(model, layout)))
+    if model.vision:
+        out += ({s.name: EncoderCallable(*compiled[s.name]) for s in specs
+                 if not s.returns_kv},)
+    return out
+
+
+class EncoderCallable(StepCallable):
+    """What ImageEncoder calls: (params, inputs) -> (embeddings, ())."""
+
+    def __call__(self, params, inputs):
+        out, _ = self.compiled(tuple(jax.tree.leaves(params)), tuple(jax.tree.leaves(inputs)))
+        return rebuild(self.out_spec, iter(out)), ()
 
 
 def kv_initializer(compiled, kv) -> Callable:

@@ -271,7 +271,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled,
                 counts["early"] += 1
                 continue
             blob = _read_verified(m, name, g["files"][key])
-            trees = graphs.executable_trees(spec.args, g["sample_outputs"], len(jax.tree.leaves(kv)))
+            trees = graphs.executable_trees(spec.args, g["sample_outputs"],
+                                            len(jax.tree.leaves(kv)) if spec.returns_kv else 0)
             loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees,
                                        execution_devices=devices), g["output_structure"])
             counts["executable"] += 1

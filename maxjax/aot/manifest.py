@@ -180,6 +180,9 @@ def model_fingerprint(model) -> dict:
           "config": json.loads(canonical(model.config.to_dict())),
           "weights": weight_signature(model.params),
           "tokenizer_digest": tokenizer_digest(model.tokenizer, model.chat_template)}
+    if getattr(model, "vision", None):     # an image encoder's graphs and weights
+        fp["vision"] = {"config": json.loads(canonical(model.vision.config.to_dict())),
+                        "weights": weight_signature(model.vision.params)}
     kernels = cpu_kernels.kernels_of(model.params)
     if kernels:             # only then: the digest of every other model stays what it was
         fp["kernels"], fp["kernel_isa"] = kernels, cpu_kernels.isa()

@@ -64,7 +64,7 @@ def make_lora_manager(cfg: EngineConfig, model):
 
 class EngineCore:
     def __init__(self, model, plan: EnginePlan | EngineConfig, executables: dict | None = None,
-                 kv_init=None, executor=None, vision_executables: dict | None = None):
+                 kv_init=None, vision_executables: dict | None = None, executor=None):
         """`plan`: maxjax/engine/plan.py's (an EngineConfig: planned here); `executables` (per
         bucket) and `kv_init`: loaded for that plan (maxjax/aot/load.py, the compile cache), or
         None to compile them here; `executor`: the runner's (ModelRunner; None: this

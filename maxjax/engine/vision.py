@@ -21,7 +21,7 @@ import numpy as np
 
 from maxjax.errors import RequestError
 from maxjax.graphs.program import jit_kwargs
-from maxjax.graphs.vision import graph_name, placeholder_runs, vision_graph_specs
+from maxjax.graphs.vision import graph_name, placeholder_runs, vision_graph_specs, vision_sizes
 
 log = logging.getLogger("maxjax.vision")
 
@@ -43,14 +43,14 @@ class ImageEncoder:
         name -> loaded executable (None: compiled by `compile_all`)."""
         self.vision = vision
         self.spec, self.config = vision.spec, vision.config
-        self.sizes = tuple(sorted(self.spec.buckets(self.config, self.spec.max_size(self.config))))
+        self.sizes = vision_sizes(self.spec, self.config)
         self.executables: dict[str, Callable] = dict(executables or {})
         self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self.cache_images = cache_images
         self.encoded = 0          # images run through the encoder (cache hits are not)
 
     def graph_specs(self):
-        return vision_graph_specs(self.spec, self.config, self.vision.params, self.sizes)
+        return vision_graph_specs(self.vision)
 
     def compile_all(self) -> None:
         for spec in self.graph_specs():
