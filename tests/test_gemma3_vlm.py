@@ -160,3 +160,50 @@ def test_prompt_logprobs_match_transformers_image_attended_both_ways(checkpoint,
     mine = np.array([lp.logprob for lp in got[1:]])
     assert len(ids) > ENGINE["max_batch_input_tokens"]          # prefilled in chunks
     np.testing.assert_allclose(mine, want, atol=1e-3)
+
+
+def test_another_image_is_not_served_from_the_prefix_cache(loaded, core):
+    """The same prompt with another image reuses only the pages before the image; with the
+    same image again, the pages through the image."""
+    from maxjax.models.vision import read_image
+    ids, _ = _prompt(loaded, " ".join(f"w{i}" for i in range(60, 80)))
+    start = ids.index(IMAGE)
+    first, second = (read_image(loaded.vision, _png(s, (32, 32, 3))) for s in (10, 11))
+    ps = ENGINE["kv_cache_page_size"]
+    got, cached = _run(core, {"first": (ids, [first])})
+    assert cached["first"] <= start // ps * ps        # nothing cached yet beyond a text prefix
+    got2, cached2 = _run(core, {"second": (ids, [second])})
+    assert cached2["second"] <= start // ps * ps      # the other image's pages are not reused
+    assert got2["second"] != got["first"]
+    got3, cached3 = _run(core, {"again": (ids, [first])})
+    assert cached3["again"] > start + 4               # the same image: its pages are reused
+    assert got3["again"] == got["first"]
+
+
+def test_artifacts_round_trip_with_no_compiles(tmp_path, checkpoint, loaded, core):
+    """warm-cache's artifacts hold the image encoder's graph: a server from them compiles
+    nothing, and gives the same tokens."""
+    from maxjax.aot import export as aot_export, load as aot_load
+    from maxjax.engine import compile_counter
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.core import EngineCore
+    from maxjax.engine.plan import plan_engine
+    from maxjax.models.vision import read_image
+    flags = EngineConfig(**ENGINE)
+    d = tmp_path / "artifacts"
+    d.mkdir()
+    aot_export.write_artifacts(str(d), loaded, plan_engine(flags, loaded), ["cpu"],
+                               progress=False)
+    names = [g["name"] for g in json.loads((d / "manifest.json").read_text())["graphs"]]
+    assert "vision_1" in names
+    before = compile_counter.count()
+    plan, exes, kv_init, vision = aot_load.load_planned([str(d)], loaded, flags)
+    fresh = EngineCore(loaded, plan, exes, kv_init, vision)
+    fresh.warmup()
+    assert {e.source for e in vision.values()} == {"executable"}
+    image = read_image(loaded.vision, _png(1, (40, 56, 3)))
+    ids, _ = _prompt(loaded, "w7 w8 w9 w10 w11 w12 w13 w14")
+    got, _ = _run(fresh, {"a": (ids, [image])})
+    want, _ = _run(core, {"a2": (ids, [image])})
+    assert got["a"] == want["a2"]
+    assert compile_counter.count() == before

@@ -235,7 +235,7 @@ def _check_graphs(m: mf.Manifest, specs, kv, fix: str) -> None:
             raise UserError(f"{m.path}: graph {spec.name} is missing; recreate with: {fix}")
         sig = g.get("signature", {})
         if sig.get("in") != mf.signature(spec.args, ((), ()))["in"] or \
-                sig.get("out", {}).get("kv") != mf.avals(kv):
+                sig.get("out", {}).get("kv") != (mf.avals(kv) if spec.returns_kv else []):
             raise UserError(f"{m.path}: graph {spec.name}: signature differs from this run's; "
                             f"recreate the artifacts with: {fix}")
         if graphs.spec_leaves(g.get("output_structure")) != g.get("sample_outputs"):
