@@ -197,7 +197,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt /v1/messages would run, counted: {"input_tokens": N}."""
     st, req, lora, chat = await _accept_messages(request, CountTokensRequest)
     try:
-        ids, _ = await chat_prompt(st, chat, tool_setup(chat, st.tool_parser))
+        ids, _, _ = await chat_prompt(st, chat, tool_setup(chat, st.tool_parser))
     except APIError as e:
         raise anthropic_names(e) from None
     return web.json_response({"input_tokens": len(ids)})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from .images import ImagePart, part_url, read_images
 from .protocol import APIError
 from .tools import format_calls, template_tool_calls, tool_prompt
 
@@ -16,9 +17,13 @@ _RESERVED = {"messages", "tools", "add_generation_prompt", "chat_template", "tok
 _PROBE = [{"type": "function", "function": {"name": "maxjax_probe_tool", "parameters": {}}}]
 
 
-def template_messages(messages, calls_as_text: str | None = None) -> list[dict]:
+def template_messages(messages, calls_as_text: str | None = None,
+                      images: list | None = None) -> list[dict]:
     """Messages as the dicts a chat template expects. `calls_as_text`: a tool parser whose
-    format assistant tool_calls are written in, inside the content."""
+    format assistant tool_calls are written in, inside the content. `images`: a list that
+    collects the request's `image_url` parts (server/images.py ImagePart), in order; a message
+    with one keeps its content as parts ({"type": "text"} and {"type": "image"}), as image-text
+    templates expect; None: image parts are refused (the model reads no images)."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -26,16 +31,7 @@ def template_messages(messages, calls_as_text: str | None = None) -> list[dict]:
             raise APIError(400, f"messages[{i}].content: required for role {m.role!r}",
                            param=f"messages[{i}].content")
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type")
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    what = (f"content part type {kind!r} is not supported (only 'text')"
-                            if kind != "text" else "a text part needs a string 'text'")
-                    raise APIError(400, f"messages[{i}].content[{j}]: {what}",
-                                   param=f"messages[{i}].content[{j}].type")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+            content = _content_parts(content, i, images)
         msg = {"role": m.role, "content": content if content is not None else ""}
         for key in ("name", "tool_call_id"):
             if getattr(m, key) is not None:
@@ -55,6 +51,27 @@ def template_messages(messages, calls_as_text: str | None = None) -> list[dict]:
     return out
 
 
+def _content_parts(content: list, i: int, images: list | None):
+    """A message's content parts: their texts joined, or (with an image) the parts."""
+    parts = []
+    for j, part in enumerate(content):
+        kind, param = part.get("type"), f"messages[{i}].content[{j}]"
+        if kind == "image_url" and images is not None:
+            images.append(ImagePart(param, part_url(part, param)))
+            parts.append({"type": "image"})
+            continue
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = ("a text part needs a string 'text'" if kind == "text" else
+                    "this model does not read images" if kind == "image_url" else
+                    f"content part type {kind!r} is not supported (only 'text'"
+                    f"{' and image_url' if images is not None else ''})")
+            raise APIError(400, f"{param}: {what}", param=f"{param}.type")
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
 def _render_text(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool,
                  tools=None, kwargs=None) -> str:
     return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
@@ -63,15 +80,21 @@ def _render_text(tokenizer, template: str, messages: list[dict], add_generation_
 
 
 def render_chat(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool,
-                tools=None, kwargs=None, with_text: bool = False, fits=None):
+                tools=None, kwargs=None, with_text: bool = False, fits=None, expand=None):
     """Runs in the tokenizer thread: the prompt's token ids (and text, `with_text`). `fits`:
-    ServerState.check_fits, called on the rendered text before it is tokenized."""
+    ServerState.check_fits, called on the rendered text before it is tokenized; `expand`:
+    text -> text with each image's placeholder tokens (an image-text model's)."""
     import jinja2
     try:
         text = _render_text(tokenizer, template, messages, add_generation_prompt, tools, kwargs)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise APIError(400, f"messages: the chat template rejected them: {e}",
                        param="messages") from None
+    if expand is not None:
+        try:
+            text = expand(text)
+        except ValueError as e:       # the template placed a different number of images
+            raise APIError(400, f"messages: {e}", param="messages") from None
     if fits is not None:
         fits(text, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -107,8 +130,9 @@ def chat_template_kwargs(req) -> dict:
     return kwargs
 
 
-async def chat_prompt(st, req, tools) -> tuple[list[int], str]:
-    """(prompt token ids, prompt text) of a chat request; `tools`: its ToolSetup or None."""
+async def chat_prompt(st, req, tools) -> tuple[list[int], str, list]:
+    """(prompt token ids, prompt text, its images' ImageInputs) of a chat request; `tools`: its
+    ToolSetup or None."""
     engine = st.engine
     if engine.chat_template is None:
         raise APIError(400, "this model has no chat template: use /v1/completions, or start the "
@@ -117,10 +141,18 @@ async def chat_prompt(st, req, tools) -> tuple[list[int], str]:
     parser = tools.parser if tools else st.tool_parser
     ignores = await st.in_tokenizer_thread(template_ignores_tools, engine.tokenizer,
                                            engine.chat_template)
-    msgs = template_messages(req.messages, parser if ignores and parser else None)
+    vision = getattr(engine, "vision", None)
+    parts: list | None = [] if vision is not None else None
+    msgs = template_messages(req.messages, parser if ignores and parser else None, parts)
     if tools and ignores:
         msgs = with_tool_prompt(msgs, tools.parser, tools.tools)
-    return await st.in_tokenizer_thread(render_chat, engine.tokenizer, engine.chat_template,
-                                        msgs, req.add_generation_prompt,
-                                        None if (ignores or not tools) else tools.tools,
-                                        kwargs, True, st.check_fits)
+    images = await st.in_tokenizer_thread(read_images, vision, parts, st.cfg) if parts else []
+    expand = None
+    if images:
+        expand = functools.partial(vision.spec.expand_prompt, vision.config, engine.tokenizer,
+                                   images=[im.features for im in images])
+    ids, text = await st.in_tokenizer_thread(render_chat, engine.tokenizer, engine.chat_template,
+                                             msgs, req.add_generation_prompt,
+                                             None if (ignores or not tools) else tools.tools,
+                                             kwargs, True, st.check_fits, expand)
+    return ids, text, images

@@ -77,8 +77,9 @@ class ChatTurn:
 
     def __init__(self, st: ServerState, req: ChatCompletionRequest, rid: str, t0: float,
                  lora: str | None, tools: ToolSetup | None, prompt: list[int], prompt_text: str,
-                 params: SamplingParams):
+                 params: SamplingParams, images: list | None = None):
         self.st, self.req, self.rid, self.t0, self.lora = st, req, rid, t0, lora
+        self.images = images or None
         self.tools, self.prompt, self.prompt_text, self.params = tools, prompt, prompt_text, params
         self.created = int(time.time())
         self.gen: Generation | None = None
@@ -91,19 +92,19 @@ class ChatTurn:
                       lora: str | None = None) -> "ChatTurn":
         """Everything that can fail on the request's own fields, before any engine work."""
         tools = tool_setup(req, st.tool_parser)
-        prompt, prompt_text = await chat_prompt(st, req, tools)
+        prompt, prompt_text, images = await chat_prompt(st, req, tools)
         max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens)
         params = sampling_params(st.cfg, req, max_new, bool(req.logprobs), req.top_logprobs or 0)
         params.structured_output = chat_constraint(st, params, tools, prompt_text)
         if tools and tools.parser == "mistral":
             params.skip_special_tokens = False      # [TOOL_CALLS] is a special token
-        return cls(st, req, rid, t0, lora, tools, prompt, prompt_text, params)
+        return cls(st, req, rid, t0, lora, tools, prompt, prompt_text, params, images)
 
     async def __aenter__(self) -> "ChatTurn":
         st, req = self.st, self.req
         self.gen = Generation(st.engine, st.admission, st.metrics, self.rid, [self.prompt], req.n,
                               per_choice(self.params, req.n, req.n), req.cache_salt, self.t0,
-                              CHAT_ERROR_NAMES, self.lora)
+                              CHAT_ERROR_NAMES, self.lora, self.images)
         await self.gen.start()
         st.metrics.prompt_tokens.inc(len(self.prompt))
         self.outputs = {c.index: self._parser() for c in self.gen.choices}

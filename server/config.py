@@ -90,6 +90,24 @@ class ServeConfig:
         "help": "Reasoning under reasoning_content only (--no-...: under reasoning only; "
                 "default: both)"})
 
+    max_images_per_request: int = field(default=8, metadata={
+        "help": "Images one request may hold (image_url content parts), for a model that reads "
+                "images"})
+    max_image_bytes: int = field(default=20 * 1024 * 1024, metadata={
+        "help": "Largest image file a request may send, in bytes"})
+    max_image_pixels: int = field(default=40_000_000, metadata={
+        "help": "Largest image a request may send, in pixels (width x height), checked before "
+                "it is decoded"})
+    allowed_local_media_path: str | None = field(default=None, metadata={
+        "help": "A directory whose image files requests may name (file: URLs or paths); unset: "
+                "images come only as data: URLs. Remote URLs are never fetched"})
+
+    def __post_init__(self):
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1 "
+                                f"(got {getattr(self, name)})")
+
     def reasoning_fields(self) -> tuple[str, ...]:
         return {None: ("reasoning_content", "reasoning"), True: ("reasoning_content",),
                 False: ("reasoning",)}[self.emit_reasoning_content]

@@ -17,6 +17,8 @@ class EngineClient(Protocol):
     chat_template: str | None  # None: the model has no template (chat requests get a 400)
     max_length: int            # prompt tokens + max_tokens must fit
     is_ready: bool             # False while loading/compiling: /health answers 503
+    # Optional `vision`: an image-text model's VisionModel (maxjax/models/vision.py), whose
+    # `generate` then takes `images=` (ImageInputs of the prompt's placeholder runs).
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  cache_salt: str | None = None,

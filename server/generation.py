@@ -66,9 +66,11 @@ class Generation:
     def __init__(self, engine: EngineClient, admission: AdmissionState, metrics: ServerMetrics,
                  base_id: str, prompts: list[list[int]], n: int, params: list[SamplingParams],
                  cache_salt: str | None, t_arrival: float, error_names: dict[str, str],
-                 lora: str | None = None):
+                 lora: str | None = None, images: list | None = None):
         self.engine, self.admission, self.metrics = engine, admission, metrics
         self.lora = lora
+        # the prompt's images (maxjax/models/vision.py ImageInput); passed only when some
+        self.extra = {"images": images} if images else {}
         self.error_names = error_names
         self.params, self.cache_salt, self.t_arrival = params, cache_salt, t_arrival
         self.prompts = prompts
@@ -113,7 +115,8 @@ class Generation:
         gen = None
         try:
             gen = self.engine.generate(c.request_id, self.prompts[c.prompt_index],
-                                       self.params[c.index], self.cache_salt, self.lora)
+                                       self.params[c.index], self.cache_salt, self.lora,
+                                       **self.extra)
             async for out in gen:
                 self.queue.put_nowait((c, out, None))
                 if out.finished:

@@ -207,3 +207,77 @@ def test_artifacts_round_trip_with_no_compiles(tmp_path, checkpoint, loaded, cor
     want, _ = _run(core, {"a2": (ids, [image])})
     assert got["a"] == want["a2"]
     assert compile_counter.count() == before
+
+
+TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {% if m['content'] is string %}"
+            "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+            "<start_of_image> {% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}<s> model {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(core, loaded):
+    """The module's engine behind the OpenAI server (the last tests: it owns the core now)."""
+    from server_harness import ServerThread
+
+    from maxjax.engine.async_engine import AsyncEngine
+    from maxjax.server.config import ServeConfig
+    eng = AsyncEngine(core, loaded.tokenizer, "tiny-vlm", TEMPLATE)
+    eng.start()
+    srv = ServerThread(eng, ServeConfig(max_images_per_request=2))
+    yield srv
+    srv.close()
+    eng.shutdown()
+
+
+def _chat(server, parts: list, **kw):
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return client.chat.completions.create(
+        model="tiny-vlm", messages=[{"role": "user", "content": parts}], max_tokens=6,
+        temperature=0, **kw)
+
+
+def _data_url(png: bytes) -> dict:
+    import base64
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+
+
+def test_server_reads_data_url_images(server):
+    text = {"type": "text", "text": "w40 w41 w42"}
+    a1, b, a2 = (_chat(server, [text, _data_url(_png(seed, (32, 40, 3)))], logprobs=True)
+                 for seed in (20, 21, 20))
+
+    def first_logprob(r):
+        return r.choices[0].logprobs.content[0].logprob
+    assert a1.choices[0].message.content == a2.choices[0].message.content
+    assert first_logprob(a1) == pytest.approx(first_logprob(a2), abs=1e-5)
+    assert first_logprob(a1) != pytest.approx(first_logprob(b), abs=1e-3)
+    assert a1.usage.prompt_tokens == b.usage.prompt_tokens > 4     # the image's 4 tokens
+    assert a2.usage.prompt_tokens_details.cached_tokens > \
+        b.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("part, message", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+     "does not fetch remote images"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+     "not an image"),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+     "--allowed-local-media-path"),
+    ({"type": "image_url", "image_url": {}}, "needs a 'url'"),
+])
+def test_server_refuses_a_bad_image_naming_the_part(server, part, message):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(server, [{"type": "text", "text": "w40"}, part])
+    assert message in str(e.value) and "messages[0].content[1]" in str(e.value)
+
+
+def test_server_limits_images_per_request(server):
+    import openai
+    image = _data_url(_png(22, (32, 32, 3)))
+    with pytest.raises(openai.BadRequestError, match="--max-images-per-request"):
+        _chat(server, [image, image, image])

@@ -84,6 +84,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.model_aliases = tuple(model_aliases)   # other ids requests may name the model by
         self.chat_template = chat_template
+        self.vision = core.model.vision      # an image-text model's (maxjax/models/vision.py)
         self.max_length = core.max_length
         check_max_pending(max_pending_requests)
         self.max_pending_requests = max_pending_requests
@@ -185,8 +186,8 @@ class AsyncEngine:
     def _hand_over(self, cmd) -> None:
         """An add/embed command from the intake to the scheduler."""
         if cmd[0] == "add":
-            _, rid, prompt, params, salt, grammar, lora, fut = cmd
-            _settle(fut, self.core.add_request, rid, prompt, params, salt, grammar, lora)
+            _, rid, prompt, params, salt, grammar, lora, images, fut = cmd
+            _settle(fut, self.core.add_request, rid, prompt, params, salt, grammar, lora, images)
         else:
             _, rid, prompt, pooling, lora, fut = cmd
             _settle(fut, self.core.add_embedding, rid, prompt, pooling, lora)
@@ -306,15 +307,15 @@ class AsyncEngine:
         return out.embedding
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None,
-                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora: str | None = None,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
         q = self._open_stream(request_id)
         finished = False
         try:
             grammar = await self._compile(params)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt,
-                                grammar, lora, fut))
+                                grammar, lora, images, fut))
             await asyncio.wrap_future(fut)
             while not finished:
                 batch = [await q.get()]

@@ -35,6 +35,7 @@ class ReplicatedEngine:
         self.tokenizer, self.model_name = first.tokenizer, first.model_name
         self.model_aliases = first.model_aliases
         self.chat_template, self.max_length = first.chat_template, first.max_length
+        self.vision = first.vision
         self.in_flight = [0] * len(replicas)
         self.routed = [0] * len(replicas)          # requests sent to each replica
         self.prefix_routed = [0] * len(replicas)   # ... of which for a cached prefix
@@ -93,8 +94,8 @@ class ReplicatedEngine:
 
     # ---- EngineClient -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None,
-                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora: str | None = None,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
         if lora is not None:
             raise RequestError("model", "LoRA is off on this server (--enable-lora)")
         i = self.route(prompt_token_ids, params, cache_salt)
@@ -102,7 +103,7 @@ class ReplicatedEngine:
         self.in_flight[i] += 1
         try:
             async for out in self.replicas[i].generate(request_id, prompt_token_ids, params,
-                                                       cache_salt):
+                                                       cache_salt, images=images):
                 yield out
         finally:
             self.in_flight[i] -= 1
