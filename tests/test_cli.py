@@ -65,8 +65,13 @@ def test_list(capsys):
     names = {a["name"] for a in json.loads(out)}
     assert code == 0 and {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "MistralForCausalLM", "Gemma3ForCausalLM"} <= names
+    rows = {a["name"]: a for a in json.loads(out)}
+    assert rows["Gemma3ForConditionalGeneration"]["tasks"] == ["text", "vision"]
+    assert rows["LlamaForCausalLM"]["loaders"] == ["hf", "gguf"]
+    assert "q4_k" in rows["LlamaForCausalLM"]["encodings"]
+    assert "q4_k" not in rows["GptOssForCausalLM"]["encodings"]
     code, out, _ = run_cli(capsys, "list")
-    assert code == 0 and "Gemma3ForCausalLM" in out
+    assert code == 0 and "Gemma3ForCausalLM" in out and "text+vision" in out
 
 
 def test_no_traceback_from_a_real_process(tmp_path):

@@ -74,15 +74,26 @@ def cmd_list(args) -> int:
     from maxjax.models import registry
     for spec in getattr(args, "custom_architectures", None) or []:
         registry.register_custom(spec)
-    archs = registry.architectures()
+    from maxjax.models import quantize
+    archs = sorted(registry.architectures().values(), key=lambda a: a.name)
+
+    def facts(a) -> dict:
+        """What a family serves: its tasks, the loaders that read it, its encodings (4-bit
+        blocks come from GGUF files only)."""
+        return {"name": a.name, "tasks": ["text", "vision"] if a.vision else ["text"],
+                "loaders": ["hf", "gguf"] if a.gguf_archs else ["hf"],
+                "encodings": list(quantize.ENCODINGS if a.gguf_archs else
+                                  (*quantize.FLOAT_ENCODINGS, "int8")),
+                "gguf_archs": list(a.gguf_archs), "description": a.description}
+    rows = [facts(a) for a in archs]
     if args.json:
-        print(json.dumps([{"name": a.name, "gguf_archs": list(a.gguf_archs),
-                           "description": a.description} for a in archs.values()], indent=2))
-    else:
-        width = max(len(n) for n in archs)
-        for a in archs.values():
-            gguf = f"  [gguf: {', '.join(a.gguf_archs)}]" if a.gguf_archs else ""
-            print(f"{a.name:<{width}}  {a.description}{gguf}")
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        gguf = f" [gguf: {', '.join(r['gguf_archs'])}]" if r["gguf_archs"] else ""
+        print(f"{r['name']:<{width}}  {'+'.join(r['tasks']):<11}  {r['description']}{gguf}\n"
+              f"{'':<{width}}  encodings: {', '.join(r['encodings'])}")
     return 0
 
 
