@@ -60,7 +60,7 @@ class MessagesRequest(CountTokensRequest):
 
 # ---- content -------------------------------------------------------------------------------
 
-_UNSERVED = {"image": "image input", "document": "document input",
+_UNSERVED = {"document": "document input",
              "search_result": "search results", "container_upload": "container uploads"}
 
 
@@ -69,7 +69,29 @@ def _refuse_block(param: str, kind) -> APIError:
     if what:
         return _bad(f"{param}.type", f"{what} ({kind!r} blocks) is not supported by this server")
     return _bad(f"{param}.type", f"content block type {kind!r} is not supported here (text, "
-                                 "tool_use, tool_result and thinking are)")
+                                 "image, tool_use, tool_result and thinking are)")
+
+
+def _image_part(block: dict, param: str) -> dict:
+    """An image block as a chat `image_url` part: base64 as a data: URL (a url source stays a
+    URL, which the chat path refuses: nothing is fetched)."""
+    src = block.get("source")
+    if isinstance(src, dict) and src.get("type") == "base64" and \
+            isinstance(src.get("data"), str) and isinstance(src.get("media_type"), str):
+        url = f"data:{src['media_type']};base64,{src['data']}"
+    elif isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
+        url = src["url"]
+    else:
+        raise _bad(f"{param}.source", "an image block needs a base64 source (type, media_type, "
+                                      "data) or a url source")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_content(parts: list) -> str | list:
+    """A user message's content: its texts joined, or (with an image) chat content parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
 def _text(block: dict, param: str) -> str:
@@ -103,10 +125,12 @@ def _user(m: AnthropicMessage, i: int) -> list[dict]:
         p = f"messages[{i}].content[{j}]"
         kind = b.get("type")
         if kind == "text":
-            texts.append(_text(b, p))
+            texts.append({"type": "text", "text": _text(b, p)})
+        elif kind == "image":
+            texts.append(_image_part(b, p))
         elif kind == "tool_result":
             if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
+                out.append({"role": "user", "content": _user_content(texts)})
                 texts = []
             if not isinstance(b.get("tool_use_id"), str):
                 raise _bad(f"{p}.tool_use_id", "a tool_result block needs the tool_use id")
@@ -117,7 +141,7 @@ def _user(m: AnthropicMessage, i: int) -> list[dict]:
         else:
             raise _refuse_block(p, kind)
     if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append({"role": "user", "content": _user_content(texts)})
     return out
 
 

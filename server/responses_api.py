@@ -104,7 +104,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     async with contextlib.AsyncExitStack() as stack:
         try:
             try:
-                chat = to_chat(req, prior)
+                chat = to_chat(req, prior, getattr(st.engine, "vision", None) is not None)
             except ValidationError as e:
                 raise validation_error(e) from None
             turn = await ChatTurn.prepare(st, chat, rid, t0, lora)

@@ -97,16 +97,23 @@ _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text",
                "refusal": "refusal", "summary_text": "text", "reasoning_text": "text"}
 
 
-def _text(content, param: str, allow_none: bool = False) -> str | None:
-    """A message's (or tool output's) content as text: a string, or text parts."""
+def _text(content, param: str, allow_none: bool = False, images: bool = False):
+    """A message's (or tool output's) content as text: a string, or text parts; `images` (a
+    user message): with an input_image part, chat content parts (text and image_url)."""
     if isinstance(content, str) or (content is None and allow_none):
         return content
     if not isinstance(content, list):
         raise _bad(param, "must be a string or a list of content parts")
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         key = _TEXT_PARTS.get(kind)
+        if kind == "input_image" and images:
+            if not isinstance(part.get("image_url"), str):
+                raise _bad(f"{param}[{j}].image_url", "an input_image needs an image_url "
+                                                      "(a data: URL; file_id is not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
         if key is None:
             what = {"input_image": "image inputs", "input_file": "file inputs",
                     "input_audio": "audio inputs"}.get(kind)
@@ -115,6 +122,9 @@ def _text(content, param: str, allow_none: bool = False) -> str | None:
         if not isinstance(part.get(key), str):
             raise _bad(f"{param}[{j}].{key}", "must be a string")
         texts.append(part[key])
+        parts.append({"type": "text", "text": part[key]})
+    if len(parts) > len(texts):
+        return parts
     return "\n".join(texts)
 
 
@@ -124,7 +134,7 @@ def _string(it: dict, key: str, param: str) -> str:
     return it[key]
 
 
-def item_messages(items: list, where) -> list[dict]:
+def item_messages(items: list, where, images: bool = False) -> list[dict]:
     """Input items -> chat messages; `where(i)` names item i in an error. A function_call joins
     the assistant message before it; reasoning items are dropped (the template re-renders none)."""
     msgs: list[dict] = []
@@ -138,7 +148,8 @@ def item_messages(items: list, where) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{p}.role", f"{role!r}: must be user, system, developer or "
                                         "assistant")
-            msgs.append({"role": role, "content": _text(it.get("content"), f"{p}.content")})
+            msgs.append({"role": role, "content": _text(it.get("content"), f"{p}.content",
+                                                        images=images and role == "user")})
         elif kind == "function_call":
             call = {"id": _string(it, "call_id", p), "type": "function",
                     "function": {"name": _string(it, "name", p),
@@ -204,13 +215,16 @@ def _response_format(text: dict | None) -> dict | None:
     raise _bad("text.format.type", f"{kind!r} is not supported (text, json_object, json_schema)")
 
 
-def to_chat(req: ResponsesRequest, prior: list[dict]) -> ChatCompletionRequest:
+def to_chat(req: ResponsesRequest, prior: list[dict], images: bool = False
+            ) -> ChatCompletionRequest:
     """The chat request this Responses request is: `prior` (the stored conversation of
-    previous_response_id) then the input, after `instructions` as a system message."""
+    previous_response_id) then the input, after `instructions` as a system message. `images`:
+    the model reads images (input_image parts become image_url parts)."""
     items = input_items(req)
     n = len(prior)
     msgs = item_messages(prior + items, lambda i: "previous_response_id" if i < n else
-                         (f"input[{i - n}]" if isinstance(req.input, list) else "input"))
+                         (f"input[{i - n}]" if isinstance(req.input, list) else "input"),
+                         images)
     if req.instructions:
         msgs.insert(0, {"role": "system", "content": req.instructions})
     if not msgs:

@@ -281,3 +281,29 @@ def test_server_limits_images_per_request(server):
     image = _data_url(_png(22, (32, 32, 3)))
     with pytest.raises(openai.BadRequestError, match="--max-images-per-request"):
         _chat(server, [image, image, image])
+
+
+def test_responses_and_messages_apis_take_images(server):
+    """The Responses API's input_image and the Anthropic Messages API's image block reach the
+    model as the chat API's image_url does: the same prompt, the same first logprob."""
+    import base64
+
+    import anthropic
+    import openai
+    png = _png(23, (32, 32, 3))
+    b64 = base64.b64encode(png).decode()
+    chat = _chat(server, [{"type": "text", "text": "w40"}, _data_url(png)], logprobs=True)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    resp = client.responses.create(model="tiny-vlm", max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "w40"},
+                                     {"type": "input_image",
+                                      "image_url": f"data:image/png;base64,{b64}"}]}])
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    msg = anthropic.Anthropic(base_url=server.url, api_key="k", max_retries=0).messages.create(
+        model="tiny-vlm", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "w40"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64}}]}])
+    assert msg.content[0].text == chat.choices[0].message.content
+    assert msg.usage.input_tokens == chat.usage.prompt_tokens
