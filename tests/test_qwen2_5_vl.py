@@ -192,3 +192,21 @@ def test_prompt_logprobs_match_transformers(checkpoint, loaded, core):
     err = np.abs(mine - want).max()
     print(f"prompt logprobs max abs err: {err:.2e}")
     np.testing.assert_allclose(mine, want, atol=1e-3)
+
+
+def test_recomputed_after_preemption_matches_transformers(checkpoint, core, batch):
+    """A request preempted mid-decode (its K/V and the prefix cache gone) recomputes its prompt
+    and its tokens so far at the same rope positions."""
+    requests, pngs = batch
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    core.add_request("pre", *requests["b"][:1], greedy, images=requests["b"][1])
+    tokens: list = []
+    preempted = False
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.extend(out.new_token_ids)
+        if len(tokens) >= 5 and not preempted:
+            core.scheduler.preempt_running()
+            core.block_manager.reset_prefix_cache()
+            preempted = True
+    assert preempted and tokens == _hf_greedy(checkpoint[0], requests["b"][0], pngs["b"])
