@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from maxjax.engine.types import SamplingParams
+from vlm_helpers import png as _png, write_word_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -22,27 +23,6 @@ PROCESSOR = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14,
                  temporal_patch_size=2)
 ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=96, num_kv_pages=48,
               kv_cache_page_size=8)
-
-
-def _write_tokenizer(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, IMAGE)}}
-    vocab.update({SPECIAL["image_token"]: IMAGE, SPECIAL["video_token"]: VIDEO,
-                  SPECIAL["vision_start_token"]: START, SPECIAL["vision_end_token"]: END})
-    vocab.update({f"w{i}": i for i in range(END + 1, VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", extra_special_tokens=SPECIAL).save_pretrained(path)
-
-
-def _png(seed: int, shape) -> bytes:
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +46,9 @@ def checkpoint(tmp_path_factory):
             p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
     path = tmp_path_factory.mktemp("qwen2_5_vl")
     model.save_pretrained(path)
-    _write_tokenizer(path)
+    write_word_tokenizer(path, VOCAB, SPECIAL, {"image_token": IMAGE, "video_token": VIDEO,
+                                                "vision_start_token": START,
+                                                "vision_end_token": END})
     transformers.Qwen2VLImageProcessor(**PROCESSOR).save_pretrained(path)
     return model, path
 
