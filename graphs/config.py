@@ -88,6 +88,9 @@ class ModelConfig:
     # (Gemma 3) rather than causally. Its step graphs take the image inputs (graphs/step.py).
     image_token_id: int | None = field(default=None, metadata=_OMIT_DEFAULT)
     bidirectional_images: bool = field(default=False, metadata=_OMIT_DEFAULT)
+    # Qwen2.5-VL's M-RoPE (graphs/mrope.py): the rope frequencies split into (temporal, height,
+    # width) bands, each turned by its own row of the step's `rope_positions`; None: 1-D rope.
+    mrope_section: tuple[int, ...] | None = field(default=None, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:

@@ -24,6 +24,7 @@ from maxjax.graphs import lora
 from maxjax.graphs import moe
 from maxjax.graphs import quant
 from maxjax.graphs import sharding
+from maxjax.graphs.mrope import mrope_cos_sin
 from maxjax.graphs.sharding import ArraySpec
 from maxjax.graphs.step import StepInputs
 
@@ -165,8 +166,12 @@ def hidden_states(cfg: ModelConfig, params: dict, kv: KV, step: StepInputs):
     inv_g = L.rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling)
     local_theta = cfg.rope_local_theta or cfg.rope_theta
     inv_l = L.rope_inv_freq(rot_dim, local_theta, None)
-    rope = (L.rope_cos_sin(step.positions, inv_g, L.rope_attention_factor(cfg.rope_scaling)),
-            L.rope_cos_sin(step.positions, inv_l))
+    if cfg.mrope_section:             # Qwen2.5-VL: images' tokens turn by their grid place
+        mrope = mrope_cos_sin(step.rope_positions, inv_g, cfg.mrope_section)
+        rope = (mrope, mrope)
+    else:
+        rope = (L.rope_cos_sin(step.positions, inv_g, L.rope_attention_factor(cfg.rope_scaling)),
+                L.rope_cos_sin(step.positions, inv_l))
     adapters = params.get("lora")     # present when the engine serves LoRA (graphs/lora.py)
     if adapters:
         onehot = lora.slot_onehot(step.lora_slot, adapters[0]["wo"]["a"].shape[1], h.dtype)

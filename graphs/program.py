@@ -121,7 +121,8 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, h
     specs = []
     for b in sorted(buckets):
         step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend,
-                                lora="lora" in params, embeds=image_embeds(cfg, params))
+                                lora="lora" in params, embeds=image_embeds(cfg, params),
+                                mrope=cfg.mrope_section is not None)
         samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
         if mesh is not None:      # per-step inputs are replicated: every device reads them whole
             step, samp = (_on(x, sharding.replicated(mesh)) for x in (step, samp))

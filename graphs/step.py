@@ -21,7 +21,9 @@ backend's own metadata, `attn` (graphs/attention.py), built with the rest of the
 A model that reads images (graphs/vision.py) takes three more per-token inputs: `embeds`, the
 image embeddings that replace the token embeddings where `embed_mask` is set, and `visible_end`,
 the last position each token attends to (its own position; for Gemma 3's image tokens, their
-image's last one: an image attends to itself both ways).
+image's last one: an image attends to itself both ways). A model with M-RoPE (Qwen2.5-VL) takes
+`rope_positions`, each token's (temporal, height, width) rope positions; `positions` stays its
+place in the sequence, which the KV writes and the attention masks read.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class StepInputs:
     embeds: Any = None        # [T, hidden] image embeddings (compute dtype); None: text only
     embed_mask: Any = None    # bool[T]   token slots that take `embeds`
     visible_end: Any = None   # int32[T]  last position each token attends to
+    rope_positions: Any = None  # int32[3, T] M-RoPE positions (cfg.mrope_section); None: 1-D
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -75,13 +78,15 @@ class RowSlice:
     embeds: Any = None        # [k, hidden] per token, its image embedding, or None
     embed_mask: Any = None    # bool[k] the tokens that take `embeds`
     visible_end: Any = None   # int[k] per token, the last position it sees (None: its own)
+    rope_positions: Any = None  # int[3, k] its M-RoPE positions (None: its position, 3 times)
 
 
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
                      num_samples: int | None = None,
                      backend: AttentionBackend | None = None, lora: bool = False,
-                     embeds: tuple | None = None) -> StepInputs:
-    """`embeds`: (hidden size, dtype) of a model that reads images; None: text only."""
+                     embeds: tuple | None = None, mrope: bool = False) -> StepInputs:
+    """`embeds`: (hidden size, dtype) of a model that reads images; None: text only.
+    `mrope`: the step takes `rope_positions` (a model with cfg.mrope_section)."""
     i32 = np.int32
     backend = backend or backend_for()
     return StepInputs(
@@ -95,6 +100,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
         token_row=jax.ShapeDtypeStruct((num_tokens,), i32),
         lora_slot=jax.ShapeDtypeStruct((num_tokens,), i32) if lora else None,
         **(_embed_specs(num_tokens, *embeds) if embeds else {}),
+        rope_positions=jax.ShapeDtypeStruct((3, num_tokens), i32) if mrope else None,
     )
 
 
@@ -107,10 +113,10 @@ def _embed_specs(num_tokens: int, dim: int, dtype) -> dict:
 def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, max_pages: int,
                       page_size: int, num_samples: int | None = None,
                       backend: AttentionBackend | None = None, lora: bool = False,
-                      embeds: tuple | None = None) -> StepInputs:
+                      embeds: tuple | None = None, mrope: bool = False) -> StepInputs:
     """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
     bucket. `lora`: fill `lora_slot` (padding tokens: slot 0); `embeds`: (hidden size, dtype),
-    fill the image inputs (`step_input_specs`)."""
+    fill the image inputs (`step_input_specs`); `mrope`: fill `rope_positions`."""
     n = sum(len(r.token_ids) for r in rows)
     num_samples = num_samples or num_rows
     n_samples = sum(r.num_samples for r in rows)
@@ -153,7 +159,21 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     if embeds:
         step.embeds, step.embed_mask, step.visible_end = _image_inputs(rows, positions, n,
                                                                        *embeds)
+    if mrope:
+        step.rope_positions = _rope_positions(rows, positions)
     return step
+
+
+def _rope_positions(rows: Sequence[RowSlice], positions):
+    """int32 [3, T]: each token's position on all three rows, but for rows that carry theirs."""
+    rope = np.tile(positions, (3, 1))
+    t = 0
+    for row in rows:
+        k = len(row.token_ids)
+        if getattr(row, "rope_positions", None) is not None:
+            rope[:, t:t + k] = row.rope_positions
+        t += k
+    return rope
 
 
 def _image_inputs(rows: Sequence[RowSlice], positions, n: int, dim: int, dtype):

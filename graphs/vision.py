@@ -47,6 +47,12 @@ class VisionSpec:
     expand_prompt: Callable[[Any, Any, str, list], str]
     max_size: Callable[[Any], int]                           # vcfg -> the largest image's size
     description: str = ""
+    # (vcfg, transformers image processor) -> vcfg with what the processor decides (e.g. the
+    # largest image it makes); None: the config.json says it all.
+    with_processor: Callable[[Any, Any], Any] | None = None
+    # M-RoPE (ModelConfig.mrope_section): (vcfg, prompt token ids, [ImageFeatures]) -> (int32
+    # [3, n] rope positions of the prompt, delta): token i >= n turns at i + delta on all rows.
+    rope_positions: Callable[[Any, Any, list], tuple] | None = None
 
 
 def placeholder_runs(token_ids, image_token_id: int) -> list[tuple[int, int]]:

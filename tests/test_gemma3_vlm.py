@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from maxjax.engine.types import SamplingParams
+from vlm_helpers import png as _png, write_word_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -21,28 +22,6 @@ SPECIAL = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
            "eoi_token": "<end_of_image>"}
 ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=96, num_kv_pages=48,
               kv_cache_page_size=8)
-
-
-def _write_tokenizer(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    vocab.update({SPECIAL["image_token"]: IMAGE, SPECIAL["boi_token"]: BOI,
-                  SPECIAL["eoi_token"]: EOI})
-    for name in ("w250", "w251", "w252"):
-        del vocab[name]
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", extra_special_tokens=SPECIAL).save_pretrained(path)
-
-
-def _png(seed: int, shape) -> bytes:
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +45,8 @@ def checkpoint(tmp_path_factory):
             p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
     path = tmp_path_factory.mktemp("gemma3_vlm")
     model.save_pretrained(path)
-    _write_tokenizer(path)
+    write_word_tokenizer(path, VOCAB, SPECIAL, {"image_token": IMAGE, "boi_token": BOI,
+                                                "eoi_token": EOI})
     Gemma3ImageProcessor(size={"height": 32, "width": 32},
                          do_pan_and_scan=False).save_pretrained(path)
     return model, path

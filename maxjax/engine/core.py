@@ -30,7 +30,7 @@ from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
 from maxjax.engine.stats import EngineStats, SpecStats
 from maxjax.engine.types import FinishReason, PoolingParams, RequestOutput, SamplingParams
-from maxjax.engine.vision import ImageEncoder, image_rows
+from maxjax.engine.vision import ImageEncoder, image_rows, rope_rows
 from maxjax.engine.validate import EngineLimits, check_embedding_input, check_request
 from maxjax.errors import RequestError, UserError
 from maxjax.graphs.step import RowSlice
@@ -150,6 +150,8 @@ class EngineCore:
                 raise RequestError("messages", "this model does not read images")
             req.images = self.images.spans(req.prompt_token_ids, images, self.model.config,
                                            self.cfg.max_batch_input_tokens)
+            req.rope_positions, req.rope_delta = self.images.rope_positions(
+                req.prompt_token_ids, images)
         spec = params.structured_output
         if spec is not None:
             if self.grammars is None:
@@ -282,6 +284,9 @@ class EngineCore:
         if req.images:
             rs.embeds, rs.embed_mask, rs.visible_end = image_rows(req.images, row.start_pos,
                                                                   len(row.token_ids))
+        if req.rope_positions is not None:
+            rs.rope_positions = rope_rows(req.rope_positions, req.rope_delta, row.start_pos,
+                                          len(row.token_ids))
         return RowRequest(rs,
                           req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed,
                           pool=req.is_embedding)

@@ -54,6 +54,10 @@ class Request:
     pool_sum: np.ndarray | None = None    # f64[H] sum over its computed prompt tokens
     pool_last: np.ndarray | None = None   # f32[H] at its last computed token
     images: list = field(default_factory=list)   # its prompt's ImageSpans (engine/vision.py)
+    # M-RoPE with images: the prompt's [3, n] rope positions, and the delta every later token's
+    # position takes (engine/vision.py `rope_rows`); None: each token's position on all rows.
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)   # proposed next tokens, unverified

@@ -116,6 +116,7 @@ class ModelRunner:
         self.eos = tuple(self.cfg.eos_token_ids)
         self.attention = backend_named(attention) if attention else backend_for()
         self.embeds = image_embeds(self.cfg, model.params)
+        self.mrope = self.cfg.mrope_section is not None
 
     @property
     def kv(self) -> tuple:
@@ -165,7 +166,7 @@ class ModelRunner:
                 RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
             step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size,
                                      b.num_samples, self.attention, self.lora is not None,
-                                     self.embeds)
+                                     self.embeds, mrope=self.mrope)
             for params in (greedy, sampled):
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
                                                       b.num_samples, self.history_len, self.eos,
@@ -180,7 +181,7 @@ class ModelRunner:
         bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
                                  self.max_pages, self.page_size, bucket.num_samples, self.attention,
-                                 self.lora is not None, self.embeds)
+                                 self.lora is not None, self.embeds, mrope=self.mrope)
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()

@@ -104,6 +104,24 @@ class ImageEncoder:
         return [ImageSpan(start, n, im.key, self.embed(im), cfg.bidirectional_images)
                 for (start, n), im in zip(runs, images)]
 
+    def rope_positions(self, prompt_token_ids, images: list) -> tuple:
+        """(int32 [3, n], delta) M-RoPE positions of a prompt with these images (a model with
+        cfg.mrope_section), or (None, 0): its positions are its tokens' places."""
+        if self.spec.rope_positions is None:
+            return None, 0
+        return self.spec.rope_positions(self.config, prompt_token_ids,
+                                        [im.features for im in images])
+
+
+def rope_rows(positions: np.ndarray, delta: int, start: int, n: int) -> np.ndarray:
+    """int32 [3, n] M-RoPE positions of tokens [start, start + n) of a sequence whose prompt's
+    are `positions` [3, len(prompt)]: a token past the prompt at index + delta on all rows."""
+    prompt = positions.shape[1]
+    out = np.tile(np.arange(start, start + n, dtype=np.int32) + delta, (3, 1))
+    a, b = min(start, prompt), min(start + n, prompt)
+    out[:, a - start:b - start] = positions[:, a:b]
+    return out
+
 
 def image_rows(spans: list[ImageSpan], start: int, n: int):
     """(embeds [n, hidden], embed_mask bool[n], visible_end int[n]) of a row's tokens

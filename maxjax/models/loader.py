@@ -139,7 +139,8 @@ def load_vision_of(arch: Architecture, ckpt, reader, dtype: str, files):
     if files.is_gguf:
         raise UserError(f"{files.config}: {arch.name} from GGUF: its image encoder is not "
                         "read (serve the HF checkpoint)")
-    return load_vision(arch.vision, ckpt.hf["multimodal_config"], reader,
+    # a flat config.json (Qwen2.5-VL's hub checkpoints) is the text model's and the wrapper's
+    return load_vision(arch.vision, ckpt.hf.get("multimodal_config", ckpt.hf), reader,
                        DTYPES.get(dtype, jnp.float32), files.tokenizer)
 
 

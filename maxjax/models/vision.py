@@ -50,6 +50,8 @@ def load_vision(spec: VisionSpec, hf: dict, get, dtype, directory: str) -> Visio
     except Exception as e:
         raise UserError(f"{directory}: cannot load the image processor "
                         f"(preprocessor_config.json): {' '.join(str(e).split())}") from e
+    if spec.with_processor is not None:
+        vcfg = spec.with_processor(vcfg, processor)
     return VisionModel(spec, vcfg, spec.params_from_hf(vcfg, get, dtype), processor)
 
 

@@ -1,0 +1,31 @@
+"""What the image-text model tests share: PNG images made here, and a word tokenizer holding
+the checkpoint's image tokens at their config ids."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+
+def png(seed: int, shape) -> bytes:
+    """A random RGB image of `shape` (height, width, 3), as PNG bytes."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_word_tokenizer(path, vocab_size: int, special: dict, ids: dict) -> None:
+    """<unk>, <s>, </s> at 0-2, "w{i}" at each other id, and the special tokens (name ->
+    token) at `ids` (name -> id), saved to `path` as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    taken = set(ids.values())
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2,
+             **{f"w{i}": i for i in range(3, vocab_size) if i not in taken}}
+    vocab.update({special[name]: i for name, i in ids.items()})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", extra_special_tokens=special).save_pretrained(path)
