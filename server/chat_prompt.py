@@ -62,7 +62,7 @@ def _content_parts(content: list, i: int, images: list | None):
             continue
         if kind != "text" or not isinstance(part.get("text"), str):
             what = ("a text part needs a string 'text'" if kind == "text" else
-                    "this model does not read images" if kind == "image_url" else
+                    "image_url: this model does not read images" if kind == "image_url" else
                     f"content part type {kind!r} is not supported (only 'text'"
                     f"{' and image_url' if images is not None else ''})")
             raise APIError(400, f"{param}: {what}", param=f"{param}.type")

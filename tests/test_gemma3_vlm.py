@@ -281,9 +281,10 @@ def test_responses_and_messages_apis_take_images(server):
     assert resp.output_text == chat.choices[0].message.content
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
     msg = anthropic.Anthropic(base_url=server.url, api_key="k", max_retries=0).messages.create(
-        model="tiny-vlm", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
+        model="tiny-vlm", max_tokens=6, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [
             {"type": "text", "text": "w40"},
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": b64}}]}])
     assert msg.content[0].text == chat.choices[0].message.content
-    assert msg.usage.input_tokens == chat.usage.prompt_tokens
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens

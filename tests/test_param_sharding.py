@@ -14,7 +14,8 @@ import pytest
 
 TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "multimodal_config": {"image_token_id": 500}}   # what the image-text families read
 
 
 def _configs():
@@ -22,7 +23,9 @@ def _configs():
     parameter (lm_head, bqkv, q_norm/k_norm, post norms)."""
     from maxjax.models import registry
     archs = registry.architectures()
-    return [(arch, arch.config_from_hf({**TINY, "architectures": [name]}))
+    mrope = {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}   # head_dim 16
+    return [(arch, arch.config_from_hf({**TINY, "architectures": [name],
+                                        **(mrope if name.startswith("Qwen2_5_VL") else {})}))
             for name, arch in sorted(archs.items())]
 
 

@@ -18,7 +18,8 @@ from maxjax.models import registry
 BUILTINS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
             "Gemma3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
             "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-            "GptOssForCausalLM"}
+            "GptOssForCausalLM", "Gemma3ForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration"}
 
 
 # --- architectures ----------------------------------------------------------------------------
