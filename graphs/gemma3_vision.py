@@ -198,14 +198,32 @@ def _patchify(vcfg: VisionConfig, pixels):
     return x.reshape(b, g * g, c * p * p)
 
 
+_QUERY_CHUNK = 256    # queries per block of a long image's attention
+
+
+def _attention(q, k, v, scale: float):
+    """Full attention over an image's patches, [B, n, heads, hd], softmax in float32 as
+    transformers' eager attention. A long image (Gemma 3's 4096 patches) runs in blocks of
+    queries: 1.6x faster on XLA:CPU than one [heads, n, n] softmax (BENCHMARKS.md, images)."""
+    b, n, heads, hd = q.shape
+    if n < 4 * _QUERY_CHUNK or n % _QUERY_CHUNK:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale)
+    kt = k.astype(jnp.float32).transpose(0, 2, 3, 1)                    # [B, H, hd, n]
+    vt = v.astype(jnp.float32).transpose(0, 2, 1, 3)                    # [B, H, n, hd]
+    qc = (q.astype(jnp.float32) * scale).reshape(b, n // _QUERY_CHUNK, _QUERY_CHUNK, heads, hd)
+    qc = qc.transpose(1, 0, 3, 2, 4)                                    # [nc, B, H, C, hd]
+    out = jax.lax.map(lambda qb: jnp.matmul(jax.nn.softmax(jnp.matmul(qb, kt), axis=-1), vt),
+                      qc)                                               # [nc, B, H, C, hd]
+    return out.transpose(1, 0, 3, 2, 4).reshape(b, n, heads, hd).astype(q.dtype)
+
+
 def _encoder_layer(vcfg: VisionConfig, h, p):
     b, n, d = h.shape
     heads, eps = vcfg.num_heads, vcfg.layer_norm_eps
     x = _layer_norm(h, p["ln1_w"], p["ln1_b"], eps)
     qkv = linear(x, p["qkv_w"]) + p["qkv_b"]
     q, k, v = (t.reshape(b, n, heads, d // heads) for t in jnp.split(qkv, 3, axis=-1))
-    # the XLA form takes the logits and softmax in float32, as transformers' eager attention
-    attn = jax.nn.dot_product_attention(q, k, v, scale=(d // heads) ** -0.5)
+    attn = _attention(q, k, v, (d // heads) ** -0.5)
     h = h + linear(attn.reshape(b, n, d), p["o_w"]) + p["o_b"]
     x = _layer_norm(h, p["ln2_w"], p["ln2_b"], eps)
     x = activation(vcfg.hidden_act)(linear(x, p["fc1_w"]) + p["fc1_b"])

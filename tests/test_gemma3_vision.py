@@ -149,3 +149,12 @@ def test_bfloat16_params_give_bfloat16_tokens(checkpoint, loaded):
     assert got.dtype == jax.numpy.bfloat16
     rel = np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max()
     assert rel < 5e-2, rel
+
+
+def test_long_images_attend_in_query_blocks_with_the_same_result():
+    """Gemma 3's 4096 patches take the blocked attention; it equals one softmax."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jax.numpy.asarray(rng.standard_normal((2, 1024, 4, 16), np.float32))
+               for _ in range(3))
+    want = jax.nn.dot_product_attention(q, k, v, scale=0.25)
+    np.testing.assert_allclose(gv._attention(q, k, v, 0.25), want, atol=1e-5)

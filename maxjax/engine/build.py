@@ -203,7 +203,8 @@ def _from_cache(model, plan: EnginePlan, limit: int, progress: bool, early=None,
         prefetch.remember(cache.directory(), request, path)
     if loaded is not None:
         return loaded
-    n = len(plan.layout.buckets) + 1
+    from maxjax.aot import graphs
+    n = len(graphs.graph_specs(model, plan.layout))
     if progress:
         log.info("Compiling %d graphs (not in the compile cache yet: storing them in %s)", n,
                  path)
@@ -215,7 +216,6 @@ def _from_cache(model, plan: EnginePlan, limit: int, progress: bool, early=None,
         log.warning("compile cache: cannot write %s (%s); compiling without it", path, e)
         return ()
     cache.evict(limit, keep=path)
-    from maxjax.aot import graphs
     return graphs.engine_graphs(compiled, model, plan.layout)
 
 

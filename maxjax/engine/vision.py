@@ -70,7 +70,8 @@ class ImageEncoder:
         for s in self.sizes:
             if s >= size:
                 return s
-        raise ValueError(f"an image of size {size} is over the largest bucket {self.sizes[-1]}")
+        raise RequestError("messages", f"an image of size {size} is over the largest this model "
+                                       f"encodes ({self.sizes[-1]})")
 
     def embed(self, image) -> np.ndarray:
         """[num_tokens, hidden] embeddings of one ImageInput."""

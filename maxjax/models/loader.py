@@ -114,7 +114,9 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
         tokenizing = pool.submit(make_tokenizer)
         vision = None
         if arch.vision is not None:
-            vision = load_vision_of(arch, ckpt, reader, dtype, files)
+            from maxjax.models import vision as vm
+            processing = pool.submit(vm.image_processor, files.tokenizer)
+            vcfg, vparams = vision_weights_of(arch, ckpt, reader, dtype, files)
         stored = params_source(arch, cfg, dtype, path) if params_source else None
         if stored is not None:
             cfg, params = stored
@@ -123,6 +125,8 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
         else:
             params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
         tokenizer = tokenizing.result()
+        if arch.vision is not None:
+            vision = vm.vision_model(arch.vision, vcfg, vparams, processing.result())
     template = template or getattr(tokenizer, "chat_template", None)
     if not template and not files.is_gguf:
         template = jinja_template(files.tokenizer)
@@ -133,15 +137,16 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
                        served_name=src.model_path or EMBEDDED_NAME, vision=vision)
 
 
-def load_vision_of(arch: Architecture, ckpt, reader, dtype: str, files):
-    """The image encoder of an image-text checkpoint, in float (its activations' dtype)."""
-    from maxjax.models.vision import load_vision
+def vision_weights_of(arch: Architecture, ckpt, reader, dtype: str, files) -> tuple:
+    """The image encoder's (config, params) of an image-text checkpoint, in float (its
+    activations' dtype)."""
+    from maxjax.models.vision import vision_weights
     if files.is_gguf:
         raise UserError(f"{files.config}: {arch.name} from GGUF: its image encoder is not "
                         "read (serve the HF checkpoint)")
     # a flat config.json (Qwen2.5-VL's hub checkpoints) is the text model's and the wrapper's
-    return load_vision(arch.vision, ckpt.hf.get("multimodal_config", ckpt.hf), reader,
-                       DTYPES.get(dtype, jnp.float32), files.tokenizer)
+    return vision_weights(arch.vision, ckpt.hf.get("multimodal_config", ckpt.hf), reader,
+                          DTYPES.get(dtype, jnp.float32), files.config)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """An image-text model's image side on the host: its encoder's config and weights, its
 transformers image processor, and images from a request's bytes to encoder inputs.
 
-`load_vision` runs with the text weights' load (maxjax/models/loader.py); `read_image` turns one
+`vision_weights` and `image_processor` run with the text weights' load (maxjax/models/loader.py); `read_image` turns one
 image's bytes into `ImageInput` (decoded with Pillow, preprocessed by the checkpoint's own
 processor, keyed by a hash of its bytes so the prefix cache never mixes two images' K/V).
 """
@@ -37,22 +37,31 @@ class ImageInput:
         return self.features.num_tokens
 
 
-def load_vision(spec: VisionSpec, hf: dict, get, dtype, directory: str) -> VisionModel:
-    """The encoder of a checkpoint whose config.json is `hf` (the wrapper's, with vision_config),
-    `get(name)` reading its tensors, and its image processor from `directory`."""
-    from transformers import AutoImageProcessor
+def vision_weights(spec: VisionSpec, hf: dict, get, dtype, path: str) -> tuple:
+    """(vision config, params) of a checkpoint whose config.json is `hf` (the wrapper's, with
+    vision_config), `get(name)` reading its tensors."""
     try:
         vcfg = spec.config_from_hf(hf)
     except (KeyError, ValueError) as e:
-        raise UserError(f"{directory}: unsupported vision config: {e}") from e
+        raise UserError(f"{path}: unsupported vision config: {e}") from e
+    return vcfg, spec.params_from_hf(vcfg, get, dtype)
+
+
+def image_processor(directory: str):
+    """The checkpoint's transformers image processor (Pillow backend). Call it on the thread
+    that imports transformers' tokenizer: its lazy imports are not thread-safe."""
+    from transformers import AutoImageProcessor
     try:
-        processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
+        return AutoImageProcessor.from_pretrained(directory, backend="pil")
     except Exception as e:
         raise UserError(f"{directory}: cannot load the image processor "
                         f"(preprocessor_config.json): {' '.join(str(e).split())}") from e
+
+
+def vision_model(spec: VisionSpec, vcfg, params: dict, processor) -> VisionModel:
     if spec.with_processor is not None:
         vcfg = spec.with_processor(vcfg, processor)
-    return VisionModel(spec, vcfg, spec.params_from_hf(vcfg, get, dtype), processor)
+    return VisionModel(spec, vcfg, params, processor)
 
 
 def image_key(data: bytes) -> int:
@@ -73,8 +82,9 @@ def read_image(vision: VisionModel, data: bytes, max_pixels: int | None = None) 
     except ValueError:
         raise
     except Exception as e:
-        raise ValueError(f"not an image this server can read: {' '.join(str(e).split())}") \
-            from None
+        why = "its format is not one Pillow reads" if type(e).__name__ == \
+            "UnidentifiedImageError" else " ".join(str(e).split())
+        raise ValueError(f"not an image this server can read: {why}") from None
     features = vision.spec.preprocess(vision.config, vision.processor, image)
     return ImageInput(features, image_key(data))
 
