@@ -48,7 +48,7 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
     msg = raises_one_line("unsupported architecture 'FooForCausalLM'", load_model, str(tmp_path),
                           "float32")
-    assert "LlamaForCausalLM" in msg and "--custom-architectures" in msg
+    assert "Llama" in msg and "...ForCausalLM" in msg and "--custom-architectures" in msg
 
 
 def test_config_without_architectures(tmp_path):

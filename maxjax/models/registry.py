@@ -39,8 +39,18 @@ def get_architecture(name: str) -> Architecture:
     archs = architectures()
     if name not in archs:
         raise UserError(f"unsupported architecture {name!r}: not found in registry (supported: "
-                        f"{', '.join(sorted(archs))}; add one with --custom-architectures)")
+                        f"{_grouped(archs)}; "
+                        "`maxjax list` says more; add one with --custom-architectures)")
     return archs[name]
+
+
+def _grouped(names) -> str:
+    """Architecture names by their suffix, one line: `Gemma3, Llama ...ForCausalLM`."""
+    groups: dict[str, list[str]] = {}
+    for n in sorted(names):
+        stem, sep, suffix = n.partition("For")
+        groups.setdefault(sep + suffix, []).append(stem)
+    return "; ".join(f"{', '.join(stems)} ...{suffix}" for suffix, stems in groups.items())
 
 
 def for_gguf_arch(gguf_arch: str) -> Architecture:
