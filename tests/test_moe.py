@@ -260,32 +260,6 @@ def test_expert_parallel_2_by_tensor_parallel_2_equals_one_device(checkpoint, qu
                                rtol=1e-4, atol=1e-4)
 
 
-def test_ep_size_serves_the_same_tokens_as_one_device(checkpoint):
-    """The engine (build_core through LLM) with --devices cpu:4 --ep-size 2: the params on the
-    2-D mesh, the same greedy tokens as one device."""
-    from maxjax.engine.types import SamplingParams
-    from maxjax.llm import LLM
-    from maxjax.models.loader import load_model
-    _, path = checkpoint
-    if "mixtral" in path:
-        pytest.skip("one family through the engine; the graph-level tests cover both")
-    write_word_tokenizer(path, VOCAB)
-    model = load_model(path, "float32", progress=False)
-    engine = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
-                  kv_cache_page_size=8)
-    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = [p[:20] for p in _prompts()]
-    one = LLM(model, **engine).generate(prompts, greedy)
-    llm = LLM(model, devices="cpu:4", ep_size=2, **engine)
-    core = llm.core
-    stack = core.model.params["layers"][1]["experts_down"]
-    assert dict(stack.sharding.mesh.shape) == {sharding.EXPERT_AXIS: 2, sharding.MODEL_AXIS: 2}
-    assert stack.sharding.spec[:2] == (sharding.EXPERT_AXIS, sharding.MODEL_AXIS)
-    assert core.model.config.expert_mesh == (2, 2)
-    ep = llm.generate(prompts, greedy)
-    assert [o.token_ids for o in ep] == [o.token_ids for o in one]
-
-
 @pytest.mark.parametrize("devices,ep,why", [
     ("cpu:4", 3, "--ep-size 3 does not divide the 4 devices"),
     ("cpu", 2, "--ep-size 2 does not divide the 1 device "),
@@ -323,7 +297,9 @@ def test_ep_size_refusals_for_models(checkpoint):
 
 def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     """Through the loader and the engine (scheduler, buckets, sampling): the same greedy tokens
-    on one device and with the experts split over four (--devices cpu:4); int8 serves."""
+    on one device, with the experts split over four (--devices cpu:4), and on the 2-D mesh of
+    --ep-size 2 (experts over its expert axis, their intermediate and attention over its model
+    axis); int8 serves."""
     from maxjax.engine.types import SamplingParams
     from maxjax.llm import LLM
     from maxjax.models.loader import load_model
@@ -343,6 +319,12 @@ def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     assert llm.core.model.config.expert_shards == 4
     stack = llm.core.model.params["layers"][1]["experts_gate_up"]
     assert stack.sharding.spec[0] == sharding.MODEL_AXIS
+    llm = LLM(model, devices="cpu:4", ep_size=2, **engine)
+    stack = llm.core.model.params["layers"][1]["experts_down"]
+    assert dict(stack.sharding.mesh.shape) == {sharding.EXPERT_AXIS: 2, sharding.MODEL_AXIS: 2}
+    assert stack.sharding.spec[:2] == (sharding.EXPERT_AXIS, sharding.MODEL_AXIS)
+    assert llm.core.model.config.expert_mesh == (2, 2)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in one]
     # int8 through the loader and the engine (its CPU kernels pack the 2-D matrices only)
     int8 = LLM(load_model(path, "int8", progress=False), **engine)
     assert int8.core.model.params["layers"][1]["experts_down"].q.ndim == 3
