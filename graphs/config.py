@@ -76,6 +76,9 @@ class ModelConfig:
     # Expert parallelism (graphs/sharding.py `tensor_parallel_layout`): the expert stacks split
     # over this many devices of the mesh axis, each running the pairs routed to its experts.
     expert_shards: int = field(default=1, metadata=_OMIT_DEFAULT)
+    # --ep-size: the 2-D mesh (expert groups, model-axis devices) the experts are split over
+    # (graphs/sharding.py `expert_parallel_rules`); (): a 1-D mesh, or one device.
+    expert_mesh: tuple[int, ...] = field(default=(), metadata=_OMIT_DEFAULT)
     # gpt-oss: a learned per-head logit joining each softmax's denominator (`sinks` [heads]); a
     # bias on the output projection; biases on the router and the experts' projections; the
     # experts' clamped SwiGLU as (alpha, limit) (graphs/layers.py `glu`), None: act(gate) * up.
@@ -117,4 +120,4 @@ class ModelConfig:
 
 
 MOE_FIELDS = ("moe_layers", "num_experts", "experts_per_token", "expert_intermediate_size",
-              "norm_topk_prob", "expert_shards", "moe_bias", "clamped_swiglu")
+              "norm_topk_prob", "expert_shards", "expert_mesh", "moe_bias", "clamped_swiglu")

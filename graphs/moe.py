@@ -28,7 +28,8 @@ out as zeros.
 Expert parallelism: where graphs/sharding.py `tensor_parallel_rules` splits the "experts" axis
 over the mesh (`cfg.expert_shards` devices), the layer runs under shard_map: every device routes
 all tokens (x and the router are replicated), computes the pairs routed to its own E/n experts,
-and one psum adds the partial outputs.
+and one psum adds the partial outputs. With --ep-size the mesh is 2-D (`cfg.expert_mesh`): the
+experts over its expert axis and their intermediate over its model axis (`_expert_mesh`).
 """
 from __future__ import annotations
 
@@ -173,6 +174,8 @@ def moe_mlp(cfg, x, p, live=None, grouped=None):
         return _routed(cfg, x, router, experts, live, grouped)
     from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
     from maxjax.graphs.sharding import MODEL_AXIS
+    if cfg.expert_mesh:
+        return _expert_mesh(cfg, x, router, experts, live, grouped)
     n = cfg.expert_shards
     local = cfg.num_experts // n
 
@@ -183,6 +186,38 @@ def moe_mlp(cfg, x, p, live=None, grouped=None):
 
     mesh = AbstractMesh((n,), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(MODEL_AXIS), P()),
+                         out_specs=P(), check_vma=False)(x, router, experts, live)
+
+
+def _expert_mesh(cfg, x, router: dict, experts: dict, live, grouped):
+    """`moe_mlp` on the 2-D mesh of --ep-size (`cfg.expert_mesh`: (ep, tp)): each device holds
+    E/ep experts, each cut to its F/tp slice of the intermediate when that divides (its gate|up
+    block, graphs/sharding.py `tensor_parallel_layout`); the gated MLP is elementwise in F, so a
+    slice's down projection is a partial sum, and one psum over both axes makes it whole (over
+    the expert axis alone where the experts stay whole on the model axis)."""
+    from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+    from maxjax.graphs import sharding
+    ep, tp = cfg.expert_mesh
+    local = cfg.num_experts // ep
+    rules = sharding.expert_parallel_rules(cfg, tp, ep)
+    declared = layer_specs(cfg, {})
+    specs = quant.param_specs({k: declared[k] for k in experts}, experts)
+    split = rules["expert_mlp"] is not None
+    summed = (sharding.EXPERT_AXIS, sharding.MODEL_AXIS) if split else sharding.EXPERT_AXIS
+
+    def shard(x, router, experts, live):
+        first = jax.lax.axis_index(sharding.EXPERT_AXIS) * local
+        if split and "experts_down_bias" in experts:    # added once, not once per slice
+            first_slice = jax.lax.axis_index(sharding.MODEL_AXIS) == 0
+            experts = {**experts, "experts_down_bias":
+                       jnp.where(first_slice, experts["experts_down_bias"], 0)}
+        y = _routed(cfg, x, router, experts, live, grouped, first)
+        return jax.lax.psum(y, summed)
+
+    mesh = AbstractMesh((ep, tp), (sharding.EXPERT_AXIS, sharding.MODEL_AXIS),
+                        axis_types=(AxisType.Auto,) * 2)
+    return jax.shard_map(shard, mesh=mesh,
+                         in_specs=(P(), P(), sharding.partition_specs(specs, rules), P()),
                          out_specs=P(), check_vma=False)(x, router, experts, live)
 
 

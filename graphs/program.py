@@ -113,7 +113,7 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, h
     params, kv = abstract(params), abstract(kv)
     out_shardings = None
     if mesh is not None:
-        rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+        rules = sharding.mesh_rules(cfg, mesh)
         specs = quant.param_specs(arch.param_specs(cfg), params)
         params = _on(params, sharding.shardings(specs, mesh, rules))
         kv_sh = _kv_shardings(cfg, kv[0].shape[1], kv[0].shape[3], mesh)
@@ -140,7 +140,7 @@ def image_embeds(cfg, params) -> tuple | None:
 
 
 def _kv_shardings(cfg, num_pages: int, page_size: int, mesh):
-    rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+    rules = sharding.mesh_rules(cfg, mesh)
     return sharding.shardings(kv_pool_specs(cfg, num_pages, page_size), mesh, rules)
 
 

@@ -22,7 +22,12 @@ Logical axes of the decoder (graphs/decoder.py declares which array has which):
   experts   the expert axis of stacked expert weights; expert_gate_up / expert_mlp: their
             fused gate|up output and intermediate axes. `tensor_parallel_rules` splits experts
             whole over the mesh axis when their count divides (expert parallelism: each device
-            runs the pairs routed to its own experts, one all-reduce after), else replicates
+            runs the pairs routed to its own experts, one all-reduce after), else replicates.
+            With --ep-size E the mesh is 2-D, (EXPERT_AXIS E, MODEL_AXIS devices/E): the
+            experts split over the expert axis and each expert's intermediate (its fused
+            gate|up per device block, like gate_up) over the model axis, where that divides;
+            everything else splits over the model axis as on a 1-D mesh, replicated over the
+            expert axis (`expert_parallel_rules`)
 
 `TENSOR_PARALLEL` shards the fused axes too, in contiguous blocks. Laid out as they load (q, then
 k, then v), one device would hold q and the other k|v, and GSPMD would reshard after every
@@ -40,6 +45,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 MODEL_AXIS = "model"
+EXPERT_AXIS = "expert"
 
 Rules = Mapping[str, str | None]   # logical axis -> mesh axis name, None: replicated
 
@@ -107,17 +113,35 @@ def tensor_parallel_mesh(num_devices: int) -> jax.sharding.Mesh:
     return mesh_over(jax.devices()[:num_devices])
 
 
-def mesh_over(devices) -> jax.sharding.Mesh:
-    """A 1-D mesh over `devices`, in order, named `MODEL_AXIS`."""
+def mesh_over(devices, ep: int = 1) -> jax.sharding.Mesh:
+    """A 1-D mesh over `devices`, in order, named `MODEL_AXIS`; with `ep` > 1 (--ep-size) a 2-D
+    one, (EXPERT_AXIS ep, MODEL_AXIS len(devices) / ep), each expert group's devices adjacent."""
     # jax 0.10 makes Explicit axes by default, under which a matmul over a sharded contracting
     # dimension raises ShardingTypeError; Auto lets GSPMD insert the reduction.
-    return jax.sharding.Mesh(np.asarray(devices), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+    if ep == 1:
+        return jax.sharding.Mesh(np.asarray(devices), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+    grid = np.asarray(devices).reshape(ep, -1)
+    return jax.sharding.Mesh(grid, (EXPERT_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto,) * 2)
 
 
-def tensor_parallel_rules(cfg, degree: int) -> Rules:
+def mesh_degrees(mesh: jax.sharding.Mesh) -> tuple[int, int]:
+    """(tensor-parallel degree, expert-parallel degree) of a mesh from `mesh_over`."""
+    shape = dict(mesh.shape)
+    return shape[MODEL_AXIS], shape.get(EXPERT_AXIS, 1)
+
+
+def mesh_rules(cfg, mesh: jax.sharding.Mesh) -> Rules:
+    """The rules of a model config on a mesh from `mesh_over` (1-D or 2-D)."""
+    return tensor_parallel_rules(cfg, *mesh_degrees(mesh))
+
+
+def tensor_parallel_rules(cfg, degree: int, ep: int = 1) -> Rules:
     """`TENSOR_PARALLEL` for a model config at `degree` devices. Attention splits by heads when
     both head counts divide by `degree`, else it stays whole on every device (the KV pool
-    replicated: 3 kv heads on 2 devices); the MLP and the vocabulary split when they divide."""
+    replicated: 3 kv heads on 2 devices); the MLP and the vocabulary split when they divide.
+    `ep` > 1: `degree` is the model axis of a 2-D mesh (`expert_parallel_rules`)."""
+    if ep > 1:
+        return expert_parallel_rules(cfg, degree, ep)
     if degree == 1:
         return TENSOR_PARALLEL
     whole = []
@@ -132,19 +156,35 @@ def tensor_parallel_rules(cfg, degree: int) -> Rules:
     return {**TENSOR_PARALLEL, **{a: None for a in whole}, "experts": experts}
 
 
-def tensor_parallel_layout(cfg, params, degree: int):
-    """(config, params) for `degree` devices: the fused q|k|v and gate|up weights whose axis is
-    split reordered into per-device blocks (graphs/layers.py `split_fused`), which the config's
-    `qkv_shards` / `gate_up_shards` tell the graph (a QuantizedWeight: each of its arrays, all
-    [..., out]). Host arrays; `place` puts them on a mesh."""
+def expert_parallel_rules(cfg, tp: int, ep: int) -> Rules:
+    """The rules on a 2-D mesh (EXPERT_AXIS ep, MODEL_AXIS tp): attention, the dense MLP and
+    the vocabulary as `tensor_parallel_rules` at `tp` (replicated over the expert axis); the
+    expert stacks split over the expert axis (--ep-size divides the experts: plan.py checks),
+    and each expert's intermediate over the model axis when it divides by `tp`, else whole."""
+    split = tp > 1 and cfg.expert_intermediate_size % tp == 0
+    inner = MODEL_AXIS if split else None
+    return {**tensor_parallel_rules(cfg, tp), "experts": EXPERT_AXIS, "expert_gate_up": inner,
+            "expert_mlp": inner}
+
+
+def tensor_parallel_layout(cfg, params, degree: int, ep: int = 1):
+    """(config, params) for `degree` devices (`ep` > 1: the model axis of a 2-D mesh): the
+    fused q|k|v and gate|up weights whose axis is split reordered into per-device blocks
+    (graphs/layers.py `split_fused`), which the config's `qkv_shards` / `gate_up_shards` tell
+    the graph (a QuantizedWeight: each of its arrays, all [..., out]); on a 2-D mesh the experts'
+    fused gate|up too, and `expert_mesh` tells graphs/moe.py. Host arrays; `place` puts them on
+    a mesh."""
     import dataclasses
     from maxjax.graphs.layers import fuse_per_shard
-    rules = tensor_parallel_rules(cfg, degree)
+    rules = tensor_parallel_rules(cfg, degree, ep)
     qkv = degree if rules["qkv"] else 1
     gate_up = degree if rules["gate_up"] else 1
+    expert_gate_up = degree if rules["expert_gate_up"] else 1
     sizes = {"wqkv": (qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
              "bqkv": (qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
-             "w_gate_up": (gate_up, (cfg.intermediate_size,) * 2)}
+             "w_gate_up": (gate_up, (cfg.intermediate_size,) * 2),
+             "experts_gate_up": (expert_gate_up, (cfg.expert_intermediate_size,) * 2),
+             "experts_gate_up_bias": (expert_gate_up, (cfg.expert_intermediate_size,) * 2)}
 
     def per_shard(w, parts, shards):    # an array, or each of a QuantizedWeight's: [..., out]
         return jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else  # a shape
@@ -157,18 +197,24 @@ def tensor_parallel_layout(cfg, params, degree: int):
             if key in layer and shards > 1:
                 layer[key] = per_shard(layer[key], parts, shards)
         layers.append(layer)
+    if ep > 1:
+        return dataclasses.replace(cfg, qkv_shards=qkv, gate_up_shards=gate_up, expert_shards=ep,
+                                   expert_mesh=(ep, degree)), {**params, "layers": layers}
     cfg = dataclasses.replace(cfg, qkv_shards=qkv, gate_up_shards=gate_up,
                               expert_shards=degree if rules["experts"] else 1)
     return cfg, {**params, "layers": layers}
 
 
-def undivided(specs, rules: Rules, degree: int) -> list[tuple[str, str, int]]:
+def undivided(specs, rules: Rules, degree: int | Mapping[str, int]) -> list[tuple[str, str, int]]:
     """(path, logical axis, size) of every dimension of `specs` that `rules` split but that does
-    not divide by `degree` (a 4-bit weight's blocks, graphs/quant.py)."""
+    not divide by `degree` (a 4-bit weight's blocks, graphs/quant.py); `degree` a mapping: each
+    mesh axis's size (a mesh's `shape`)."""
+    def size(axis):
+        return degree[axis] if isinstance(degree, Mapping) else degree
     bad = []
     for path, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
         bad += [(jax.tree_util.keystr(path), a, n) for n, a in zip(s.shape, s.axes)
-                if rules[a] and n % degree]
+                if rules[a] and n % size(rules[a])]
     return bad
 
 

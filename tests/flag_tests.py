@@ -216,6 +216,11 @@ ADDED = {
               _SF + "test_speculative_flags_need_a_method"]
        for flag in ("--draft-proposal", "--use-relaxed-acceptance-for-thinking",
                     "--relaxed-delta", "--relaxed-topk")},
+    # experts over an expert axis of a 2-D mesh: the same logits and tokens as one device;
+    # what it cannot split refused in one line
+    "--ep-size": ["tests/test_moe.py::test_engine_serves_moe_on_one_and_four_devices",
+                  "tests/test_moe.py::test_expert_parallel_2_by_tensor_parallel_2_equals_one_device",
+                  "tests/test_moe.py::test_ep_size_refusals_for_models"],
 }
 
 FLAG_TESTS = {flag: EXISTING.get(flag, []) + ADDED.get(flag, [])

@@ -4,6 +4,7 @@ prefill and several sequences per step, routing counts per expert against transf
 the grouped compute against a plain per-token reference, and int8 expert weights."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -234,9 +235,71 @@ def test_expert_parallel_on_four_devices_equals_one(checkpoint, quantized):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+def test_expert_parallel_2_by_tensor_parallel_2_equals_one_device(checkpoint, quantized):
+    """--ep-size 2 on 4 devices: a 2-D mesh (expert 2, model 2). Attention and the dense MLP
+    split over the model axis, each expert stack over the expert axis and each expert's
+    intermediate over the model axis; the step's logits equal one device's."""
+    _, path = checkpoint
+    arch, cfg, params = load_checkpoint(path, int8=quantized)
+    mesh = sharding.mesh_over(jax.devices()[:4], ep=2)
+    assert dict(mesh.shape) == {sharding.EXPERT_AXIS: 2, sharding.MODEL_AXIS: 2}
+    rules = sharding.mesh_rules(cfg, mesh)
+    assert (rules["experts"], rules["expert_mlp"], rules["qkv"]) == \
+        (sharding.EXPERT_AXIS, sharding.MODEL_AXIS, sharding.MODEL_AXIS)
+    ep_cfg, laid = sharding.tensor_parallel_layout(cfg, jax.tree.map(np.asarray, params), 2, ep=2)
+    assert (ep_cfg.expert_shards, ep_cfg.expert_mesh, ep_cfg.qkv_shards) == (2, (2, 2), 2)
+    specs = quant.param_specs(arch.param_specs(ep_cfg), laid)
+    placed = sharding.place(laid, specs, mesh, rules)
+    E, F, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+    for key, shard in (("experts_gate_up", (E // 2, D, F)), ("experts_down", (E // 2, F // 2, D))):
+        stack = placed["layers"][1][key]
+        stack = stack.q if quantized else stack
+        assert {s.data.shape for s in stack.addressable_shards} == {shard}
+    np.testing.assert_allclose(_one_step(arch, ep_cfg, placed), _one_step(arch, cfg, params),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("devices,ep,why", [
+    ("cpu:4", 3, "--ep-size 3 does not divide the 4 devices"),
+    ("cpu", 2, "--ep-size 2 does not divide the 1 device "),
+    ("cpu:4", 0, "--ep-size must be >= 1"),
+])
+def test_ep_size_refusals_for_devices(devices, ep, why):
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.plan import check_flags, check_mesh_flags, replica_mesh
+    from maxjax.errors import UserError
+    flags = EngineConfig(devices=devices, ep_size=ep)
+    with pytest.raises(UserError, match=why):
+        check_flags(flags)
+        check_mesh_flags(flags, replica_mesh(flags))
+
+
+def test_ep_size_refusals_for_models(checkpoint):
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.plan import check_mesh_flags, replica_mesh
+    from maxjax.errors import UserError
+    _, path = checkpoint
+    _, cfg, _ = load_checkpoint(path)
+    flags = EngineConfig(devices="cpu:4", ep_size=4)
+    check_mesh_flags(flags, replica_mesh(flags), cfg)       # 4 and 8 experts: both divide
+    dense = registry.get_architecture("Qwen3ForCausalLM").config_from_hf(
+        {"architectures": ["Qwen3ForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
+         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})
+    with pytest.raises(UserError, match="--ep-size 4: Qwen3ForCausalLM is a dense model"):
+        check_mesh_flags(flags, replica_mesh(flags), dense)
+    odd = dataclasses.replace(cfg, num_experts=6)
+    flags = EngineConfig(devices="cpu:4", ep_size=4)
+    with pytest.raises(UserError, match=f"--ep-size 4 does not divide the 6 experts of "
+                                        f"{cfg.architecture}"):
+        check_mesh_flags(flags, replica_mesh(flags), odd)
+
+
 def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     """Through the loader and the engine (scheduler, buckets, sampling): the same greedy tokens
-    on one device and with the experts split over four (--devices cpu:4); int8 serves."""
+    on one device, with the experts split over four (--devices cpu:4), and on the 2-D mesh of
+    --ep-size 2 (experts over its expert axis, their intermediate and attention over its model
+    axis); int8 serves."""
     from maxjax.engine.types import SamplingParams
     from maxjax.llm import LLM
     from maxjax.models.loader import load_model
@@ -256,6 +319,12 @@ def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
     assert llm.core.model.config.expert_shards == 4
     stack = llm.core.model.params["layers"][1]["experts_gate_up"]
     assert stack.sharding.spec[0] == sharding.MODEL_AXIS
+    llm = LLM(model, devices="cpu:4", ep_size=2, **engine)
+    stack = llm.core.model.params["layers"][1]["experts_down"]
+    assert dict(stack.sharding.mesh.shape) == {sharding.EXPERT_AXIS: 2, sharding.MODEL_AXIS: 2}
+    assert stack.sharding.spec[:2] == (sharding.EXPERT_AXIS, sharding.MODEL_AXIS)
+    assert llm.core.model.config.expert_mesh == (2, 2)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in one]
     # int8 through the loader and the engine (its CPU kernels pack the 2-D matrices only)
     int8 = LLM(load_model(path, "int8", progress=False), **engine)
     assert int8.core.model.params["layers"][1]["experts_down"].q.ndim == 3

@@ -73,7 +73,6 @@ REFUSED = [
     Refused("enable-variable-logits", "always on: a step samples any number of positions per "
             "row (echo, speculative decoding) without another mode", bool, (None, True)),
     Refused("ep-fuse-ffn-combine-send", _MOE),
-    Refused("ep-size", _MOE, int, (None, 1)),
     Refused("ep-use-allreduce", _MOE),
     Refused("eplb-profile", _MOE),
     Refused("eplb-replicas-per-gpu", _MOE, int, (None, 0)),

@@ -156,7 +156,7 @@ def on_devices(model: LoadedModel, flags: EngineConfig, replica: int = 0,
     if cpu_kernels.kernels_of(model.params):     # weights restored from such artifacts
         raise UserError("the artifacts' stored weights are laid out for --use-experimental-kernels"
                         ": pass it, or recreate the artifacts without it")
-    check_mesh_flags(flags, mesh)
+    check_mesh_flags(flags, mesh, model.config)
     return devices.place_model(model, mesh)
 
 

@@ -25,6 +25,13 @@ class EngineConfig:
     data_parallel_degree: int = field(default=1, metadata={
         "help": "Engine replicas on disjoint groups of --devices behind one server; a request "
                 "goes to the replica caching its longest prefix, else the least loaded"})
+    ep_size: int = field(default=1, metadata={
+        "help": "The expert parallelism size: a mixture-of-experts model's experts split over "
+                "this many groups of --devices (each group's devices, --devices / E, split "
+                "attention, the dense MLP and each expert's intermediate as tensor parallelism "
+                "does); it must divide the devices and the experts (the reference: 1, no expert "
+                "parallelism, or the number of GPUs). 1: experts split over the one "
+                "tensor-parallel axis where they divide"})
     max_length: int | None = field(default=None, metadata={
         "help": "Maximum prompt + output tokens per request (default: the model's "
                 "max_position_embeddings, lowered to what the KV pool holds, with a log line, "

@@ -193,15 +193,18 @@ def replica_index(text: str | None, data_parallel_degree: int, mesh) -> int:
     return 0
 
 
-def replica_meshes(text: str | None, data_parallel_degree: int = 1) -> list:
-    """One mesh per replica; [None] for a single device (the single-device graphs)."""
+def replica_meshes(text: str | None, data_parallel_degree: int = 1, ep: int = 1) -> list:
+    """One mesh per replica; [None] for a single device (the single-device graphs). `ep`
+    (--ep-size) > 1 and dividing a replica's devices: each mesh is 2-D (graphs/sharding.py
+    `mesh_over`); one that does not divide is refused by plan.py `check_mesh_flags`."""
     from maxjax.graphs.sharding import mesh_over
     groups = device_groups(text, data_parallel_degree)
     if len(groups) == 1 and len(groups[0]) == 1 and groups[0][0].process_index == 0:
         import jax
         if groups[0][0] == jax.devices()[0]:
             return [None]
-    return [mesh_over(g) for g in groups]
+    ep = ep if ep > 1 and len(groups[0]) % ep == 0 else 1
+    return [mesh_over(g, ep) for g in groups]
 
 
 def place_model(model, mesh):
@@ -216,25 +219,26 @@ def place_model(model, mesh):
     if sharding.params_mesh(model.params) == mesh:
         return model          # placed already (a multi-host process's arrays are not all here)
     cfg, params = model.config, model.params
-    rules = sharding.tensor_parallel_rules(cfg, mesh.size)
+    rules = sharding.mesh_rules(cfg, mesh)
+    tp, ep = sharding.mesh_degrees(mesh)
     specs = quant.param_specs(model.arch.param_specs(cfg), params)
-    for path, axis, size in sharding.undivided(specs, rules, mesh.size)[:1]:
+    for path, axis, size in sharding.undivided(specs, rules, dict(mesh.shape))[:1]:
         why = "" if not quantize.is_4bit(model.dtype) else (
             " (a 4-bit weight splits only between whole 32-input blocks: serve it as int8, or on "
             "a device count that divides the blocks)")
         raise UserError(f"tensor parallelism over {mesh.size} devices: {path} of the "
                         f"{model.dtype} weights has {size} along its {axis} axis, which does "
                         f"not divide by {mesh.size}{why}")
-    if cfg.qkv_shards == cfg.gate_up_shards == 1:       # not laid out for a mesh yet
+    if cfg.qkv_shards == cfg.gate_up_shards == 1 and not cfg.expert_mesh:   # not laid out yet
         whole = [a for a, r in rules.items() if r is None and sharding.TENSOR_PARALLEL[a]]
         if whole:
             log.warning("tensor parallelism over %d devices: %s do not divide by %d, so they "
-                        "stay whole on every device%s", mesh.size, ", ".join(whole), mesh.size,
+                        "stay whole on every device%s", tp, ", ".join(whole), tp,
                         " (the whole KV pool on each)" if "kv_heads" in whole else "")
-        cfg, params = sharding.tensor_parallel_layout(cfg, params, mesh.size)
-    elif max(cfg.qkv_shards, cfg.gate_up_shards) != mesh.size:
+        cfg, params = sharding.tensor_parallel_layout(cfg, params, tp, ep)
+    elif max(cfg.qkv_shards, cfg.gate_up_shards) != tp:
         raise UserError(f"the model's weights are laid out for {max(cfg.qkv_shards, cfg.gate_up_shards)} "
-                        f"devices, not {mesh.size}")
+                        f"devices, not {tp}")
     if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):    # shapes: a plan
         placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               params, sharding.shardings(specs, mesh, rules))

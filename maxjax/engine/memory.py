@@ -231,9 +231,9 @@ def layout_plan(cfg, mc, params, page_size: int, buckets, max_pages: int, kv_ite
     heads are (graphs/sharding.py `tensor_parallel_rules`, as graphs/program.py places it, on
     every platform), and which of the --data-parallel-degree replicas this engine is."""
     from maxjax.engine import devices
-    from maxjax.graphs.sharding import tensor_parallel_rules
-    kv_shards = mesh.size if mesh is not None and mesh.size > 1 and \
-        tensor_parallel_rules(mc, mesh.size)["kv_heads"] else 1
+    from maxjax.graphs.sharding import mesh_degrees, mesh_rules
+    kv_shards = mesh_degrees(mesh)[0] if mesh is not None and mesh.size > 1 and \
+        mesh_rules(mc, mesh)["kv_heads"] else 1
     replica = devices.replica_index(cfg.devices, cfg.data_parallel_degree, mesh)
     return plan_pool(mc, params, page_size, cfg.device_memory_utilization, buckets, max_pages,
                      kv_itemsize=kv_itemsize, mesh=mesh, replicas=cfg.data_parallel_degree,

@@ -61,7 +61,7 @@ def plan_engine(flags: EngineConfig, model, *, platform: str | None = None,
     check_flags(cfg)
     if kernels is None:
         kernels = choose_kernels(cfg, platforms=[platform])
-    check_mesh_flags(cfg, _params_mesh(model))
+    check_mesh_flags(cfg, _params_mesh(model), model.config)
     check_model_flags(cfg, model.config)
     cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=kernels)
     layout = plan_layout(cfg, model, platform, resident)
@@ -77,6 +77,8 @@ def check_flags(cfg: EngineConfig) -> None:
     speculative.draft_tokens(cfg)
     check_layout_flags(cfg)
     lora_shape(cfg)
+    if cfg.ep_size < 1:
+        raise UserError(f"--ep-size must be >= 1 (got {cfg.ep_size})")
     if cfg.lora_paths and not cfg.enable_lora:
         raise UserError("--lora-paths needs --enable-lora")
     if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
@@ -91,8 +93,10 @@ def check_model_flags(cfg: EngineConfig, model_cfg) -> None:
                         "experts; LoRA on mixture-of-experts models is not supported yet")
 
 
-def check_mesh_flags(cfg: EngineConfig, mesh) -> None:
-    """What a mesh (--devices over several, --data-parallel-degree) does not support yet."""
+def check_mesh_flags(cfg: EngineConfig, mesh, model_cfg=None) -> None:
+    """What a mesh (--devices over several, --data-parallel-degree, --ep-size) does not support
+    yet. `model_cfg`: the model's config (None: the model checks are skipped)."""
+    check_ep_size(cfg, 1 if mesh is None else mesh.size, model_cfg)
     if mesh is None:
         return
     if cfg.enable_lora:
@@ -104,6 +108,25 @@ def check_mesh_flags(cfg: EngineConfig, mesh) -> None:
                         "device only (the draft's: --draft-devices)")
 
 
+def check_ep_size(cfg: EngineConfig, devices: int, model_cfg=None) -> None:
+    """--ep-size against the devices of one engine's mesh and the model's experts."""
+    ep = cfg.ep_size
+    if ep == 1:
+        return
+    if devices % ep:
+        raise UserError(f"--ep-size {ep} does not divide the {devices} device"
+                        f"{'s' if devices != 1 else ''} of --devices {cfg.devices or 'default'}"
+                        f"{' per replica' if cfg.data_parallel_degree > 1 else ''}")
+    if model_cfg is None:
+        return
+    if not model_cfg.num_experts:
+        raise UserError(f"--ep-size {ep}: {model_cfg.architecture} is a dense model (no "
+                        "experts to split); expert parallelism is for mixture-of-experts models")
+    if model_cfg.num_experts % ep:
+        raise UserError(f"--ep-size {ep} does not divide the {model_cfg.num_experts} experts of "
+                        f"{model_cfg.architecture}")
+
+
 def _params_mesh(model):
     from maxjax.graphs.sharding import params_mesh
     return params_mesh(model.params)
@@ -112,7 +135,7 @@ def _params_mesh(model):
 def replica_mesh(cfg: EngineConfig, replica: int = 0):
     """Replica `replica`'s mesh of --devices; None on one device."""
     from maxjax.engine import devices
-    return devices.replica_meshes(cfg.devices, cfg.data_parallel_degree)[replica]
+    return devices.replica_meshes(cfg.devices, cfg.data_parallel_degree, cfg.ep_size)[replica]
 
 
 def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
