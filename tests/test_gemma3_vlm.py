@@ -189,6 +189,17 @@ def test_artifacts_round_trip_with_no_compiles(tmp_path, checkpoint, loaded, cor
     assert compile_counter.count() == before
 
 
+def test_int8_perplexity_within_bound(checkpoint, loaded, core):
+    from maxjax.models.vision import read_image
+    from vlm_helpers import INT8_PPL_RATIO, int8_core, perplexity
+    image = read_image(loaded.vision, _png(4, (40, 40, 3)))
+    ids, _ = _prompt(loaded, " ".join(f"w{i}" for i in range(80, 100)))
+    ppl = {"float32": perplexity(core, ids, [image]),
+           "int8": perplexity(int8_core(str(checkpoint[1]), ENGINE), ids, [image])}
+    print(f"gemma3 vlm perplexity: {ppl}")
+    assert ppl["int8"] <= ppl["float32"] * INT8_PPL_RATIO
+
+
 TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {% if m['content'] is string %}"
             "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
             "<start_of_image> {% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}"

@@ -192,3 +192,14 @@ def test_recomputed_after_preemption_matches_transformers(checkpoint, core, batc
             core.block_manager.reset_prefix_cache()
             preempted = True
     assert preempted and tokens == _hf_greedy(checkpoint[0], requests["b"][0], pngs["b"])
+
+
+def test_int8_perplexity_within_bound(checkpoint, loaded, core):
+    from maxjax.models.vision import read_image
+    from vlm_helpers import INT8_PPL_RATIO, int8_core, perplexity
+    image = read_image(loaded.vision, _png(4, (56, 84, 3)))
+    ids = _prompt(loaded, " ".join(f"w{i}" for i in range(80, 100)), image)
+    ppl = {"float32": perplexity(core, ids, [image]),
+           "int8": perplexity(int8_core(str(checkpoint[1]), ENGINE), ids, [image])}
+    print(f"qwen2.5-vl perplexity: {ppl}")
+    assert ppl["int8"] <= ppl["float32"] * INT8_PPL_RATIO
