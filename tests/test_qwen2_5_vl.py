@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from maxjax.engine.types import SamplingParams
-from vlm_helpers import png as _png, write_word_tokenizer
+from vlm_helpers import engine_core, load, png as _png, write_word_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -55,15 +55,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
-    from maxjax.models.loader import load_model
-    return load_model(str(checkpoint[1]), "float32", progress=False)
+    return load(checkpoint[1])
 
 
 @pytest.fixture(scope="module")
 def core(loaded):
-    from maxjax.engine.build import build_core
-    from maxjax.engine.config import EngineConfig
-    return build_core(loaded, EngineConfig(**ENGINE))
+    return engine_core(loaded, ENGINE)
 
 
 def _prompt(model, words: str, image) -> list[int]:

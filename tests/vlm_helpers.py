@@ -50,8 +50,17 @@ def perplexity(core, ids: list[int], images: list) -> float:
     return float(np.exp(-np.mean([lp.logprob for lp in got[1:]])))
 
 
-def int8_core(path: str, engine: dict):
+def load(path, encoding: str = "float32"):
+    from maxjax.models.loader import load_model
+    return load_model(str(path), encoding, progress=False)
+
+
+def engine_core(model, engine: dict):
+    """A warmed-up EngineCore of `model` with the test's engine options."""
     from maxjax.engine.build import build_core
     from maxjax.engine.config import EngineConfig
-    from maxjax.models.loader import load_model
-    return build_core(load_model(path, "int8", progress=False), EngineConfig(**engine))
+    return build_core(model, EngineConfig(**engine))
+
+
+def int8_core(path, engine: dict):
+    return engine_core(load(path, "int8"), engine)
