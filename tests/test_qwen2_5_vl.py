@@ -200,3 +200,30 @@ def test_int8_perplexity_within_bound(checkpoint, loaded, core):
            "int8": perplexity(int8_core(str(checkpoint[1]), ENGINE), ids, [image])}
     print(f"qwen2.5-vl perplexity: {ppl}")
     assert ppl["int8"] <= ppl["float32"] * INT8_PPL_RATIO
+
+
+def test_artifacts_round_trip_with_no_compiles(tmp_path, checkpoint, loaded, batch):
+    """warm-cache's artifacts hold every patch bucket's encoder graph: an engine from them
+    compiles nothing and gives transformers' tokens."""
+    import json
+
+    from maxjax.aot import export as aot_export, load as aot_load
+    from maxjax.engine import compile_counter
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.core import EngineCore
+    from maxjax.engine.plan import plan_engine
+    flags = EngineConfig(**ENGINE)
+    d = tmp_path / "artifacts"
+    d.mkdir()
+    aot_export.write_artifacts(str(d), loaded, plan_engine(flags, loaded), ["cpu"],
+                               progress=False)
+    names = {g["name"] for g in json.loads((d / "manifest.json").read_text())["graphs"]}
+    assert {"vision_16", "vision_32", "vision_64"} <= names
+    before = compile_counter.count()
+    plan, exes, kv_init, vision = aot_load.load_planned([str(d)], loaded, flags)
+    fresh = EngineCore(loaded, plan, exes, kv_init, vision)
+    fresh.warmup()
+    requests, pngs = batch
+    got = _run(fresh, {"b3": requests["b"]})
+    assert got["b3"] == _hf_greedy(checkpoint[0], requests["b"][0], pngs["b"])
+    assert compile_counter.count() == before
