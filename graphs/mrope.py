@@ -22,14 +22,13 @@ def _image_positions(grid_thw, start: int, merge: int) -> np.ndarray:
 
 
 def mrope_positions(input_ids: np.ndarray, grid_thws: list, image_token_id: int,
-                    vision_start_token_id: int, spatial_merge_size: int) -> tuple[np.ndarray, int]:
+                    spatial_merge_size: int) -> tuple[np.ndarray, int]:
     """int32 [3, n] positions of one unpadded sequence (images only) and its rope delta (max
     position + 1 - n): a text token's three rows are its running position; each run of image
     tokens takes the next grid's (t, h/merge, w/merge) grid from the running position, which then
     moves on by max(h, w) / merge. Transformers 5.24 finds the images by their runs of image
-    tokens; `vision_start_token_id` (older versions' rule) is not needed for that. A sequence
-    continues at position index + delta on all three rows."""
-    del vision_start_token_id
+    tokens (older versions looked for the vision-start token). A sequence continues at position
+    index + delta on all three rows."""
     ids = np.asarray(input_ids).reshape(-1)
     if ids.size == 0:
         return np.zeros((3, 0), np.int32), 0

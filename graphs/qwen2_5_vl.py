@@ -106,8 +106,7 @@ def expand_prompt(vcfg, tokenizer, text: str, images: list) -> str:
 
 def rope_positions(vcfg, token_ids, images: list) -> tuple[np.ndarray, int]:
     return mrope_positions(np.asarray(token_ids), [im.info["grid"] for im in images],
-                           vcfg.image_token_id, vcfg.vision_start_token_id,
-                           vcfg.spatial_merge_size)
+                           vcfg.image_token_id, vcfg.spatial_merge_size)
 
 
 VISION = VisionSpec(vision_config_from_hf, qv.vision_param_shapes, qv.vision_params_from_hf,

@@ -124,7 +124,7 @@ def test_mrope_positions_match_get_rope_index(tiny, images):
     model, vcfg, _ = tiny
     _, grid = images
     ids = _prompt(vcfg, grid)
-    got, delta = R.mrope_positions(ids, list(grid), IMAGE, START, vcfg.spatial_merge_size)
+    got, delta = R.mrope_positions(ids, list(grid), IMAGE, vcfg.spatial_merge_size)
     t_ids = torch.from_numpy(ids)[None]
     want, want_delta = model.model.get_rope_index(
         t_ids, mm_token_type_ids=(t_ids == IMAGE).int(), image_grid_thw=torch.from_numpy(grid))
@@ -132,9 +132,9 @@ def test_mrope_positions_match_get_rope_index(tiny, images):
     np.testing.assert_array_equal(got, want[:, 0].numpy())
     assert delta == int(want_delta[0, 0]) and delta < 0
     with pytest.raises(ValueError):
-        R.mrope_positions(ids, list(grid[:1]), IMAGE, START, 2)
+        R.mrope_positions(ids, list(grid[:1]), IMAGE, 2)
     with pytest.raises(ValueError):
-        R.mrope_positions(ids[:-20], list(grid), IMAGE, START, 2)
+        R.mrope_positions(ids[:-20], list(grid), IMAGE, 2)
 
 
 def test_mrope_rotation_matches_transformers(tiny, images):
@@ -142,7 +142,7 @@ def test_mrope_rotation_matches_transformers(tiny, images):
     model, vcfg, _ = tiny
     _, grid = images
     ids = _prompt(vcfg, grid)
-    pos, _ = R.mrope_positions(ids, list(grid), IMAGE, START, vcfg.spatial_merge_size)
+    pos, _ = R.mrope_positions(ids, list(grid), IMAGE, vcfg.spatial_merge_size)
     T, heads, hd = pos.shape[1], 4, 16
     q = np.random.default_rng(1).standard_normal((T, heads, hd)).astype(np.float32)
 

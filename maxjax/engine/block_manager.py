@@ -151,8 +151,10 @@ class BlockManager:
     # ---- prefix cache -----------------------------------------------------------------------
     def _page_hash(self, req: Request, i: int):
         """Hash of req's i-th full page, memoized on the request (tokens never change)."""
-        hashes = req.page_hashes
-        toks, ps = req.cache_token_ids, self.page_size
+        hashes, ps = req.page_hashes, self.page_size
+        if len(hashes) > i:
+            return hashes[i]
+        toks = req.cache_token_ids      # (a copy, for a request with images)
         while len(hashes) <= i:
             j = len(hashes)
             prev = hashes[-1] if hashes else self._root

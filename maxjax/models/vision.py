@@ -12,7 +12,6 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from maxjax.errors import UserError
 from maxjax.graphs.vision import ImageFeatures, VisionSpec
@@ -88,7 +87,3 @@ def read_image(vision: VisionModel, data: bytes, max_pixels: int | None = None) 
     features = vision.spec.preprocess(vision.config, vision.processor, image)
     return ImageInput(features, image_key(data))
 
-
-def pixel_array(outputs, name: str = "pixel_values") -> np.ndarray:
-    """A processor's output as float32 numpy."""
-    return np.asarray(outputs[name], np.float32)
