@@ -26,8 +26,14 @@ serve: install
 generate: install
 	$(BIN)/maxjax generate --prompt "The capital of France is" $(ARGS)
 
+# Two phases: every test not marked serial on TEST_JOBS pytest-xdist workers (a module stays on
+# one worker, so its shared server or engine is built once), then the serial ones alone.
+TEST_JOBS ?= 2
 test: install-test
-	$(BIN)/pytest tests $(ARGS)
+	@rc=0; \
+	$(BIN)/pytest tests -n $(TEST_JOBS) --dist loadfile --phase parallel $(ARGS) || rc=$$?; \
+	$(BIN)/pytest tests --phase serial $(ARGS) || rc=$$?; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info

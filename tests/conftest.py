@@ -24,6 +24,28 @@ os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--phase", choices=("all", "parallel", "serial"), default="all",
+                     help="make test runs the suite in two phases: 'parallel' (every test not "
+                     "marked serial, under pytest-xdist) then 'serial' (the serial ones alone)")
+
+
+def pytest_collection_modifyitems(config, items):
+    phase = config.getoption("--phase")
+    if phase == "all":
+        return
+    keep = [i for i in items if (i.get_closest_marker("serial") is not None) == (phase == "serial")]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # a phase a -m filter left empty (the fast tier has no serial test) is not a failure
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and \
+            session.config.getoption("--phase") != "all":
+        session.exitstatus = pytest.ExitCode.OK
+
+
 @pytest.fixture(scope="session")
 def smollm2_chat():
     """(AsyncEngine, ServerThread) of the embedded SmolLM2 for the chat-shaped tests (tool

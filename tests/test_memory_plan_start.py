@@ -18,7 +18,9 @@ import urllib.request
 
 import pytest
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+# README: the fast tier is -m 'not slow'; serial: each start plans the pool out of the host's
+# MemAvailable and fills 5.6 GiB a replica, so nothing else may run beside it
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 GiB = 1 << 30
 START_TIMEOUT = 900          # three replicas compile one after the other on two cores
