@@ -31,6 +31,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the slow modules first (stable otherwise): on pytest-xdist's workers the longest ones then
+    # start early instead of leaving one worker busy at the end
+    items.sort(key=lambda i: i.get_closest_marker("slow") is None)
     phase = config.getoption("--phase")
     if phase == "all":
         return

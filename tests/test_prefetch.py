@@ -18,6 +18,8 @@ from maxjax.engine import compile_counter
 from maxjax.engine.config import EngineConfig
 from tiny_llama import write_tiny_llama
 
+pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=32, num_kv_pages=8,
               kv_cache_page_size=8)
 GREEDY = maxjax.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
