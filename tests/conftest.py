@@ -37,8 +37,11 @@ def pytest_collection_modifyitems(config, items):
     phase = config.getoption("--phase")
     if phase == "all":
         return
-    keep = [i for i in items if (i.get_closest_marker("serial") is not None) == (phase == "serial")]
-    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    keep, drop = [], []
+    for i in items:
+        (keep if (i.get_closest_marker("serial") is not None) == (phase == "serial") else
+         drop).append(i)
+    config.hook.pytest_deselected(items=drop)
     items[:] = keep
 
 
