@@ -160,9 +160,9 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self._end_all(FinishReason.ERROR,
                                         f"engine step failed: {type(e).__name__}: {e}")
+            self._stats = self.core.stats()    # before delivery: a caller sees its pages back
             for out in outputs:
                 self._deliver(out)
-            self._stats = self.core.stats()
         self._flush_intake()
         for out in self._end_all(FinishReason.ABORT):
             self._deliver(out)
@@ -180,6 +180,7 @@ class AsyncEngine:
                 self._intake.remove(held)
                 self._hand_over(held)
             out = self.core.abort(cmd[1])
+            self._stats = self.core.stats()
             if out is not None:
                 self._deliver(out)
 
