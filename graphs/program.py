@@ -113,9 +113,11 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, h
     params, kv = abstract(params), abstract(kv)
     out_shardings = None
     if mesh is not None:
-        rules = sharding.mesh_rules(cfg, mesh)
-        specs = quant.param_specs(arch.param_specs(cfg), params)
-        params = _on(params, sharding.shardings(specs, mesh, rules))
+        if mesh.size == 1:      # whole (a replica's one device; CPU-kernel packed params too)
+            params = _on(params, sharding.replicated(mesh))
+        else:
+            specs = quant.param_specs(arch.param_specs(cfg), params)
+            params = _on(params, sharding.shardings(specs, mesh, sharding.mesh_rules(cfg, mesh)))
         kv_sh = _kv_shardings(cfg, kv[0].shape[1], kv[0].shape[3], mesh)
         kv, out_shardings = _on(kv, kv_sh), (sharding.replicated(mesh), kv_sh)
     specs = []

@@ -64,9 +64,10 @@ def test_off_on_a_mesh_and_for_another_platform(caplog):
     cfg = EngineConfig(devices="cpu:2")
     with caplog.at_level(logging.INFO, logger="maxjax.engine"):
         assert choose_kernels(cfg) is False
-    assert "CPU kernels off: they run on one device (--devices cpu:2)" in caplog.text
+    assert "CPU kernels off: they run on one device per replica (--devices cpu:2)" in caplog.text
     with pytest.raises(UserError, match="--use-experimental-kernels: they run on one device"):
         choose_kernels(EngineConfig(devices="cpu:2", use_experimental_kernels=True))
+    assert choose_kernels(EngineConfig(devices="cpu:4", data_parallel_degree=2)) is False
     assert choose_kernels(EngineConfig(), platforms=["cuda"]) is False
     with pytest.raises(UserError, match="they are for the CPU"):
         choose_kernels(EngineConfig(use_experimental_kernels=True), platforms=["cuda", "cpu"])
@@ -114,3 +115,41 @@ def test_artifacts_record_the_isa(tiny, want, tmp_path, monkeypatch):
         "avx2"
     avx2 = LLM(tiny, **ENGINE)
     assert [o.token_ids for o in avx2.generate(PROMPTS, GREEDY)] == want
+
+
+
+@needs_kernels
+def test_data_parallel_replicas_run_them_on_their_own_device(tiny, want):
+    """--data-parallel-degree 2 over two devices: each replica's packed weights and KV pool sit
+    on its own device, and concurrent requests on both answer as one device does."""
+    import asyncio
+
+    import jax
+
+    from maxjax.engine.async_engine import AsyncEngine, kernels_info
+    from maxjax.engine.build import build_core
+    from maxjax.engine.replicas import ReplicatedEngine
+    flags = EngineConfig(devices="cpu:2", data_parallel_degree=2,
+                         **{k: v for k, v in ENGINE.items() if k != "compile_cache"})
+    assert choose_kernels(flags) is True
+    cores = [build_core(tiny, flags, replica=i, compile_cache=False) for i in range(2)]
+    for i, core in enumerate(cores):
+        assert kernels_info(core)["linear"] == [cpu_kernels.INT8_LINEAR]
+        assert {d for a in jax.tree.leaves(core.model.params) for d in a.devices()} == \
+            {jax.devices()[i]}
+    engine = ReplicatedEngine([AsyncEngine(c, c.model.tokenizer, "tiny", None) for c in cores])
+    engine.start()
+
+    async def one(i):
+        ids = []
+        async for out in engine.generate(f"r{i}", PROMPTS[i % 2], GREEDY):
+            ids += out.new_token_ids
+        return ids
+
+    async def all_four():
+        return await asyncio.gather(*(one(i) for i in range(4)))
+    try:
+        assert asyncio.run(all_four()) == [want[i % 2] for i in range(4)]
+        assert min(s.routed for s in engine.stats().replicas) >= 1
+    finally:
+        engine.shutdown()

@@ -78,6 +78,9 @@ def test_starts_with_default_memory_flags_and_fits_its_plan(tmp_path, flags):
     peak, log, text = serve(tmp_path, *flags)
     assert text.strip(), log[-3000:]
     assert "Traceback" not in log
+    from maxjax.graphs import cpu_kernels     # a replica is one device: the kernels run there
+    if "--data-parallel-degree" in flags and cpu_kernels.unavailable() is None:
+        assert "CPU kernels on" in log and "CPU kernels off" not in log, log[-3000:]
     plan = planned_total(log)
     print(f"\n{' '.join(flags)}: peak RSS {peak / GiB:.1f} GiB, plan {plan / GiB:.1f} GiB")
     assert peak <= plan, (peak / GiB, plan / GiB, log[-3000:])

@@ -207,6 +207,22 @@ def replica_meshes(text: str | None, data_parallel_degree: int = 1, ep: int = 1)
     return [mesh_over(g, ep) for g in groups]
 
 
+def place_whole(model, mesh):
+    """The LoadedModel with every parameter whole on `mesh`'s one device (a replica of
+    --data-parallel-degree); the same object when `mesh` is None."""
+    if mesh is None:
+        return model
+    import jax
+    from maxjax.graphs import sharding
+    if isinstance(jax.tree.leaves(model.params)[0], jax.ShapeDtypeStruct):    # shapes: a plan
+        whole = sharding.replicated(mesh)
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
+                              model.params)
+    else:
+        params = jax.device_put(model.params, sharding.replicated(mesh))
+    return dataclasses.replace(model, params=params)
+
+
 def place_model(model, mesh):
     """The LoadedModel with its parameters on `mesh`, sharded by their logical axes and the
     fused weights laid out per device (graphs/sharding.py); the same object when `mesh` is

@@ -155,11 +155,10 @@ def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
         flag, source = True, "--precompiled-artifacts (built with the CPU kernels)"
     platforms = list(platforms or [jax.export.default_export_platform()])
     from maxjax.graphs import cpu_kernels
+    mesh = replica_mesh(cfg)
     why = (f"they are for the CPU (graphs for {', '.join(platforms)})" if platforms != ["cpu"]
-           else f"they run on one device (--devices {cfg.devices or ''})"
-           if replica_mesh(cfg) is not None
-           else "they run on one device (--data-parallel-degree)"
-           if cfg.data_parallel_degree > 1 else cpu_kernels.unavailable())
+           else f"they run on one device per replica (--devices {cfg.devices or ''})"
+           if mesh is not None and mesh.size > 1 else cpu_kernels.unavailable())
     if why and flag:
         raise UserError(f"{source}: {why}")
     if why:
