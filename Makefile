@@ -31,7 +31,7 @@ generate: install
 TEST_JOBS ?= 2
 test: install-test
 	@rc=0; \
-	$(BIN)/pytest tests -n $(TEST_JOBS) --dist loadfile --phase parallel $(ARGS) || rc=$$?; \
+	$(BIN)/pytest tests -n $(TEST_JOBS) --dist loadfile --phase parallel --durations=30 $(ARGS) || rc=$$?; \
 	$(BIN)/pytest tests --phase serial $(ARGS) || rc=$$?; \
 	exit $$rc
 
