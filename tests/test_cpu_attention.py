@@ -118,21 +118,41 @@ def test_kernel_equals_numpy_and_query_blocks(case, kernel_isa):
     n = sum(len(r.token_ids) for r in rows)
     want = reference(q, k_pool, v_pool, rows, window, scale, softcap)
 
-    def run(backend, k, v):
-        step = jax.tree.map(jnp.asarray, build_step_inputs(rows, T, R, max_pages, page,
-                                                           backend=backend))
-        jitted = jax.jit(lambda q, k, v, st: attention.attend(
-            q, k, v, LAYER, st, window, scale, softcap))
-        if backend is CPU_PAGED_KERNEL:
-            calls_only(jitted, (q, k, v, step), kernel_isa)
-        return np.asarray(jitted(q, k, v, step))
-
+    run = attend_with(rows, q, T, R, max_pages, page, window, scale, softcap, kernel_isa)
     got = run(CPU_PAGED_KERNEL, k_pool, v_pool)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
     assert not got[n:].any()                     # padding slots: zeros
     # the query-block algorithm multiplies masked slots by 0, so it needs them finite
     blocks = run(attention.QUERY_BLOCKS, jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool))
     np.testing.assert_allclose(got[:n], blocks[:n], atol=2e-5, rtol=0)
+
+
+def attend_with(rows, q, T, R, max_pages, page, window, scale, softcap, isa):
+    """(backend, k_pool, v_pool) -> the step's attention output through `backend`."""
+    def run(backend, k, v):
+        step = jax.tree.map(jnp.asarray, build_step_inputs(rows, T, R, max_pages, page,
+                                                           backend=backend))
+        jitted = jax.jit(lambda q, k, v, st: attention.attend(
+            q, k, v, LAYER, st, window, scale, softcap))
+        if backend is CPU_PAGED_KERNEL:
+            calls_only(jitted, (q, k, v, step), isa)
+        return np.asarray(jitted(q, k, v, step))
+    return run
+
+
+@pytest.mark.parametrize("window", [0, 700])
+def test_a_long_row_beside_a_short_one(window, kernel_isa):
+    """A decode of a 3,000-key row (enough work to share over the threads) beside a short one,
+    with and without a sliding window."""
+    page, H, KV, hd, max_pages = 16, 9, 3, 64, 200
+    rows = [RowSlice([1], 2999, list(range(1, 189))), RowSlice([1], 40, [258, 259, 260])]
+    rng = np.random.default_rng(window)
+    k_pool, v_pool = random_pools(rng, rows, (LAYERS, 261, KV, page, hd), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, H, hd)), jnp.float32)
+    want = reference(q, k_pool, v_pool, rows, window, hd ** -0.5, None)
+    got = attend_with(rows, q, 2, 2, max_pages, page, window, hd ** -0.5, None,
+                      kernel_isa)(CPU_PAGED_KERNEL, k_pool, v_pool)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

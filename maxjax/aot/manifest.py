@@ -10,6 +10,7 @@ digest reads source files.
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import hashlib
 import json
@@ -148,9 +149,19 @@ def graph_code(root: str) -> dict[str, str]:
 
 def code_digest(root: str | None = None) -> str:
     """sha256 over the graph code (`graph_code`) of the package under `root` (default: this
-    one), by module name: a checkout and its installed copy give the same digest."""
+    one, once a process: a start asks three times), by module name: a checkout and its
+    installed copy give the same digest."""
+    return _own_code_digest() if root is None else _code_digest(root)
+
+
+@functools.cache
+def _own_code_digest() -> str:
+    return _code_digest(package_root())
+
+
+def _code_digest(root: str) -> str:
     h = hashlib.sha256()
-    for name, path in sorted(graph_code(root or package_root()).items()):
+    for name, path in sorted(graph_code(root).items()):
         h.update(name.encode() + b"\0")
         with open(path, "rb") as f:
             h.update(f.read())
