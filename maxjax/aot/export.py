@@ -213,8 +213,8 @@ def normalize_targets(targets: list[str] | None) -> tuple[list[str], dict[str, s
 
 # What `serve --precompiled-artifacts DIR` takes from the manifest when left unset (load.py
 # adopt_flags); the engine's sizes and buckets are adopted from `engine` (load._adopt_pinned).
-SERVE_FLAGS = ("quantization_encoding", "devices", "speculative_method", "num_speculative_tokens",
-               "draft_model_path", "enable_lora")
+SERVE_FLAGS = ("quantization_encoding", "devices", "data_parallel_degree", "speculative_method",
+               "num_speculative_tokens", "draft_model_path", "enable_lora")
 
 
 def serve_flags(model, engine_cfg: EngineConfig) -> dict:

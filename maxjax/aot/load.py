@@ -89,10 +89,10 @@ def _adopt_lora(m: mf.Manifest, pinned: dict, flags: EngineConfig, fix) -> dict:
 
 def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, EngineConfig]:
     """(model path, flags) for a run from artifact directories `dirs`: the flags that shaped
-    them (the manifest's `serve`: encoding, devices, speculation, LoRA) fill the unset fields of
-    `flags`, so `serve --precompiled-artifacts DIR` needs no other flag. An
-    explicit other value is a UserError naming the flag; a model given is checked against the
-    manifest by load_for_engine, field by field."""
+    them (the manifest's `serve`: encoding, devices, replicas, speculation, LoRA) fill the fields
+    `flags` leaves at their defaults, so `serve --precompiled-artifacts DIR` needs no other flag.
+    An explicit other value is a UserError naming the flag; a model given is checked against
+    the manifest by load_for_engine, field by field."""
     d = os.path.abspath(([dirs] if isinstance(dirs, str) else list(dirs))[0])
     try:
         pinned = mf.read_manifest(d, "maxjax warm-cache").data.get("serve") or {}
@@ -103,7 +103,7 @@ def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, Engi
         have, want = getattr(flags, k), pinned.get(k)
         if want is None or have == want:
             continue
-        if have is None or have is False:
+        if have is None or have is False or have == _DEFAULTS[k]:
             adopted[k] = want
         else:
             flag = "--" + k.replace("_", "-")
