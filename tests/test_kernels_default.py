@@ -117,7 +117,6 @@ def test_artifacts_record_the_isa(tiny, want, tmp_path, monkeypatch):
     assert [o.token_ids for o in avx2.generate(PROMPTS, GREEDY)] == want
 
 
-
 @needs_kernels
 def test_data_parallel_replicas_run_them_on_their_own_device(tiny, want):
     """--data-parallel-degree 2 over two devices: each replica's packed weights and KV pool sit

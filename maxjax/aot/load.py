@@ -103,7 +103,7 @@ def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, Engi
         have, want = getattr(flags, k), pinned.get(k)
         if want is None or have == want:
             continue
-        if have is None or have is False or have == _DEFAULTS[k]:
+        if _unset(flags, k):
             adopted[k] = want
         else:
             flag = "--" + k.replace("_", "-")

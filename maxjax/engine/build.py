@@ -150,14 +150,13 @@ def on_devices(model: LoadedModel, flags: EngineConfig, replica: int = 0,
     maxjax/engine/plan.py choose_kernels); UserError for what a mesh does not support yet."""
     from maxjax.engine import devices
     mesh = replica_mesh(flags, replica)
+    check_mesh_flags(flags, mesh, model.config)
     if kernels:       # one device (choose_kernels): a replica's mesh holds every array whole
-        check_mesh_flags(flags, mesh, model.config)
         return devices.place_whole(experimental_kernels(model), mesh)
     from maxjax.graphs import cpu_kernels
     if cpu_kernels.kernels_of(model.params):     # weights restored from such artifacts
         raise UserError("the artifacts' stored weights are laid out for --use-experimental-kernels"
                         ": pass it, or recreate the artifacts without it")
-    check_mesh_flags(flags, mesh, model.config)
     return devices.place_model(model, mesh)
 
 
