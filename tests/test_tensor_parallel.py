@@ -199,7 +199,8 @@ def test_sharded_artifacts_serve_without_compiling_and_name_the_mesh(tiny4, refe
         LLM(model, precompiled_artifacts=[str(tmp_path / "tp2")], **engine)
 
 
-SMOL_ENGINE = dict(max_batch_size=2, max_batch_input_tokens=32, max_length=128, num_kv_pages=12,
+# two rows, prompts prefilled two tokens a step: batched and chunked steps in two graphs
+SMOL_ENGINE = dict(max_batch_size=2, max_batch_input_tokens=2, max_length=128, num_kv_pages=12,
                    kv_cache_page_size=16, use_experimental_kernels=False)
 
 
