@@ -1,6 +1,6 @@
 """The CI subset of tools/fuzz.py and tools/soak.py against one real `maxjax serve` (the
 embedded SmolLM2, the engine of tests/test_engine_smollm2.py): ~300 fuzz cases (schema-driven
-and raw HTTP) with valid traffic beside them, then a 60-second soak at 16 streams. Both must
+and raw HTTP) with valid traffic beside them, then a 30-second soak at 16 streams. Both must
 pass: no 5xx, no hang, every error in the OpenAI envelope, every valid answer checked, nothing
 leaked, no compilation while serving. The full runs and their figures: RELIABILITY.md."""
 import os
@@ -46,8 +46,10 @@ def test_fuzz_300_cases(server):
     assert not report["leaks"]["problems"], report["leaks"]
 
 
-def test_soak_60_seconds_16_streams(server):
-    report = run_soak(server.url, streams=16, duration=60, seed=1, interval=2.0)
+def test_soak_30_seconds_16_streams(server):
+    # the leak checks compare the idle server with its state before: they do not grow with time
+    # (tools/soak.py's own runs are the long ones: RELIABILITY.md)
+    report = run_soak(server.url, streams=16, duration=30, seed=1, interval=2.0)
     assert report["errors"] == 0, report["error_examples"]
     assert report["requests"] > 16
     assert not report["leaks"]["problems"], report["leaks"]
