@@ -23,7 +23,7 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                    reason=f"CPU kernels: {cpu_kernels.unavailable()}")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 2, 77]]
 NEW_TOKENS = 6
-ENGINE = dict(max_batch_size=2, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+ENGINE = dict(max_batch_size=2, max_batch_input_tokens=4, max_length=64, num_kv_pages=24,
               kv_cache_page_size=8, compile_cache=False)
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
