@@ -185,7 +185,7 @@ def test_metadata():
 # ---- the engine ---------------------------------------------------------------------------------
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [300, 2, 2, 77],
            [9, 8, 7]]
-ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=40,
+ENGINE = dict(max_batch_size=4, max_batch_input_tokens=8, max_length=64, num_kv_pages=40,
               kv_cache_page_size=8, compile_cache=False)
 
 
@@ -203,6 +203,7 @@ def test_engine_equals_query_blocks_and_artifacts(tiny, tmp_path):
     from maxjax.engine.types import SamplingParams
     from maxjax.llm import LLM
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(tiny, **ENGINE).generate(PROMPTS, greedy)]
+    xla = LLM(tiny, use_experimental_kernels=False, **ENGINE)       # the reference: XLA's path
+    want = [o.token_ids for o in xla.generate(PROMPTS, greedy)]
     llm = kernels_engine_round_trip(tiny, ENGINE, PROMPTS, greedy, want, tmp_path / "art")
     assert llm.core.layout.attention == CPU_PAGED_KERNEL.name

@@ -117,7 +117,7 @@ def test_tiny_model_greedy_equals_reference(tiny):
 @needs_process_isa
 def test_engine_and_artifacts(tiny, tmp_path):
     from maxjax.engine.types import SamplingParams
-    engine = dict(max_batch_size=2, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+    engine = dict(max_batch_size=2, max_batch_input_tokens=4, max_length=64, num_kv_pages=24,
                   kv_cache_page_size=8, compile_cache=False)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     want = [ref.greedy(tiny.config, tiny.params, p, NEW_TOKENS)[1] for p in PROMPTS]
