@@ -5,6 +5,7 @@ the grouped compute against a plain per-token reference, and int8 expert weights
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -80,6 +81,13 @@ def _one_step(arch, cfg, params):
     kv = init_kv(cfg, 8, 16, jnp.float32)
     logits, _ = jax.jit(lambda p, k, s: arch.forward(cfg, p, k, s))(params, kv, step)
     return np.asarray(logits)[:3]
+
+
+@functools.cache
+def _one_device_step(path: str, int8: bool):
+    """_one_step of the checkpoint's params on one device, computed once per (path, int8)."""
+    arch, cfg, params = load_checkpoint(path, int8=int8)
+    return _one_step(arch, cfg, params)
 
 
 def test_paged_graph_matches_transformers(checkpoint):
@@ -201,7 +209,7 @@ def test_int8_experts_stay_close_to_float(checkpoint):
     the float logits' scale (two-digit activations and int8 weights give ~0.5% on dense
     models, tests/test_quant.py)."""
     _, path = checkpoint
-    arch, cfg, params = load_checkpoint(path)
+    arch, cfg, _ = load_checkpoint(path)
     _, _, qparams = load_checkpoint(path, int8=True)
     layer = qparams["layers"][1]
     assert isinstance(layer["experts_gate_up"], quant.QuantizedWeight)
@@ -213,7 +221,7 @@ def test_int8_experts_stay_close_to_float(checkpoint):
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == \
         jax.tree.map(lambda a: (a.shape, a.dtype), qparams)
     quant.param_specs(arch.param_specs(cfg), qparams)      # specs derive for the 3-D stacks
-    assert_logits_close(_one_step(arch, cfg, qparams), _one_step(arch, cfg, params), rel=0.03)
+    assert_logits_close(_one_device_step(path, True), _one_device_step(path, False), rel=0.03)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
@@ -233,7 +241,7 @@ def test_expert_parallel_on_four_devices_equals_one(checkpoint, quantized):
     stack = placed["layers"][1]["experts_down"]
     stack = stack.q if quantized else stack
     assert {s.data.shape[0] for s in stack.addressable_shards} == {cfg.num_experts // n}
-    np.testing.assert_allclose(_one_step(arch, ep_cfg, placed), _one_step(arch, cfg, params),
+    np.testing.assert_allclose(_one_step(arch, ep_cfg, placed), _one_device_step(path, quantized),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -258,7 +266,7 @@ def test_expert_parallel_2_by_tensor_parallel_2_equals_one_device(checkpoint, qu
         stack = placed["layers"][1][key]
         stack = stack.q if quantized else stack
         assert {s.data.shape for s in stack.addressable_shards} == {shard}
-    np.testing.assert_allclose(_one_step(arch, ep_cfg, placed), _one_step(arch, cfg, params),
+    np.testing.assert_allclose(_one_step(arch, ep_cfg, placed), _one_device_step(path, quantized),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -310,7 +318,8 @@ def test_engine_serves_moe_on_one_and_four_devices(checkpoint):
         pytest.skip("one family through the engine; the graph-level tests cover both")
     write_word_tokenizer(path, VOCAB)     # the engine needs a tokenizer
     model = load_model(path, "float32", progress=False)
-    engine = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+    # a 4-token budget: 3 graphs per engine (not 5), prompts still prefilled in shared chunks
+    engine = dict(max_batch_size=4, max_batch_input_tokens=4, max_length=64, num_kv_pages=24,
                   kv_cache_page_size=8)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [p[:20] for p in _prompts()]

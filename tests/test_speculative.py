@@ -340,7 +340,8 @@ def test_artifacts_hold_the_verification_buckets(tmp_path):
     from maxjax.engine.plan import EnginePlan, plan_layout
     from tiny_llama import write_tiny_llama
     tiny = load_model(write_tiny_llama(tmp_path / "tiny"), "float32", progress=False)
-    engine = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=64, num_kv_pages=16,
+    # one row, 4 tokens: two verification buckets, 5 graphs (3 without speculation)
+    engine = dict(max_batch_size=1, max_batch_input_tokens=4, max_length=64, num_kv_pages=16,
                   kv_cache_page_size=16, quantization_encoding="float32")
     spec_cfg = EngineConfig(speculative_method="ngram", num_speculative_tokens=3, **engine)
     aot_export.write_artifacts(str(tmp_path / "spec"), tiny, EnginePlan(spec_cfg, plan_layout(spec_cfg, tiny)),
@@ -351,7 +352,7 @@ def test_artifacts_hold_the_verification_buckets(tmp_path):
     import json
     with open(tmp_path / "spec" / "manifest.json") as f:
         names = {g["name"] for g in json.load(f)["graphs"]}
-    assert {"step_t8_r2", "step_t8_r2_s8", "step_t4_r2_s4"} <= names     # (serving them: test_aot)
+    assert {"step_t4_r1", "step_t4_r1_s4", "step_t2_r1_s2"} <= names     # (serving them: test_aot)
     with pytest.raises(UserError, match="--speculative-method ngram --num-speculative-tokens 3"):
         build_core(tiny, EngineConfig(speculative_method="ngram", num_speculative_tokens=3,
                                       **engine), precompiled_artifacts=[str(tmp_path / "plain")])
@@ -362,8 +363,9 @@ def test_a_failing_proposer_costs_only_the_drafts(tmp_path):
     and the output is the same as without speculation."""
     from tiny_llama import tiny_core, write_tiny_llama
     path = write_tiny_llama(tmp_path / "m")
+    # test_speculative_flags.py's sizes (SMALL): the target's graphs come from the compile cache
     core = tiny_core(tmp_path / "m", speculative_method="draft", draft_model_path=path,
-                     num_speculative_tokens=2)
+                     num_speculative_tokens=2, max_batch_input_tokens=8)
     proposer, run = core.speculator.proposer, core.speculator.proposer.runner.run
     calls = {"n": 0}
 

@@ -254,6 +254,11 @@ def test_cli_passes_reference_methods_to_the_one_line_error():
     assert args.speculative_method == "eagle"
 
 
+# The tiny cores below and test_speculative.py's: a budget of 8 tokens gives 5 target graphs (one
+# verification) and 4 draft graphs per core instead of 7 and 5; the same sizes share cache entries.
+SMALL = dict(max_batch_input_tokens=8)
+
+
 # ---- --draft-devices ----------------------------------------------------------------------------
 def test_cpu_devices_by_id():
     assert devices.parse("cpu:id=2").ids == (2,) and devices.parse("cpu:id=2").count == 1
@@ -274,7 +279,7 @@ def test_draft_devices_place_the_draft_model(tmp_path):
 
     def generate(**options):
         core = tiny_core(tmp_path / "m", speculative_method="draft", draft_model_path=path,
-                         num_speculative_tokens=2, **options)
+                         num_speculative_tokens=2, **SMALL, **options)
         outs = {}
         for i, prompt in enumerate([[5, 6, 7, 8, 9], [10, 11, 12]]):
             core.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=12, temperature=0.0,
@@ -293,7 +298,7 @@ def test_draft_devices_place_the_draft_model(tmp_path):
     with pytest.raises(UserError, match="--draft-devices gpu:1: the draft model runs on the "
                                         "target's platform"):
         tiny_core(tmp_path / "m", speculative_method="draft", draft_model_path=path,
-                  draft_devices="gpu:1")
+                  draft_devices="gpu:1", **SMALL)
 
 
 @pytest.mark.slow
@@ -303,7 +308,7 @@ def test_synthetic_acceptance_through_the_engine(tmp_path):
     from tiny_llama import tiny_core
     for rate in (1.0, 0.0):
         core = tiny_core(tmp_path / "m", speculative_method="ngram", num_speculative_tokens=2,
-                         prompt_lookup_min=1, synthetic_acceptance_rate=rate)
+                         prompt_lookup_min=1, synthetic_acceptance_rate=rate, **SMALL)
         core.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6],
                          SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
         while core.has_unfinished():
