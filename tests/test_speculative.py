@@ -361,11 +361,11 @@ def test_artifacts_hold_the_verification_buckets(tmp_path):
 def test_a_failing_proposer_costs_only_the_drafts(tmp_path):
     """A draft-model call that raises: the step verifies no drafts, the draft cache starts over,
     and the output is the same as without speculation."""
+    from test_speculative_flags import SMALL      # its sizes: the target's graphs are cached
     from tiny_llama import tiny_core, write_tiny_llama
     path = write_tiny_llama(tmp_path / "m")
-    # test_speculative_flags.py's sizes (SMALL): the target's graphs come from the compile cache
     core = tiny_core(tmp_path / "m", speculative_method="draft", draft_model_path=path,
-                     num_speculative_tokens=2, max_batch_input_tokens=8)
+                     num_speculative_tokens=2, **SMALL)
     proposer, run = core.speculator.proposer, core.speculator.proposer.runner.run
     calls = {"n": 0}
 
