@@ -142,6 +142,8 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
     engine = dict(max_batch_size=max(streams), max_length=input_len + output_len + 32,
                   max_batch_input_tokens=32 if dry_run else 2048,
                   enable_structured_output=False)
+    shape = "a small 2-layer Llama" if dry_run else "Llama-3-8B-shaped model"
+    print(f"\n{shape}, random bf16 weights on {dev.device_kind}; engine {engine}", flush=True)
     llm = maxjax.LLM(model, **engine)
     warm = time.perf_counter() - t0
     rng = np.random.default_rng(0)
@@ -150,8 +152,12 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
     llm.generate([prompt()], maxjax.SamplingParams(max_new_tokens=4))
     from bench_offline import decode_probe
     core = llm.core
-    decode_tps = decode_probe(core, prompt(), params)
     wbytes = weight_bytes(model.params)
+    # rows as they are measured: a stage stopped at its time limit keeps what it had
+    print(f"weights {wbytes / 1e9:.2f} GB, warm-up {warm:.0f} s\n", flush=True)
+    print("| measure | value |")
+    print("|---|---|", flush=True)
+    decode_tps = decode_probe(core, prompt(), params)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     step_bytes = wbytes + kv_per_token * (input_len + output_len // 2)
     bw, bw_kind = nominal_bandwidth(dev)
@@ -159,21 +165,16 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
            "warmup_s": warm, "decode_tok_s": decode_tps, "bandwidth": bw, "bandwidth_kind": bw_kind,
            "hbm_fraction": step_bytes * decode_tps / bw, "streams": {},
            "step_compiles": core.step_compiles, "engine": engine}
+    print(f"| batch-1 decode tok/s | {decode_tps:.1f} |")
+    print(f"| of {bw_kind} ({bw / 1e9:.0f} GB/s) | {100 * out['hbm_fraction']:.0f}% |", flush=True)
     for n in streams:
         prompts = [prompt() for _ in range(n)]
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
-        out["streams"][n] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+        tps = out["streams"][n] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+        print(f"| output tok/s, {n} streams of {input_len} in / {output_len} out | {tps:.0f} |",
+              flush=True)
     out["step_compiles"] = core.step_compiles
-    shape = "a small 2-layer Llama" if dry_run else "Llama-3-8B-shaped model"
-    print(f"\n{shape}, random bf16 weights "
-          f"({wbytes / 1e9:.2f} GB) on {dev.device_kind}; engine {engine}; warm-up {warm:.0f} s\n")
-    print("| measure | value |")
-    print("|---|---|")
-    print(f"| batch-1 decode tok/s | {decode_tps:.1f} |")
-    print(f"| of {bw_kind} ({bw / 1e9:.0f} GB/s) | {100 * out['hbm_fraction']:.0f}% |")
-    for n, tps in out["streams"].items():
-        print(f"| output tok/s, {n} streams of {input_len} in / {output_len} out | {tps:.0f} |")
     print(f"| compiles after warm-up | {core.step_compiles} |")
     return out
 
@@ -190,6 +191,8 @@ def main():
         res = bench_kernel(args.dry_run)
         ok = all(r["ok"] for r in res)
     else:
+        import logging     # the engine's compile progress, in the stage's log
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         streams = [int(s) for s in (args.streams or ("2,4" if args.dry_run else "32,128,256"))
                    .split(",")]
         res = bench_throughput(args.dry_run, streams)
