@@ -13,7 +13,7 @@ import pytest
 from maxjax.engine import memory
 from maxjax.engine.buckets import Bucket
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.plan import plan_layout
+from maxjax.engine.plan import local_platform, plan_layout
 from maxjax.errors import UserError
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs.decoder import abstract_params
@@ -68,16 +68,17 @@ def test_gpu_bucket_set_and_attention():
     assert lay.max_length == 8192 and lay.max_pages_per_row == 256
     odd_heads = dataclasses.replace(LLAMA_8B, head_dim=80, num_heads=40)
     assert plan_layout(cfg, FakeModel(odd_heads), "cuda").attention == "query_blocks"
-    cpu = plan_layout(EngineConfig(num_kv_pages=1000), FakeModel(LLAMA_8B))
+    cpu = plan_layout(EngineConfig(num_kv_pages=1000), FakeModel(LLAMA_8B), "cpu")
     assert (cpu.platform, cpu.attention, cpu.buckets[-1]) == ("cpu", "query_blocks",
                                                               Bucket(256, 32))
 
 
 def test_gpu_layout_errors_name_the_flag():
-    cfg = EngineConfig()
-    cfg = cfg.for_platform("cuda")
-    with pytest.raises(UserError, match="--num-kv-pages is needed for graphs that run on cuda"):
-        plan_layout(cfg, FakeModel(LLAMA_8B), "cuda")
+    # graphs for another platform than this machine's: no device to plan the pool from
+    other = "cuda" if local_platform() == "cpu" else "cpu"
+    cfg = EngineConfig().for_platform(other)
+    with pytest.raises(UserError, match=f"--num-kv-pages is needed for graphs that run on {other}"):
+        plan_layout(cfg, FakeModel(LLAMA_8B), other)
     with pytest.raises(UserError, match="--kv-cache-page-size 24: the GPU attention kernel"):
         plan_layout(EngineConfig(num_kv_pages=10, kv_cache_page_size=24), FakeModel(LLAMA_8B),
                     "cuda")

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_gpu.py kernel     [--dry-run] [--json FILE]
     .venv/bin/python tools/bench_gpu.py throughput [--dry-run] [--json FILE] [--streams 32,128,256]
+    .venv/bin/python tools/bench_gpu.py decode     [--dry-run] [--json FILE]
 
 kernel: the Pallas paged-attention kernel (graphs/pallas_attention.py), compiled for this device,
 against the query-block algorithm (graphs/attention.py, plain XLA: CI checks it and the kernel
@@ -80,7 +81,9 @@ def bench_kernel(dry_run: bool) -> list[dict]:
             xla = jax.jit(lambda q, k, v, st: query_block_attention(
                 q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1, st,
                 window, hd ** -0.5))
-            got, want = kernel(q, k, v, step), xla(q, k, v, step)
+            got = kernel(q, k, v, step)
+            with jax.default_matmul_precision("highest"):    # GPU's default for float32 is TF32
+                want = xla(q, k, v, step)
             err = float(jnp.abs(got[:n].astype(jnp.float32) - want[:n]).max())
             tol = 2e-5 if dtype == jnp.float32 else 3e-2
             rows_out.append({"dtype": jnp.dtype(dtype).name, "window": window, "tokens": n,
@@ -131,6 +134,102 @@ def random_model(cfg, dtype):
                        "random", jnp.dtype(dtype).name, "llama-8b-shaped-random")
 
 
+PHASES = ("schedule", "build_inputs", "device_step", "update", "detokenize")
+
+
+def step_alone_ms(runner, context: int, iters: int = 20) -> dict:
+    """The one-row decode step executable alone (a row `context` tokens deep, its K/V in the
+    scratch page), median ms: synced after each call, and per call with `iters` queued."""
+    from maxjax.engine.buckets import pick_bucket
+    from maxjax.engine.types import SamplingParams
+    from maxjax.graphs import sampling
+    from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
+    r = runner
+    bucket = pick_bucket(r.buckets, 1, 1, 1)
+    pages = [SCRATCH_PAGE] * -(-(context + 1) // r.page_size)
+    step = build_step_inputs([RowSlice([0], context, pages)], bucket.num_tokens, bucket.num_rows,
+                             r.max_pages, r.page_size, bucket.num_samples, r.attention)
+    samp = sampling.build_sampling_arrays([(SamplingParams(temperature=0.0), [0], [], 0)],
+                                          bucket.num_samples, r.history_len, r.eos,
+                                          r.cfg.vocab_size)
+    step, samp = jax.device_put((step, samp))
+    synced = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(r._step(bucket, step, samp))
+        synced.append(1e3 * (time.perf_counter() - t))
+    t = time.perf_counter()
+    jax.block_until_ready([r._step(bucket, step, samp) for _ in range(iters)])
+    return {"synced": float(np.median(synced)), "queued": iters,
+            "pipelined": 1e3 * (time.perf_counter() - t) / iters}
+
+
+def gemv_floor_ms(params, dtype, iters: int = 20) -> float:
+    """What plain XLA takes to read every weight matrix once in one graph (a one-row product
+    with each 2-D leaf; the embedding table as the LM head), median ms: the step's floor."""
+    mats = [a for a in jax.tree.leaves(params) if a.ndim == 2]
+
+    @jax.jit
+    def gemvs(mats):
+        acc = jnp.zeros((), jnp.float32)
+        for w in mats:
+            x = jnp.ones((1, w.shape[0]), dtype)
+            acc += jnp.sum(jnp.dot(x, w, preferred_element_type=jnp.float32))
+        return acc
+    jax.block_until_ready(gemvs(mats))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(gemvs(mats))
+        times.append(1e3 * (time.perf_counter() - t))
+    return float(np.median(times))
+
+
+def bench_decode(dry_run: bool, input_len: int = 128, output_len: int = 128) -> dict:
+    """Batch-1 decode of the 8B-shaped model, where its time goes: the engine's phases per
+    step, the step executable alone, and the floor of reading the weights (gemv_floor_ms). One
+    row, a 16-token budget: five graphs, quick to compile (for A/Bs of XLA_FLAGS)."""
+    import maxjax
+    from maxjax.engine.memory import weight_bytes
+    cfg = llama_8b(dry_run)
+    dev = jax.devices()[0]
+    model = random_model(cfg, jnp.bfloat16)
+    t0 = time.perf_counter()
+    llm = maxjax.LLM(model, max_batch_size=1, max_batch_input_tokens=16,
+                     max_length=input_len + output_len + 32, enable_structured_output=False)
+    warm = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    prompt = list(map(int, rng.integers(100, cfg.vocab_size - 100, input_len)))
+    params = maxjax.SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    core = llm.core
+    decode_probe_ = __import__("bench_offline").decode_probe
+    decode_probe_(core, prompt, maxjax.SamplingParams(max_new_tokens=8))
+    before = dict(core.profile)
+    tps = decode_probe_(core, prompt, params)
+    steps = core.profile["steps"] - before["steps"]
+    phases = {k: 1e3 * (core.profile[k] - before[k]) / steps for k in PHASES}
+    alone = step_alone_ms(core.runner, input_len + output_len // 2)
+    floor = gemv_floor_ms(model.params, jnp.bfloat16)
+    wbytes = weight_bytes(model.params)
+    bw, bw_kind = nominal_bandwidth(dev)
+    frac = lambda ms: wbytes / (ms / 1e3) / bw      # noqa: E731
+    out = {"device": dev.device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "warmup_s": warm, "decode_tok_s": tps, "phases_ms": phases, "step_alone_ms": alone,
+           "gemv_floor_ms": floor, "weight_bytes": wbytes, "bandwidth": bw}
+    print(f"\nbatch-1 decode, {cfg.num_layers} layers, {wbytes / 1e9:.2f} GB bf16 on "
+          f"{dev.device_kind}, XLA_FLAGS={out['xla_flags']!r}, warm-up {warm:.0f} s\n")
+    print(f"| measure | ms | of {bw_kind} |")
+    print("|---|---|---|")
+    print(f"| engine step (decode {tps:.1f} tok/s) | {1e3 / tps:.2f} | {100 * frac(1e3 / tps):.0f}% |")
+    for k, v in phases.items():
+        print(f"| engine phase: {k} | {v:.2f} | |")
+    print(f"| step executable alone, synced | {alone['synced']:.2f} | {100 * frac(alone['synced']):.0f}% |")
+    print(f"| step executable alone, {alone['queued']} queued | {alone['pipelined']:.2f} | "
+          f"{100 * frac(alone['pipelined']):.0f}% |")
+    print(f"| one-row product with every weight matrix (XLA) | {floor:.2f} | {100 * frac(floor):.0f}% |")
+    return out
+
+
 def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
                      output_len: int = 128) -> dict:
     import maxjax
@@ -157,16 +256,25 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
     print(f"weights {wbytes / 1e9:.2f} GB, warm-up {warm:.0f} s\n", flush=True)
     print("| measure | value |")
     print("|---|---|", flush=True)
+    before = dict(core.profile)
     decode_tps = decode_probe(core, prompt(), params)
+    steps = core.profile["steps"] - before["steps"]
+    phases = {k: 1e3 * (core.profile[k] - before[k]) / steps for k in PHASES}
+    alone = step_alone_ms(core.runner, input_len + output_len // 2)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     step_bytes = wbytes + kv_per_token * (input_len + output_len // 2)
     bw, bw_kind = nominal_bandwidth(dev)
     out = {"device": dev.device_kind, "layers": cfg.num_layers, "weight_bytes": wbytes,
            "warmup_s": warm, "decode_tok_s": decode_tps, "bandwidth": bw, "bandwidth_kind": bw_kind,
            "hbm_fraction": step_bytes * decode_tps / bw, "streams": {},
-           "step_compiles": core.step_compiles, "engine": engine}
+           "step_compiles": core.step_compiles, "engine": engine, "decode_phases_ms": phases,
+           "decode_step_alone_ms": alone}
     print(f"| batch-1 decode tok/s | {decode_tps:.1f} |")
-    print(f"| of {bw_kind} ({bw / 1e9:.0f} GB/s) | {100 * out['hbm_fraction']:.0f}% |", flush=True)
+    print(f"| of {bw_kind} ({bw / 1e9:.0f} GB/s) | {100 * out['hbm_fraction']:.0f}% |")
+    print("| batch-1 engine ms per step | " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+          + " |")
+    print(f"| batch-1 step executable alone, ms (synced each / {alone['queued']} queued) | "
+          f"{alone['synced']:.2f} / {alone['pipelined']:.2f} |", flush=True)
     for n in streams:
         prompts = [prompt() for _ in range(n)]
         t = time.perf_counter()
@@ -182,7 +290,7 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["kernel", "throughput"])
+    ap.add_argument("what", choices=["kernel", "throughput", "decode"])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes for a CPU")
     ap.add_argument("--streams", default=None, help="default 32,128,256 (dry run: 2,4)")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -190,6 +298,9 @@ def main():
     if args.what == "kernel":
         res = bench_kernel(args.dry_run)
         ok = all(r["ok"] for r in res)
+    elif args.what == "decode":
+        res = bench_decode(args.dry_run)
+        ok = True
     else:
         import logging     # the engine's compile progress, in the stage's log
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

