@@ -272,7 +272,8 @@ def test_cpu_devices_by_id():
 
 @pytest.mark.slow
 def test_draft_devices_place_the_draft_model(tmp_path):
-    """The draft's params on the devices named (default: --devices'), the same output."""
+    """The draft's params on the devices named (default: --devices'), the same output; a
+    second engine of the same flags compiles nothing (maxjax/engine/draft.py draft_plan)."""
     import jax
     from tiny_llama import tiny_core, write_tiny_llama
     path = write_tiny_llama(tmp_path / "m")
@@ -293,6 +294,10 @@ def test_draft_devices_place_the_draft_model(tmp_path):
 
     want, where = generate()
     assert where == {0}
+    from maxjax.engine import compile_counter
+    before = compile_counter.count()
+    assert generate() == (want, where)      # the draft's graphs too come from the compile cache
+    assert compile_counter.count() == before
     assert generate(draft_devices="cpu:id=2") == (want, {2})
     assert generate(devices="cpu:id=1") == (want, {1})          # inherits --devices
     with pytest.raises(UserError, match="--draft-devices gpu:1: the draft model runs on the "

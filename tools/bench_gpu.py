@@ -220,13 +220,16 @@ def bench_decode(dry_run: bool, input_len: int = 128, output_len: int = 128) -> 
           f"{dev.device_kind}, XLA_FLAGS={out['xla_flags']!r}, warm-up {warm:.0f} s\n")
     print(f"| measure | ms | of {bw_kind} |")
     print("|---|---|---|")
-    print(f"| engine step (decode {tps:.1f} tok/s) | {1e3 / tps:.2f} | {100 * frac(1e3 / tps):.0f}% |")
+    print(f"| engine step (decode {tps:.1f} tok/s) | {1e3 / tps:.2f} | "
+          f"{100 * frac(1e3 / tps):.0f}% |")
     for k, v in phases.items():
         print(f"| engine phase: {k} | {v:.2f} | |")
-    print(f"| step executable alone, synced | {alone['synced']:.2f} | {100 * frac(alone['synced']):.0f}% |")
+    print(f"| step executable alone, synced | {alone['synced']:.2f} | "
+          f"{100 * frac(alone['synced']):.0f}% |")
     print(f"| step executable alone, {alone['queued']} queued | {alone['pipelined']:.2f} | "
           f"{100 * frac(alone['pipelined']):.0f}% |")
-    print(f"| one-row product with every weight matrix (XLA) | {floor:.2f} | {100 * frac(floor):.0f}% |")
+    print(f"| one-row product with every weight matrix (XLA) | {floor:.2f} | "
+          f"{100 * frac(floor):.0f}% |")
     return out
 
 
@@ -271,8 +274,8 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
            "decode_step_alone_ms": alone}
     print(f"| batch-1 decode tok/s | {decode_tps:.1f} |")
     print(f"| of {bw_kind} ({bw / 1e9:.0f} GB/s) | {100 * out['hbm_fraction']:.0f}% |")
-    print("| batch-1 engine ms per step | " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-          + " |")
+    print("| batch-1 engine ms per step | "
+          + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + " |")
     print(f"| batch-1 step executable alone, ms (synced each / {alone['queued']} queued) | "
           f"{alone['synced']:.2f} / {alone['pipelined']:.2f} |", flush=True)
     for n in streams:
@@ -303,7 +306,8 @@ def main():
         ok = True
     else:
         import logging     # the engine's compile progress, in the stage's log
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         streams = [int(s) for s in (args.streams or ("2,4" if args.dry_run else "32,128,256"))
                    .split(",")]
         res = bench_throughput(args.dry_run, streams)

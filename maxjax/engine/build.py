@@ -81,6 +81,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
         pinned_kernels = aot_load.pinned_kernels(precompiled_artifacts)
     kernels = choose_kernels(flags, pinned_kernels)
     use_cache = cache.enabled(compile_cache)
+    limit = cache.max_bytes(compile_cache_max_size)
     request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template) \
         if use_cache and not precompiled_artifacts else None
     from maxjax.aot import prefetch
@@ -101,11 +102,11 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     else:
         plan = plan_engine(flags, model, kernels=kernels)
         if use_cache:
-            loaded = _from_cache(model, plan, cache.max_bytes(compile_cache_max_size), progress,
-                                 early or None, request)
+            loaded = _from_cache(model, plan, limit, progress, early or None, request)
     phases["graphs"] = time.perf_counter() - t0
     t = time.perf_counter()
-    core = EngineCore(model, plan, *loaded, executor=executor)
+    drafts = (lambda m, p: _from_cache(m, p, limit, progress)) if use_cache else None
+    core = EngineCore(model, plan, *loaded, executor=executor, graphs=drafts)
     phases["engine and KV pool"] = time.perf_counter() - t
     n = len(core.layout.buckets)
     t = time.perf_counter()

@@ -64,12 +64,14 @@ def make_lora_manager(cfg: EngineConfig, model):
 
 class EngineCore:
     def __init__(self, model, plan: EnginePlan | EngineConfig, executables: dict | None = None,
-                 kv_init=None, vision_executables: dict | None = None, executor=None):
+                 kv_init=None, vision_executables: dict | None = None, executor=None,
+                 graphs=None):
         """`plan`: maxjax/engine/plan.py's (an EngineConfig: planned here); `executables` (per
         bucket) and `kv_init`: loaded for that plan (maxjax/aot/load.py, the compile cache), or
         None to compile them here; `executor`: the runner's (ModelRunner; None: this
         process's own); `vision_executables`: an image-text model's encoder graphs, loaded
-        likewise (maxjax/engine/vision.py)."""
+        likewise (maxjax/engine/vision.py); `graphs`: where a draft model's graphs come from
+        (maxjax/engine/draft.py; None: compiled at warm-up)."""
         if isinstance(plan, EngineConfig):
             plan = plan_engine(plan, model)
         self.model = model
@@ -81,7 +83,7 @@ class EngineCore:
         self.lora = make_lora_manager(cfg, model)
         self.block_manager = BlockManager(lay.num_pages, lay.page_size, cfg.enable_prefix_caching,
                                           cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
-        self.speculator = speculative.build(cfg, lay, model)
+        self.speculator = speculative.build(cfg, lay, model, graphs)
         self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids,
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,

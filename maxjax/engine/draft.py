@@ -2,7 +2,8 @@
 usually smaller model with the target's vocabulary drafts k tokens greedily for each row.
 
 The draft keeps its own paged KV cache (its own BlockManager and ModelRunner, with the plain
-one-slot-per-row buckets of the engine's token budget, compiled at warm-up), holding for each
+one-slot-per-row buckets of the engine's token budget: `draft_plan`; its graphs come from the
+compile cache when the engine's builder passes it, else they compile at warm-up), holding for each
 request the tokens it has seen: `Request.draft_state` is the request's sequence in the draft's
 pool (a Request of that pool: pages, num_computed_tokens). Per step, for the rows the speculator
 asks about: feed each request's tokens the draft has not seen (the last accepted ones, or all of
@@ -13,12 +14,14 @@ not touch the draft's cache; a finished request's draft pages are freed on the n
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
 
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.buckets import bucket_set
+from maxjax.engine.plan import EnginePlan
 from maxjax.engine.request import Request
 from maxjax.engine.runner import ModelRunner, RowRequest
 from maxjax.engine.types import SamplingParams
@@ -73,17 +76,36 @@ def check_vocabulary(draft, target, path) -> None:
                         f"target's ({tv} ids): a draft model must share the target's tokenizer")
 
 
+def draft_plan(cfg, layout, draft) -> EnginePlan:
+    """What the draft's graphs are compiled for: the target's pool layout (`layout`) with the
+    plain buckets of its token budget, no LoRA, on the draft's mesh, with the attention backend
+    that fits the draft's heads (the CPU kernels' when they run and the draft is on one device)."""
+    from maxjax.graphs.attention import choose_backend
+    from maxjax.graphs.sharding import params_mesh
+    mc, mesh = draft.config, params_mesh(draft.params)
+    attention = choose_backend(layout.platform, mc.head_dim, layout.page_size,
+                               bool(cfg.use_experimental_kernels) and mesh is None,
+                               mc.attention_sinks, mc.bidirectional_images)
+    return EnginePlan(cfg, dataclasses.replace(
+        layout, buckets=bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size), lora_slots=0,
+        max_lora_rank=0, attention=attention.name, mesh=mesh, memory_report=""))
+
+
 class DraftProposer:
-    def __init__(self, draft, layout, max_batch_size: int, max_batch_input_tokens: int):
+    def __init__(self, draft, cfg, layout, graphs=None):
+        """`cfg`, `layout`: the engine's plan; `graphs`: (model, EnginePlan) -> (executables,
+        kv_init) from the compile cache (maxjax/engine/build.py), () or None: compiled at
+        warm-up."""
         self.model = draft
-        self.max_rows = max_batch_size
-        self.budget = max_batch_input_tokens
-        self.bm = BlockManager(layout.num_pages, layout.page_size, enable_prefix_caching=False)
-        buckets = bucket_set(max_batch_input_tokens, max_batch_size)
-        from maxjax.graphs.sharding import params_mesh
-        self.runner = ModelRunner(draft, buckets, layout.num_pages, layout.page_size,
-                                  layout.max_pages_per_row, layout.max_length,
-                                  kv_dtype=layout.kv_dtype, mesh=params_mesh(draft.params))
+        self.max_rows = cfg.max_batch_size
+        self.budget = cfg.max_batch_input_tokens
+        self.plan = draft_plan(cfg, layout, draft)
+        lay = self.plan.layout
+        self.bm = BlockManager(lay.num_pages, lay.page_size, enable_prefix_caching=False)
+        executables, kv_init = (graphs(draft, self.plan) if graphs else ())[:2] or (None, None)
+        self.runner = ModelRunner(draft, lay.buckets, lay.num_pages, lay.page_size,
+                                  lay.max_pages_per_row, lay.max_length, executables, kv_init,
+                                  attention=lay.attention, kv_dtype=lay.kv_dtype, mesh=lay.mesh)
         self.live: list[Request] = []      # requests holding draft pages
 
     def warmup(self) -> None:

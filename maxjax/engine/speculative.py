@@ -82,15 +82,16 @@ def draft_tokens(cfg) -> int:
     return k
 
 
-def build(cfg, layout, model=None) -> "Speculator | None":
-    """The engine's speculator for `cfg` (None: speculation off)."""
+def build(cfg, layout, model=None, graphs=None) -> "Speculator | None":
+    """The engine's speculator for `cfg` (None: speculation off). `graphs`: where a draft
+    model's graphs come from (draft.DraftProposer)."""
     k = draft_tokens(cfg)
     if not k:
         return None
     if cfg.speculative_method == "draft":
         from maxjax.engine import draft
-        proposer = draft.DraftProposer(draft.load_draft(cfg, model, layout.max_length), layout,
-                                       cfg.max_batch_size, cfg.max_batch_input_tokens)
+        proposer = draft.DraftProposer(draft.load_draft(cfg, model, layout.max_length), cfg,
+                                       layout, graphs)
     else:
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,
