@@ -393,3 +393,39 @@ def test_a_failing_proposer_costs_only_the_drafts(tmp_path):
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert outs["r0"] == outs["s0"] and outs["r1"] == outs["s1"] and calls["n"] > 3
     check_pool(proposer.bm, [r.draft_state for r in proposer.live])   # no page lost on a reset
+
+
+def test_warm_cache_writes_the_draft_models_graphs(tmp_path):
+    """warm-cache with a draft model also writes the draft's graphs (DIR/draft, checked like any
+    artifact); an engine from DIR with the compile cache off compiles nothing while it drafts
+    (the draft is the target itself: its drafts are accepted)."""
+    import json
+
+    from maxjax.cli.main import _setup, build_parser
+    from maxjax.engine import compile_counter, warm
+    from maxjax.engine.build import build_core
+    from tiny_llama import write_tiny_llama
+    path = str(write_tiny_llama(tmp_path / "m"))
+    flags = ["--speculative-method", "draft", "--draft-model-path", path,
+             "--num-speculative-tokens", "2", "--max-batch-size", "2", "--max-batch-input-tokens",
+             "4", "--max-length", "64", "--num-kv-pages", "24", "--kv-cache-page-size", "8",
+             "--quantization-encoding", "float32"]
+    args = build_parser().parse_args(["warm-cache", "--model-path", path, *flags])
+    model_opts, cfg = _setup(args)
+    art = str(tmp_path / "art")
+    assert warm.warm_cache(model_opts, cfg, art, None, 1) == 0
+    with open(tmp_path / "art" / "draft" / "manifest.json") as f:
+        assert {g["name"] for g in json.load(f)["graphs"]} == {
+            "step_t1_r1", "step_t2_r2", "step_t4_r2", "kv_init"}       # plain buckets
+    before = compile_counter.count()
+    core = build_core(path, cfg, precompiled_artifacts=[art], compile_cache=False)
+    assert compile_counter.count() == before
+    runner = core.speculator.proposer.runner
+    assert {e.source for e in runner.executables.values()} == {"executable"}
+    outs = {}
+    core.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                          ignore_eos=True))
+    while core.has_unfinished():
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert core.speculator.num_accepted_tokens > 0 and compile_counter.count() == before

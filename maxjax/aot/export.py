@@ -211,6 +211,10 @@ def normalize_targets(targets: list[str] | None) -> tuple[list[str], dict[str, s
     return out, archs
 
 
+# With --speculative-method draft, the draft model's graphs: an artifact directory of their own
+# inside the target's (maxjax/engine/warm.py writes it, maxjax/engine/build.py loads it).
+DRAFT_DIR = "draft"
+
 # What `serve --precompiled-artifacts DIR` takes from the manifest when left unset (load.py
 # adopt_flags); the engine's sizes and buckets are adopted from `engine` (load._adopt_pinned).
 SERVE_FLAGS = ("quantization_encoding", "devices", "data_parallel_degree", "speculative_method",

@@ -105,7 +105,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
             loaded = _from_cache(model, plan, limit, progress, early or None, request)
     phases["graphs"] = time.perf_counter() - t0
     t = time.perf_counter()
-    drafts = (lambda m, p: _from_cache(m, p, limit, progress)) if use_cache else None
+    drafts = _draft_graphs(precompiled_artifacts, require_compiled, limit if use_cache else None,
+                           progress)
     core = EngineCore(model, plan, *loaded, executor=executor, graphs=drafts)
     phases["engine and KV pool"] = time.perf_counter() - t
     n = len(core.layout.buckets)
@@ -187,6 +188,22 @@ def _request(model, engine_cfg: EngineConfig, chat_template: str | None) -> str 
                                     engine_cfg, chat_template, as_source(model).options())
     except (UserError, OSError):
         return None
+
+
+def _draft_graphs(artifacts: Sequence[str], require_compiled: bool, limit: int | None,
+                  progress: bool):
+    """Where a draft model's graphs come from (maxjax/engine/draft.py): the artifacts' draft
+    directories when they have them (`maxjax warm-cache --speculative-method draft`), else the
+    compile cache (`limit` None: off, they compile at warm-up)."""
+    from maxjax.aot.export import DRAFT_DIR
+    dirs = [os.path.join(d, DRAFT_DIR) for d in artifacts]
+    if dirs and all(os.path.isdir(d) for d in dirs):
+        def from_artifacts(model, plan):
+            from maxjax.aot import load as aot_load
+            arts = aot_load.open_artifacts(dirs, model, plan.config, require_compiled)
+            return aot_load.load_for_engine(arts, model, plan, require_compiled)
+        return from_artifacts
+    return None if limit is None else (lambda m, p: _from_cache(m, p, limit, progress))
 
 
 def _from_cache(model, plan: EnginePlan, limit: int, progress: bool, early=None,

@@ -10,7 +10,7 @@ import time
 import jax
 
 from maxjax.aot import cache, group
-from maxjax.aot.export import default_jobs, normalize_targets, write_artifacts
+from maxjax.aot.export import DRAFT_DIR, default_jobs, normalize_targets, write_artifacts
 from maxjax.aot.load import check_target_arch
 from maxjax.engine.build import load, on_devices
 from maxjax.engine.config import EngineConfig
@@ -58,6 +58,9 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
         data = write_artifacts(directory, model, plan, platforms, jobs,
                                progress=group.is_leader(), store_weights=store_weights,
                                archs=archs)
+    if plan.config.speculative_method == "draft":
+        _draft_graphs(model, plan, artifacts_dir and os.path.join(directory, DRAFT_DIR), platforms,
+                      jobs, archs, model_opts.compile_cache_max_size)
     took = time.perf_counter() - t0
     kinds = "exports + executables" if data["compiled_for"] else "exports"
     print(f"wrote {len(data['graphs'])} graphs ({kinds} for {', '.join(platforms)}) in {took:.1f} s")
@@ -72,3 +75,19 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
         print(f"converted weights stored ({data['weights']['bytes'] / 1e6:.0f} MB, orbax)")
     print(f"serve with: {shlex.join(serve)}")
     return 0
+
+
+def _draft_graphs(model, plan, directory: str | None, platforms, jobs, archs, cache_size) -> None:
+    """The draft model's graphs (maxjax/engine/draft.py draft_plan) into `directory` (inside
+    the target's artifacts), or into the compile cache (None)."""
+    from maxjax.engine import draft
+    dmodel = draft.load_draft(plan.config, model, plan.layout.max_length)
+    dplan = draft.draft_plan(plan.config, plan.layout, dmodel)
+    if directory is None:
+        path = cache.entry_path(dmodel, dplan)
+        data, _ = cache.fill(path, dmodel, dplan, platforms, jobs, replace=True)
+        cache.evict(cache.max_bytes(cache_size), keep=path)
+    else:
+        data = write_artifacts(directory, dmodel, dplan, platforms, jobs,
+                               progress=group.is_leader(), store_weights=False, archs=archs)
+    print(f"draft model: {len(data['graphs'])} graphs in {directory or path}")
