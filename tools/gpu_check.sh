@@ -19,7 +19,8 @@
 #               package is installed, GPU_CHECK_MODEL, else the carried tiny Llama)
 #   throughput  tools/bench_gpu.py throughput: 8B-shaped Llama, random bf16 weights
 #   decode      tools/bench_gpu.py decode: where a batch-1 step's time goes (engine phases, the
-#               step executable alone, XLA reading the weights once)
+#               step executable alone, XLA reading the weights once); decode-no-graphs: the
+#               same with XLA's command buffers (CUDA graphs) off
 #   artifact    `serve --precompiled-artifacts` of the CPU-exported CUDA artifacts: the exports
 #               compile once at start-up, the reply equals the CPU's, no compile after ready
 #   device-exe  warm-cache on this machine, then generate from its executables: 0 compiles
@@ -154,7 +155,7 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.md"
 : > "$SUMMARY"
 export DRY=${GPU_CHECK_DRY_RUN:-0}
-STAGES=${GPU_CHECK_STAGES:-tests kernel parity throughput decode artifact device-exe}
+STAGES=${GPU_CHECK_STAGES:-tests kernel parity throughput decode decode-no-graphs artifact device-exe}
 if [ "$DRY" != 1 ] && ! "$PY" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
     echo "gpu_check: no GPU backend here: a dry run on the CPU (GPU_CHECK_DRY_RUN=1)"
     DRY=1
@@ -163,7 +164,7 @@ fi
 if [ "$DRY" = 1 ]; then export JAX_PLATFORMS=cpu; DRYFLAG=--dry-run; SCALE=5; JOBS=2; else DRYFLAG=; SCALE=1; JOBS=8; fi
 # compiles go through a compile cache of this run's own, MAXJAX_COMPILE_JOBS at once
 export MAXJAX_CACHE_DIR=/tmp/gpu-check-cache MAXJAX_COMPILE_JOBS=${MAXJAX_COMPILE_JOBS:-$JOBS}
-rm -rf "$MAXJAX_CACHE_DIR"
+rm -rf "$MAXJAX_CACHE_DIR" "$MAXJAX_CACHE_DIR-no-graphs"
 # the device has no maxjax install: the checkout itself, and the carried wheels
 if ! "$PY" -c "import maxjax.graphs" 2>/dev/null; then
     [ -d "$PREP/wheels" ] && "$PY" -m pip install -q --no-index --no-deps "$PREP"/wheels/*.whl >"$OUT/install.log" 2>&1
@@ -173,14 +174,17 @@ fi
 "$PY" -c "import jax, jaxlib; d = jax.devices()[0]; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, d.platform, d.device_kind)" \
     | tee "$OUT/env.txt"
 
-# 7 limits of 585 s in all, inside one 10-minute device call (the interpret-mode kernel tests are
+# 8 limits of 575 s in all (the first H200 run took ~300 s), inside one 10-minute device call (the interpret-mode kernel tests are
 # CI's: on the device the kernel stage checks the compiled kernel)
 stage tests 30 "$PY" -m pytest tests/test_gpu_layout.py tests/test_pallas_attention.py -q -p no:cacheprovider \
     -k "not equals_reference"
 stage kernel 45 "$PY" tools/bench_gpu.py kernel $DRYFLAG --json "$OUT/kernel.json"
 stage parity 90 "$SELF" __stage check_parity
-stage throughput 270 "$PY" tools/bench_gpu.py throughput $DRYFLAG --json "$OUT/throughput.json"
+stage throughput 200 "$PY" tools/bench_gpu.py throughput $DRYFLAG --json "$OUT/throughput.json"
 stage decode 60 "$PY" tools/bench_gpu.py decode $DRYFLAG --json "$OUT/decode.json"
+# the same without XLA's CUDA graphs: how much of a batch-1 step is kernel launches
+stage decode-no-graphs 60 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+    MAXJAX_CACHE_DIR="$MAXJAX_CACHE_DIR-no-graphs" "$PY" tools/bench_gpu.py decode $DRYFLAG
 stage artifact 45 "$SELF" __stage check_artifact
 stage device-exe 45 "$SELF" __stage check_device_executables
 
@@ -189,5 +193,5 @@ echo "gpu_check on $(cat "$OUT/env.txt")$([ "$DRY" = 1 ] && echo ' (DRY RUN on t
 echo "| stage | result | time |"
 echo "|---|---|---|"
 cat "$SUMMARY"
-for f in throughput decode; do [ -f "$OUT/$f.log" ] && grep -E "^\|" "$OUT/$f.log"; done
+for f in throughput decode decode-no-graphs; do [ -f "$OUT/$f.log" ] && grep -E "^\|" "$OUT/$f.log"; done
 ! grep -q FAIL "$SUMMARY"
