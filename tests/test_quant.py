@@ -41,6 +41,16 @@ def test_q4_blocks_decode_to_gguf_dequantize(qt):
                                atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q4_1, T.Q4_K])
+def test_q4_row_amax_equals_the_dequantized_rows_max(qt):
+    rows, cols = 8, 512
+    raw = q4k_blocks(RNG, rows, cols) if qt == T.Q4_K else \
+        quantize(RNG.standard_normal((rows, cols)).astype(np.float32), qt)
+    nib, scale, offset = Q.decode_q4(qt.name, (rows, cols), raw.reshape(-1))
+    want = np.abs(Q.dequantize_q4(nib, scale, offset)).max(axis=1)
+    np.testing.assert_array_equal(Q.q4_row_amax(nib, scale, offset), want)   # exact
+
+
 def test_pack_q4_unpacks_in_the_graph():
     nib = RNG.integers(0, 16, (96, 40), dtype=np.uint8)
     unpacked = quant.unpack_int4(jnp.asarray(Q.pack_q4(nib)))

@@ -128,10 +128,11 @@ def abstract_params(specs: dict, encoding: str, types_of=None) -> dict:
 def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float w [rows, cols] -> (int8 q, float32 scale [rows]) with w ~ scale[:, None] * q."""
     w = np.asarray(w, np.float32)
-    amax = np.max(np.abs(w), axis=1)
+    amax = np.maximum(w.max(axis=1), -w.min(axis=1))
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
-    return q, scale
+    q = w / scale[:, None]
+    np.rint(q, out=q)
+    return np.clip(q, -127, 127, out=q).astype(np.int8), scale
 
 
 # --- GGUF 4-bit blocks ------------------------------------------------------------------------
@@ -191,6 +192,18 @@ def dequantize_q4(nib, scale, offset) -> np.ndarray:
     return w.reshape(rows, cols)
 
 
+def q4_row_amax(nib, scale, offset) -> np.ndarray:
+    """max |w| of each row of dequantize_q4's output, from each block's smallest and largest
+    nibble: w is monotonic in the nibble within a block, its rounding too, so this is exact."""
+    rows, cols = nib.shape
+    blocks = nib.reshape(rows, -1, BLOCK)
+    ends = [(blocks.min(-1).astype(np.float32) - 8) * scale,
+            (blocks.max(-1).astype(np.float32) - 8) * scale]
+    if offset is not None:
+        ends = [e + offset for e in ends]
+    return np.maximum(np.abs(ends[0]), np.abs(ends[1])).max(axis=1)
+
+
 def pack_q4(nib_in_out: np.ndarray) -> np.ndarray:
     """Nibbles [in, out] -> uint8 [in/2, out]: in each block of 32 inputs, packed row j holds
     input j (low nibble) and input j + 16 (high nibble)."""
@@ -222,7 +235,7 @@ class Quantizer:
         offsets = [p[2] for p in parts]
         offset = None if all(o is None for o in offsets) else np.concatenate(
             [np.zeros_like(p[1]) if o is None else o for p, o in zip(parts, offsets)])
-        amax = np.max(np.abs(dequantize_q4(nib, scale, offset)), axis=1)
+        amax = q4_row_amax(nib, scale, offset)
         requant = np.where(amax > 0, np.float32(127) / amax, np.float32(1)).astype(np.float32)
         put = jax.device_put
         return QuantizedWeight(put(pack_q4(np.ascontiguousarray(nib.T))), put(scale.T.copy()),
