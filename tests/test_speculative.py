@@ -396,9 +396,9 @@ def test_a_failing_proposer_costs_only_the_drafts(tmp_path):
 
 
 def test_warm_cache_writes_the_draft_models_graphs(tmp_path):
-    """warm-cache with a draft model also writes the draft's graphs (DIR/draft, checked like any
-    artifact); an engine from DIR with the compile cache off compiles nothing while it drafts
-    (the draft is the target itself: its drafts are accepted)."""
+    """warm-cache with a draft model also writes the draft's graphs (DIR/draft); an engine from
+    DIR with the compile cache off compiles nothing while it drafts (the draft is the target
+    itself: its drafts are accepted); a flipped byte there is refused like in any artifact."""
     import json
 
     from maxjax.cli.main import _setup, build_parser
@@ -429,3 +429,10 @@ def test_warm_cache_writes_the_draft_models_graphs(tmp_path):
         for o in core.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert core.speculator.num_accepted_tokens > 0 and compile_counter.count() == before
+    exe = tmp_path / "art" / "draft" / "step_t1_r1.cpu-cpu.xlaexe"
+    blob = bytearray(exe.read_bytes())
+    blob[len(blob) // 2] ^= 1
+    exe.write_bytes(bytes(blob))
+    with pytest.raises(UserError, match=r"draft/manifest.json: graph step_t1_r1: executable file .*"
+                       r"sha256 .* with --speculative-method draft --draft-model-path"):
+        build_core(path, cfg, precompiled_artifacts=[art], compile_cache=False)

@@ -139,15 +139,19 @@ class Artifacts:
     fix: Callable           # (manifest, field) -> the warm-cache command that rebuilds them
 
 
-def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = False) -> Artifacts:
+def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = False,
+                   command: str | None = None) -> Artifacts:
     """Read and verify artifact directories for `model` (manifest, versions, mesh, model, every
     file's sha256, their target) and adopt what they pin into `flags`; artifacts/FORMAT.md
-    lists the order. A mismatch is a UserError naming the field and the command that fixes it."""
+    lists the order. A mismatch is a UserError naming the field and the command that fixes it
+    (`command`: that command, when it is not warm-cache's for `model` into these directories)."""
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
     local = mf.local_device()
     user = flags = flags.replace(quantization_encoding=model.dtype)
 
     def fix(m, field):
+        if command:
+            return command
         eng = {k: getattr(user, k) for k in mf.FLAGS if k != "dtype"}
         for k, v in eng.items():
             if v is None or (_unset(user, k) and k != field):

@@ -200,7 +200,11 @@ def _draft_graphs(artifacts: Sequence[str], require_compiled: bool, limit: int |
     if dirs and all(os.path.isdir(d) for d in dirs):
         def from_artifacts(model, plan):
             from maxjax.aot import load as aot_load
-            arts = aot_load.open_artifacts(dirs, model, plan.config, require_compiled)
+            cfg = plan.config
+            wrote = ", ".join(os.path.abspath(d) for d in artifacts)
+            command = (f"the `maxjax warm-cache` that wrote {wrote}, with "
+                       f"--speculative-method draft --draft-model-path {cfg.draft_model_path}")
+            arts = aot_load.open_artifacts(dirs, model, cfg, require_compiled, command)
             return aot_load.load_for_engine(arts, model, plan, require_compiled)
         return from_artifacts
     return None if limit is None else (lambda m, p: _from_cache(m, p, limit, progress))
