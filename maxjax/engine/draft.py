@@ -3,7 +3,8 @@ usually smaller model with the target's vocabulary drafts k tokens greedily for 
 
 The draft keeps its own paged KV cache (its own BlockManager and ModelRunner, with the plain
 one-slot-per-row buckets of the engine's token budget: `draft_plan`; its graphs come from the
-compile cache when the engine's builder passes it, else they compile at warm-up), holding for each
+artifacts' draft/ directory or the compile cache, as the engine's builder says, else they compile
+at warm-up), holding for each
 request the tokens it has seen: `Request.draft_state` is the request's sequence in the draft's
 pool (a Request of that pool: pages, num_computed_tokens). Per step, for the rows the speculator
 asks about: feed each request's tokens the draft has not seen (the last accepted ones, or all of
@@ -94,8 +95,8 @@ def draft_plan(cfg, layout, draft) -> EnginePlan:
 class DraftProposer:
     def __init__(self, draft, cfg, layout, graphs=None):
         """`cfg`, `layout`: the engine's plan; `graphs`: (model, EnginePlan) -> (executables,
-        kv_init) from the compile cache (maxjax/engine/build.py), () or None: compiled at
-        warm-up."""
+        kv_init) from the artifacts or the compile cache (maxjax/engine/build.py `_draft_graphs`);
+        () or None: compiled at warm-up."""
         self.model = draft
         self.max_rows = cfg.max_batch_size
         self.budget = cfg.max_batch_input_tokens
