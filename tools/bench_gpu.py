@@ -164,6 +164,17 @@ def step_alone_ms(runner, context: int, iters: int = 20) -> dict:
             "pipelined": 1e3 * (time.perf_counter() - t) / iters}
 
 
+def decode_breakdown(core, prompt, params, context: int) -> tuple[float, dict, dict]:
+    """Batch-1 decode tok/s (bench_offline.decode_probe), the engine's ms per step by phase over
+    it, and the step executable alone (step_alone_ms) at `context` tokens."""
+    from bench_offline import decode_probe
+    before = dict(core.profile)
+    tps = decode_probe(core, prompt, params)
+    steps = core.profile["steps"] - before["steps"]
+    phases = {k: 1e3 * (core.profile[k] - before[k]) / steps for k in PHASES}
+    return tps, phases, step_alone_ms(core.runner, context)
+
+
 def gemv_floor_ms(params, dtype, iters: int = 20) -> float:
     """What plain XLA takes to read every weight matrix once in one graph (a one-row product
     with each 2-D leaf; the embedding table as the LM head), median ms: the step's floor."""
@@ -202,13 +213,8 @@ def bench_decode(dry_run: bool, input_len: int = 128, output_len: int = 128) -> 
     prompt = list(map(int, rng.integers(100, cfg.vocab_size - 100, input_len)))
     params = maxjax.SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     core = llm.core
-    decode_probe_ = __import__("bench_offline").decode_probe
-    decode_probe_(core, prompt, maxjax.SamplingParams(max_new_tokens=8))
-    before = dict(core.profile)
-    tps = decode_probe_(core, prompt, params)
-    steps = core.profile["steps"] - before["steps"]
-    phases = {k: 1e3 * (core.profile[k] - before[k]) / steps for k in PHASES}
-    alone = step_alone_ms(core.runner, input_len + output_len // 2)
+    llm.generate([prompt], maxjax.SamplingParams(max_new_tokens=8))
+    tps, phases, alone = decode_breakdown(core, prompt, params, input_len + output_len // 2)
     floor = gemv_floor_ms(model.params, jnp.bfloat16)
     wbytes = weight_bytes(model.params)
     bw, bw_kind = nominal_bandwidth(dev)
@@ -252,18 +258,14 @@ def bench_throughput(dry_run: bool, streams: list[int], input_len: int = 128,
     prompt = lambda: list(map(int, rng.integers(100, cfg.vocab_size - 100, input_len)))   # noqa: E731
     params = maxjax.SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate([prompt()], maxjax.SamplingParams(max_new_tokens=4))
-    from bench_offline import decode_probe
     core = llm.core
     wbytes = weight_bytes(model.params)
     # rows as they are measured: a stage stopped at its time limit keeps what it had
     print(f"weights {wbytes / 1e9:.2f} GB, warm-up {warm:.0f} s\n", flush=True)
     print("| measure | value |")
     print("|---|---|", flush=True)
-    before = dict(core.profile)
-    decode_tps = decode_probe(core, prompt(), params)
-    steps = core.profile["steps"] - before["steps"]
-    phases = {k: 1e3 * (core.profile[k] - before[k]) / steps for k in PHASES}
-    alone = step_alone_ms(core.runner, input_len + output_len // 2)
+    decode_tps, phases, alone = decode_breakdown(core, prompt(), params,
+                                                 input_len + output_len // 2)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     step_bytes = wbytes + kv_per_token * (input_len + output_len // 2)
     bw, bw_kind = nominal_bandwidth(dev)
