@@ -121,9 +121,9 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
         from maxjax.graphs import cpu_kernels
         linear = cpu_kernels.kernels_of(core.model.params)
         kernels = f", {' '.join(linear)} {cpu_kernels.isa()}" if linear else ""
-        log.info("Engine ready in %.1f s: %d step graphs (%s attention%s), KV pool of %d pages "
-                 "of %d tokens, max length %d", time.perf_counter() - t0, n, lay.attention,
-                 kernels, lay.num_pages, lay.page_size, core.max_length)
+        log.info("Engine ready in %.1f s: %d step graphs (%s attention%s), KV pool of %d %s "
+                 "pages of %d tokens, max length %d", time.perf_counter() - t0, n, lay.attention,
+                 kernels, lay.num_pages, lay.kv_dtype, lay.page_size, core.max_length)
         if lay.memory_report:
             log.info("%s", lay.memory_report)
         if phases["start"] is not None:
