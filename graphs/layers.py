@@ -52,9 +52,23 @@ def linear(x, w, transposed: bool = False, out_dtype=None, live=None):
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
 
 
+def sum_last(x):
+    """x summed over its last axis in one fixed pairwise order, whatever the leading shape: XLA
+    compiles a reduction per shape and its order (and last bits) varies with the row count, so a
+    row's result would depend on which bucket it ran in (BENCHMARKS.md, batch invariance)."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def rms_norm(x, w, eps: float, plus_one: bool = False):
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(sum_last(xf * xf) / xf.shape[-1] + eps)
     scale = (1.0 + w.astype(jnp.float32)) if plus_one else w.astype(jnp.float32)
     return (xf * scale).astype(x.dtype)
 

@@ -69,6 +69,21 @@ def test_batch_invariance_short_prompts(llm, prompts):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == alone(llm, prompts)
 
 
+def test_default_encoding_on_the_kernels_is_batch_invariant_to_the_bit(prompts):
+    # The embedded GGUF as `maxjax serve` runs it (Q4_1 blocks through the CPU kernels): each
+    # row's logprobs do not depend on the rows beside it. The linears and attention are ours
+    # (a row's sums in one order); XLA's own reductions were not (graphs/layers.sum_last).
+    from maxjax.graphs import cpu_kernels
+    if cpu_kernels.unavailable():
+        pytest.skip(f"CPU kernels: {cpu_kernels.unavailable()}")
+    llm = LLM(None, enable_prefix_caching=False, **ENGINE)
+    assert llm.core.layout.attention == "cpu_paged_kernel"
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+    logprobs = lambda outs: [[lp.logprob for lp in o.logprobs] for o in outs]   # noqa: E731
+    singles = [logprobs(llm.generate([p], params))[0] for p in prompts]
+    assert logprobs(llm.generate(prompts, params)) == singles
+
+
 def test_prefix_caching_off_gives_same_tokens(llm, llm_no_prefix, prompts):
     assert [o.token_ids for o in llm_no_prefix.generate(prompts, GREEDY)] == alone(llm, prompts)
     assert llm_no_prefix.stats().kv.prefix_hit_pages == 0
