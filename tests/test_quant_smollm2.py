@@ -4,7 +4,8 @@ and the share of positions whose top-1 token agrees with float32's. The text is 
 the paged step graph in chunks of 512 (one compile per encoding), logits at every position;
 "int8-kernel" and "q4_1-kernel" go through the CPU kernels (graphs/cpu_kernels.py, this CPU's
 best ISA) and "q4_1-kernel-avx2" through their AVX2 path (MAXJAX_CPU_ISA=avx2); the 4-bit ones
-keep the GGUF's block arithmetic, within +0.5% of float32.
+keep the GGUF's block arithmetic, within +0.5% of float32, also over the bfloat16 KV pool
+the default serve gives them ("q4_1-kernel-bf16-kv").
 Figures (printed with `-s`) are in BENCHMARKS.md, Quantized weights."""
 import dataclasses
 import math
@@ -12,6 +13,7 @@ import os
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -25,16 +27,17 @@ pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
 TEXT = os.path.join(os.path.dirname(__file__), "data", "apache-2.0.txt")
 NUM_TOKENS, CHUNK, PAGE = 1024, 512, 32
 PPL_TOLERANCE = {"int8": 0.01, "int8-kernel": 0.01, "q4_1": 0.05, "q4_1-kernel": 0.005,
-                 "q4_1-kernel-avx2": 0.005}
+                 "q4_1-kernel-avx2": 0.005, "q4_1-kernel-bf16-kv": 0.005}
 MIN_TOP1_AGREEMENT = {"int8": 0.93, "int8-kernel": 0.93, "q4_1": 0.93, "q4_1-kernel": 0.95,
-                      "q4_1-kernel-avx2": 0.95}
+                      "q4_1-kernel-avx2": 0.95, "q4_1-kernel-bf16-kv": 0.95}
 
 
-def score(model, tokens):
-    """(log-probability of each next token, top-1 token at each position but the last)."""
+def score(model, tokens, kv_dtype=None):
+    """(log-probability of each next token, top-1 token at each position but the last), over a
+    KV pool of `kv_dtype` (default: the activations')."""
     cfg, arch = model.config, model.arch
     pages = list(range(1, len(tokens) // PAGE + 1))
-    kv = init_kv(cfg, len(pages) + 1, PAGE, model.compute_dtype)
+    kv = init_kv(cfg, len(pages) + 1, PAGE, kv_dtype or model.compute_dtype)
 
     @partial(jax.jit, donate_argnums=(1,))
     def prefill(params, kv, step):
@@ -67,6 +70,8 @@ def scores():
         if encoding != "float32" and cpu_kernels.unavailable() is None:
             packed = dataclasses.replace(model, params=cpu_kernels.pack_params(model.params))
             out[f"{encoding}-kernel"] = score(packed, out["tokens"])
+            if encoding == "q4_1":      # as the default serve runs it: a bfloat16 KV pool
+                out["q4_1-kernel-bf16-kv"] = score(packed, out["tokens"], jnp.bfloat16)
             if encoding == "q4_1" and cpu_kernels.isa() != "avx2" \
                     and cpu_kernels.unavailable("avx2") is None:
                 with pytest.MonkeyPatch.context() as mp:   # traced with the AVX2 kernels
@@ -81,7 +86,7 @@ def perplexity(logprobs) -> float:
 
 
 @pytest.mark.parametrize("encoding", ["int8", "int8-kernel", "q4_1", "q4_1-kernel",
-                                      "q4_1-kernel-avx2"])
+                                      "q4_1-kernel-avx2", "q4_1-kernel-bf16-kv"])
 def test_perplexity_next_to_float32(scores, encoding):
     if encoding not in scores:
         pytest.skip(f"CPU kernels: {cpu_kernels.unavailable()}")
