@@ -51,6 +51,8 @@ class AttentionBackend:
     takes_sinks: bool = False   # runs attention sinks (a per-head logit in the denominator)
     # reads the step's `visible_end` (graphs/step.py): image tokens that see their whole image
     takes_image_blocks: bool = False
+    # the KV pool's dtype by default under quantized weights (None: the activations' dtype)
+    quantized_kv_format: str | None = None
 
     def fits(self, platform: str, kernels: bool, sinks: bool = False,
              image_blocks: bool = False) -> bool:

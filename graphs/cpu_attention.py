@@ -99,5 +99,8 @@ def kernel_attention(q, k_pool, v_pool, layer: int, step, window: int, scale: fl
 CPU_PAGED_KERNEL = AttentionBackend(
     "cpu_paged_kernel", token_row_specs, build_token_rows, kernel_attention, write_kv, zero_pool,
     platforms=("cpu",), needs_cpu_kernels=True, priority=1, check_head_dim=check_head_dim,
+    # it widens bfloat16 K/V as it reads them: half the bytes a long or many-row step reads,
+    # twice the pages in the same memory, as llama.cpp's default f16 cache (BENCHMARKS.md)
+    quantized_kv_format="bfloat16",
     custom_calls=tuple(f"{t}_{isa}" for isa in cpu_kernels.ISAS
                        for t in (TARGET, WRITE_TARGET, ZERO_TARGET)))

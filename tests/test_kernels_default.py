@@ -1,6 +1,7 @@
 """maxjax's CPU kernels by default (maxjax/engine/plan.choose_kernels): on wherever they run,
 one log line naming why where they do not (MAXJAX_CPU_ISA=none stands for a CPU without the
 instructions), required by --use-experimental-kernels, off with --no-use-experimental-kernels;
+quantized weights on them get a bfloat16 KV pool by default;
 artifacts and compile cache entries record the kernels' instruction set, and artifacts built for
 another are refused naming it."""
 import logging
@@ -81,9 +82,25 @@ def test_default_engine_runs_the_kernels(tiny, want):
     assert llm.engine_config.use_experimental_kernels is True
     assert cpu_kernels.kernels_of(llm.core.model.params) == [cpu_kernels.INT8_LINEAR]
     assert llm.core.layout.attention == "cpu_paged_kernel"
+    assert llm.core.layout.kv_dtype == "bfloat16"     # quantized weights on the kernel
     assert kernels_info(llm.core) == {"isa": cpu_kernels.isa(),
                                       "linear": [cpu_kernels.INT8_LINEAR], "attention": True}
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+def test_kv_format_defaults_to_bfloat16_only_for_quantized_weights_on_the_kernel(tiny,
+                                                                                  tmp_path):
+    from maxjax.engine.plan import plan_layout
+    from maxjax.graphs.attention import choose_backend
+    cfg = EngineConfig(**{k: v for k, v in ENGINE.items() if k != "compile_cache"})
+    assert plan_layout(cfg.replace(use_experimental_kernels=True), tiny).kv_dtype == "bfloat16"
+    assert plan_layout(cfg.replace(use_experimental_kernels=True,
+                                   kv_cache_format="float32"), tiny).kv_dtype == "float32"
+    assert plan_layout(cfg.replace(use_experimental_kernels=False), tiny).kv_dtype == "float32"
+    float32 = load_model(write_tiny_llama(str(tmp_path / "f32")), "float32", progress=False)
+    lay = plan_layout(cfg.replace(use_experimental_kernels=True), float32)
+    assert lay.attention == "cpu_paged_kernel" and lay.kv_dtype == "float32"
+    assert choose_backend("cpu", 64, 8, kernels=False).quantized_kv_format is None
 
 
 def test_fallback_serves_the_same(tiny, want, monkeypatch):
@@ -94,6 +111,7 @@ def test_fallback_serves_the_same(tiny, want, monkeypatch):
     assert llm.engine_config.use_experimental_kernels is False
     assert cpu_kernels.kernels_of(llm.core.model.params) == []
     assert llm.core.layout.attention != "cpu_paged_kernel" and kernels_info(llm.core) is None
+    assert llm.core.layout.kv_dtype == "float32"
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
 
 

@@ -108,7 +108,8 @@ class EngineConfig:
                 "float32 on CPU and bfloat16 on GPU"})
     kv_cache_format: str | None = field(default=None, metadata={
         "choices": ["float32", "bfloat16"],
-        "help": "dtype of the KV cache (default: the activations' dtype, float32 on CPU)"})
+        "help": "dtype of the KV cache (default: bfloat16 for quantized weights on the CPU "
+                "kernels, else the activations' dtype: float32 on CPU)"})
     enable_penalties: bool = field(default=True, metadata={
         "help": "Apply requests' frequency, presence and repetition penalties (--no-...: a "
                 "request that sets one gets a 400 naming it)"})

@@ -195,6 +195,15 @@ def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
     return cfg.max_length
 
 
+def default_kv_format(model, attention) -> str:
+    """The KV pool's dtype when --kv-cache-format is not given: the attention backend's choice
+    for quantized weights, else the activations' dtype."""
+    from maxjax.models.quantize import is_quantized
+    if attention.quantized_kv_format and is_quantized(model.dtype):
+        return attention.quantized_kv_format
+    return np.dtype(model.compute_dtype).name
+
+
 def local_platform() -> str:
     """This process's JAX platform as export names it: cpu, cuda, rocm, tpu."""
     return jax.export.default_export_platform()
@@ -218,7 +227,7 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
     except ValueError as e:
         raise UserError(f"--kv-cache-page-size {cfg.kv_cache_page_size}: {e}") from None
     max_length = resolve_max_length(cfg, mc)
-    kv_dtype = cfg.kv_cache_format or np.dtype(model.compute_dtype).name
+    kv_dtype = cfg.kv_cache_format or default_kv_format(model, attention)
     if kv_dtype not in KV_CACHE_FORMATS:
         raise UserError(f"unsupported --kv-cache-format {kv_dtype!r} "
                         f"(supported: {', '.join(KV_CACHE_FORMATS)})")
