@@ -76,7 +76,8 @@ def test_first_start_log_is_maxjax_lines_one_per_phase(starts):
         assert f"CPU kernels off: {why}; XLA's path runs" in text, text
         assert kernels is None
     encoding = "int8" if why else "q4_1"
-    assert re.search(r"KV pool of \d+ float32 pages of", text), text   # the activations' dtype
+    pool = "float32" if why else "bfloat16"     # the kernels' default for quantized weights
+    assert re.search(rf"KV pool of \d+ {pool} pages of", text), text
     for phase in ("Loading weights: the embedded SmolLM2-135M-Instruct",
                   f"Loaded SmolLM2-135M-Instruct ({encoding}) in",
                   f"Compiling 5 graphs (not in the compile cache yet: storing them in {cache_dir}/",
