@@ -72,28 +72,27 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     `pins`: layout values fixed elsewhere (a group's process 0: maxjax/engine/distributed.py).
     `executor`: what the runner's calls go through (ModelRunner; None: this process's own)."""
     from maxjax.aot import cache
-    phases = {"start": since_process_start()}
+    clock = Clock()
     flags = flags.for_platform(None).replace(**(pins or {}))
     check_flags(flags)                          # before the weights load
     pinned_kernels = None
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
         pinned_kernels = aot_load.pinned_kernels(precompiled_artifacts)
-    kernels = choose_kernels(flags, pinned_kernels)
+    kernels = choose_kernels(flags, pinned_kernels)          # builds their library once
     use_cache = cache.enabled(compile_cache)
     limit = cache.max_bytes(compile_cache_max_size)
     request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template) \
         if use_cache and not precompiled_artifacts else None
     from maxjax.aot import prefetch
     early = request and prefetch.start(cache.directory(), request)
-    t = time.perf_counter()
+    clock.mark("CPU kernels and cache key")
     model = load(model, flags.quantization_encoding, chat_template, precompiled_artifacts,
                  progress, replica_mesh(flags, replica) if precompiled_artifacts else None,
                  kernels=kernels)
-    phases["weights"] = time.perf_counter() - t
-    t = time.perf_counter()
+    clock.mark("weights")
     model = on_devices(model, flags, replica, kernels=kernels)
-    phases["placing"] = time.perf_counter() - t
+    clock.mark("placing")
     t0 = time.perf_counter()
     loaded = ()
     if precompiled_artifacts:
@@ -103,19 +102,17 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
         plan = plan_engine(flags, model, kernels=kernels)
         if use_cache:
             loaded = _from_cache(model, plan, limit, progress, early or None, request)
-    phases["graphs"] = time.perf_counter() - t0
-    t = time.perf_counter()
+    clock.mark("graphs")
     drafts = _draft_graphs(precompiled_artifacts, require_compiled, limit if use_cache else None,
                            progress)
     core = EngineCore(model, plan, *loaded, executor=executor, graphs=drafts)
-    phases["engine and KV pool"] = time.perf_counter() - t
+    clock.mark("engine and KV pool")
     n = len(core.layout.buckets)
-    t = time.perf_counter()
     with Heartbeat(progress and not loaded) as beat:
         if progress and not loaded:
             log.info("Compiling %d step graphs%s", n, "" if use_cache else " (compile cache off)")
         core.warmup(beat.graph_done if progress else None)
-    phases["compiling" if not loaded else "warm-up"] = time.perf_counter() - t
+    clock.mark("compiling" if not loaded else "warm-up")
     if progress:
         lay = core.layout
         from maxjax.graphs import cpu_kernels
@@ -126,11 +123,25 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
                  kernels, lay.num_pages, lay.kv_dtype, lay.page_size, core.max_length)
         if lay.memory_report:
             log.info("%s", lay.memory_report)
-        if phases["start"] is not None:
+        if clock.start is not None:
             log.info("Start-up %.1f s from process start: %s", since_process_start(),
-                     ", ".join(f"{'imports and setup' if k == 'start' else k} {v:.1f} s"
-                               for k, v in phases.items()))
+                     ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items()))
     return core
+
+
+class Clock:
+    """A start's phases, end to end from process start: `mark(name)` closes the phase since the
+    previous mark (the first: since build_core began; before it, "imports and setup")."""
+
+    def __init__(self):
+        self.start = since_process_start()
+        self.phases = {"imports and setup": self.start or 0.0}
+        self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
 
 
 def since_process_start() -> float | None:
