@@ -126,21 +126,39 @@ def _load(isa: str) -> str | None:
     lib = os.path.join(root, f"maxjax-kernels-{isa}-{key.hexdigest()[:16]}.so")
     if not os.path.isfile(lib):
         os.makedirs(root, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
-        os.close(fd)
-        cmd = [compiler, "-O3", *flags, "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp, "-lpthread"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            os.unlink(tmp)
-            return f"building it failed: {done.stderr.strip().splitlines()[-1:]}"
-        os.replace(tmp, lib)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            why = _build(compiler, flags, sources, os.path.join(tmp, "lib.so"))
+            if why:
+                return why
+            os.replace(os.path.join(tmp, "lib.so"), lib)
         log.info("built the %s CPU kernels into %s", isa, lib)
     handle = ctypes.cdll.LoadLibrary(lib)
     for name in (t for targets in SOURCES.values() for t in targets):
         full = f"{name}_{isa}"
         jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(getattr(handle, full)),
                                     platform="cpu")
+    return None
+
+
+def _build(compiler: str, flags: list[str], sources: list[str], out: str) -> str | None:
+    """Compile `sources` (a process each, all at once: a first start waits on them) and link
+    them into the shared library `out`; None, or why it failed."""
+    objects = [f"{out}.{i}.o" for i in range(len(sources))]
+    compiles = [subprocess.Popen([compiler, "-O3", *flags, "-std=c++17", "-fPIC", "-w",
+                                  f"-I{jax.ffi.include_dir()}", "-c", src, "-o", obj],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for src, obj in zip(sources, objects)]
+    done = [(p.communicate()[1], p.returncode) for p in compiles]
+    if all(code == 0 for _, code in done):
+        link = subprocess.run([compiler, "-shared", *objects, "-o", out, "-lpthread"],
+                              capture_output=True, text=True)
+        done.append((link.stderr, link.returncode))
+    for err, code in done:
+        if code:
+            lines = err.strip().splitlines()
+            first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else
+                         f"{compiler} exited with {code}")
+            return f"building it failed: {first.strip()}"
     return None
 
 

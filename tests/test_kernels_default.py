@@ -61,6 +61,15 @@ def test_without_the_instructions_one_line_and_required_is_an_error(monkeypatch,
         choose_kernels(EngineConfig(use_experimental_kernels=True))
 
 
+def test_a_failed_build_says_why_in_a_line(tmp_path):
+    src = tmp_path / "broken.cc"
+    src.write_text("int f() { return }\n")
+    why = cpu_kernels._build("g++", [], [str(src)], str(tmp_path / "lib.so"))
+    assert why.startswith("building it failed: ") and "error" in why and "\n" not in why
+    assert cpu_kernels._build("false", [], [str(src)], str(tmp_path / "lib.so")) == \
+        "building it failed: false exited with 1"
+
+
 def test_off_on_a_mesh_and_for_another_platform(caplog):
     cfg = EngineConfig(devices="cpu:2")
     with caplog.at_level(logging.INFO, logger="maxjax.engine"):
