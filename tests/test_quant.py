@@ -104,6 +104,20 @@ def test_greedy_equals_numpy_reference(sources, encoding):
         assert_logits_close(got_logits, want_logits, rel=LOGIT_REL_TOL)
 
 
+@pytest.mark.parametrize("encoding", ["q4_0", "q4_1", "q4_k"])
+def test_kernel_packing_from_the_blocks_equals_decode_then_pack(sources, encoding):
+    # Where the CPU kernels run, Q4_0 / Q4_1 matrices are packed from the GGUF blocks as read
+    # (Q4_K's nibbles pair otherwise: decoded first); the kernels get the same arrays either way.
+    from maxjax.graphs import cpu_kernels
+    decoded = load_model(sources[encoding], encoding, progress=False)
+    direct = load_model(sources[encoding], encoding, progress=False, kernels=True)
+    assert cpu_kernels.is_packed(direct.params["layers"][0]["wqkv"]) is (encoding != "q4_k")
+    want, got = cpu_kernels.pack_params(decoded.params), cpu_kernels.pack_params(direct.params)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_gguf_float32_still_dequantizes(sources):
     model = load_model(sources["q4_1"], "float32", progress=False)
     assert model.dtype == "float32"

@@ -281,6 +281,20 @@ class GGUFTensorReader:
             parts = tuple(None if p is None else unpermute_qk(p, heads) for p in parts)
         return parts
 
+    def q4_blocks(self, hf_name: str):
+        """A Q4_0 / Q4_1 tensor as its type's name and raw blocks [rows, cols / 32, block bytes]
+        in HF row order (graphs/cpu_kernels.pack_gguf_blocks packs them as they are); None for
+        a tensor of another type."""
+        name = self.gguf_name(hf_name)
+        qt, shape, data = self.gf.raw(name) if name in self.gf.tensors else (None, None, None)
+        if qt is None or qt.name not in ("Q4_0", "Q4_1"):
+            return None
+        rows, cols = shape
+        blocks = data.reshape(rows, cols // 32, -1)
+        if self.permute and (".attn_q." in name or ".attn_k." in name):
+            blocks = unpermute_qk(blocks, self.n_heads if ".attn_q." in name else self.n_kv_heads)
+        return qt.name, blocks
+
     def matrix_types(self) -> list[str]:
         """The GGUF type of every 2-D tensor (what `quantize.gguf_encoding` reads)."""
         return [qt.name for qt, shape, *_ in self.gf.tensors.values() if len(shape) == 2]

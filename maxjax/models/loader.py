@@ -123,7 +123,8 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
             if hasattr(reader, "close"):
                 reader.close()
         else:
-            params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path))
+            params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path),
+                                 kernels)
         tokenizer = tokenizing.result()
         if arch.vision is not None:
             vision = vm.vision_model(arch.vision, vcfg, vparams, processing.result())
@@ -282,12 +283,16 @@ def model_config(hf: dict, path: str, src: ModelSource | None = None
 
 
 def load_params(arch: Architecture, cfg: ModelConfig, reader, encoding: str, progress: bool,
-                label: str):
+                label: str, kernels: bool = False):
+    """`kernels`: the CPU kernels run (maxjax/engine/plan.py choose_kernels): 4-bit GGUF blocks
+    are packed for them as they are read."""
     from tqdm import tqdm
     total = len(arch.param_shapes(cfg)["layers"])
     extra = {}
     if quantize.is_quantized(encoding):
-        extra["quantizer"] = quantize.Quantizer(encoding, reader, getattr(reader, "q4", None))
+        extra["quantizer"] = quantize.Quantizer(encoding, reader, getattr(reader, "q4", None),
+                                                getattr(reader, "q4_blocks", None) if kernels
+                                                else None)
     with tqdm(total=total, desc=f"loading {label}", unit="tensor", disable=not progress,
               leave=False) as bar:
         try:

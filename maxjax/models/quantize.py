@@ -215,15 +215,20 @@ def pack_q4(nib_in_out: np.ndarray) -> np.ndarray:
 class Quantizer:
     """Turns the HF-named tensors of one checkpoint into QuantizedWeights in `encoding`.
     `get(name)` gives float32 arrays; `raw(name)` (a GGUF reader) gives a 4-bit tensor's
-    decode_q4 output in HF layout, None for another type."""
+    decode_q4 output in HF layout, None for another type; `blocks(name)`, given where the CPU
+    kernels run, a Q4_0 / Q4_1 tensor's raw blocks (GGUFTensorReader.q4_blocks), which `matrix`
+    packs for them directly."""
 
-    def __init__(self, encoding: str, get, raw=None):
-        self.encoding, self.get, self.raw = encoding, get, raw
+    def __init__(self, encoding: str, get, raw=None, blocks=None):
+        self.encoding, self.get, self.raw, self.blocks = encoding, get, raw, blocks
 
     def matrix(self, names: list[str]):
         """The fused [in, out] projection of HF weights `names` ([out, in] each, fused on out)."""
         from maxjax.graphs.quant import QuantizedWeight
         import jax
+        packed = self._kernel_packed(names)
+        if packed is not None:
+            return packed
         parts = self._q4_parts(names)
         if parts is None:
             q, scale = int8_rows(np.concatenate([np.asarray(self.get(n), np.float32)
@@ -248,6 +253,17 @@ class Quantizer:
         import jax
         q, scale = int8_rows(self.get(name))
         return QuantizedWeight(jax.device_put(q), jax.device_put(scale))
+
+    def _kernel_packed(self, names):
+        """The matrix packed for the CPU kernels straight from its GGUF blocks (one Q4_0 / Q4_1
+        type across `names`); None otherwise."""
+        if self.blocks is None or self.encoding not in Q4_TYPES:
+            return None
+        parts = [self.blocks(n) for n in names]
+        if any(p is None for p in parts) or len({kind for kind, _ in parts}) != 1:
+            return None
+        from maxjax.graphs import cpu_kernels
+        return cpu_kernels.pack_gguf_blocks(parts[0][0], np.concatenate([b for _, b in parts]))
 
     def _q4_parts(self, names):
         if self.encoding not in Q4_TYPES or self.raw is None:
