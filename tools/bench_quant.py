@@ -1,6 +1,7 @@
 """Decode step time of SmolLM2-135M (the embedded GGUF's real weights) per weight encoding and KV
 cache format, side by side in one run (cases interleaved round-robin), with the bytes of weights
-a step reads and the roofline those bytes give at the copy bandwidth measured in the same run.
+a step reads and the roofline those bytes give at the copy and the read bandwidth measured in the
+same run.
 
     .venv/bin/python tools/bench_quant.py [--encodings float32,int8,q4_1] [--kv float32,bfloat16]
         [--rows 1,8,32,64] [--context 256] [--iters 15] [--one-digit]
@@ -25,6 +26,21 @@ from maxjax.graphs.program import step_program
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from maxjax.engine.memory import weight_bytes   # SmolLM2 ties its embedding: read whole as the LM head
 from maxjax.models.loader import load_model
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a sum over 512 MB: reads only, as a decode step's weights are (XLA splits it
+    over the threads). On this 2-core VM it is about half the copy figure, which counts a
+    pass's reads and writes both (BENCHMARKS.md, 2026-12-04: the batch-1 roofline)."""
+    x = jnp.ones((128 << 20,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return x.nbytes / min(ts)
 
 
 def copy_bandwidth() -> float:
@@ -125,15 +141,18 @@ def main():
             out, case[3] = c(params, kv, st, sa)
             jax.device_get(out[0].token_ids)
             case[8].append(time.perf_counter() - t)
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s; context {args.context} tokens per row")
-    print("| case | weights MB | step ms (median) | out tok/s | roofline ms | % of roofline |")
-    print("|---|---|---|---|---|---|")
+    bw, rbw = copy_bandwidth(), read_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (reads + writes), read bandwidth "
+          f"{rbw / 1e9:.1f} GB/s; context {args.context} tokens per row")
+    print("| case | weights MB | step ms (median) | out tok/s | roofline ms (copy) | % of it | "
+          "roofline ms (read) | % of it |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, _, _, _, _, _, nbytes, r, times in cases:
         ms = float(np.median(times[1:])) * 1e3
-        roof = nbytes / bw * 1e3
+        roof, read_roof = nbytes / bw * 1e3, nbytes / rbw * 1e3
         print(f"| {label} | {nbytes / 1e6:.0f} | {ms:.1f} | {r / ms * 1e3:.0f} | {roof:.1f} | "
-              f"{100 * roof / ms:.0f}% |", flush=True)
+              f"{100 * roof / ms:.0f}% | {read_roof:.1f} | {100 * read_roof / ms:.0f}% |",
+              flush=True)
     if args.profile:
         print_profiles(cases, args.profile)
 
