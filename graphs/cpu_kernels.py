@@ -222,23 +222,20 @@ def pack_weight(w, transposed: bool = False):
                            put(blocks(low)), None, bits=4)
 
 
-def pack_gguf_blocks(kind: str, blocks: np.ndarray):
-    """A Q4_0 / Q4_1 matrix's raw GGUF blocks [out, in/32, 18 | 20] (rows: outputs, HF order)
-    packed for the 4-bit kernel without decoding them: a block's 16 bytes are its kernel bytes
-    as they are (byte j: inputs j and j + 16), scale d, low m (Q4_1) or -8 d (Q4_0). The same
-    packing as pack_weight of the decoded QuantizedWeight. None when the shape does not tile."""
+def pack_q4_bytes(qs: np.ndarray, scale: np.ndarray, low: np.ndarray):
+    """A 4-bit matrix as GGUF's Q4_0 / Q4_1 blocks hold it (maxjax/models/quantize.q4_block_bytes:
+    bytes [out, in/32, 16], byte j of a block holding inputs j and j + 16; scale and low
+    [out, in/32], w = scale * nibble + low) packed for the 4-bit kernel without decoding: the
+    bytes are the kernel's as they are. The same arrays as pack_weight of the decoded
+    QuantizedWeight. None when the shape does not tile."""
     from maxjax.graphs.quant import QuantizedWeight
-    out, nb, _ = blocks.shape
+    out, nb, _ = qs.shape
     if out % TILE:
         return None
-    half = lambda at: np.ascontiguousarray(blocks[..., at:at + 2]).view(  # noqa: E731
-        np.float16)[..., 0].astype(np.float32)
-    scale = half(0)
-    low = half(2) if kind == "Q4_1" else np.float32(-8) * scale
     per_tile = lambda a: a.reshape(out // TILE, TILE, *a.shape[1:]).swapaxes(1, 2)  # noqa: E731
     put = lambda a: jax.device_put(np.ascontiguousarray(a))      # noqa: E731
-    q = per_tile(blocks[..., -16:].reshape(out, nb * 4, 4))
-    return QuantizedWeight(put(q), put(per_tile(scale)), put(per_tile(low)), None, bits=4)
+    return QuantizedWeight(put(per_tile(qs.reshape(out, nb * 4, 4))), put(per_tile(scale)),
+                           put(per_tile(low)), None, bits=4)
 
 
 def _packed_shapes(w, i: int, o: int):

@@ -283,7 +283,7 @@ class GGUFTensorReader:
 
     def q4_blocks(self, hf_name: str):
         """A Q4_0 / Q4_1 tensor as its type's name and raw blocks [rows, cols / 32, block bytes]
-        in HF row order (graphs/cpu_kernels.pack_gguf_blocks packs them as they are); None for
+        in HF row order (quantize.q4_block_bytes, packed as they are for the CPU kernels); None for
         a tensor of another type."""
         name = self.gguf_name(hf_name)
         qt, shape, data = self.gf.raw(name) if name in self.gf.tensors else (None, None, None)

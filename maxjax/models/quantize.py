@@ -154,6 +154,17 @@ def _q4_1(blocks):
     return nib[:, None, :], d, m + np.float32(8) * d
 
 
+def q4_block_bytes(type_name: str, blocks: np.ndarray):
+    """A Q4_0 / Q4_1 tensor's raw blocks [rows, cols/32, block bytes], undecoded: (bytes
+    [rows, cols/32, 16], byte j holding inputs j (low nibble) and j + 16 (high); scale and low
+    [rows, cols/32]) with w = scale * nibble + low."""
+    rows, nb, size = blocks.shape
+    flat = blocks.reshape(-1, size)
+    scale = _half(flat, 0)
+    low = _half(flat, 2) if type_name == "Q4_1" else np.float32(-8) * scale
+    return blocks[..., size - 16:], scale.reshape(rows, nb), low.reshape(rows, nb)
+
+
 def _q4_k(blocks):
     """Q4_K super-blocks of 256 = 8 sub-blocks of 32, each w = d * sc * q - dmin * m with 6-bit
     sc and m (gguf.quants.Q4_K's layout)."""
@@ -263,7 +274,8 @@ class Quantizer:
         if any(p is None for p in parts) or len({kind for kind, _ in parts}) != 1:
             return None
         from maxjax.graphs import cpu_kernels
-        return cpu_kernels.pack_gguf_blocks(parts[0][0], np.concatenate([b for _, b in parts]))
+        return cpu_kernels.pack_q4_bytes(*q4_block_bytes(parts[0][0],
+                                                         np.concatenate([b for _, b in parts])))
 
     def _q4_parts(self, names):
         if self.encoding not in Q4_TYPES or self.raw is None:
