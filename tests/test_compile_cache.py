@@ -104,8 +104,8 @@ def test_graph_shaping_flag_misses_and_the_cap_evicts(model, filled, tmp_path):
     assert [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == filled[2][:1]
 
 
-def test_model_tokenizer_version_and_device_change_the_entry(model, filled, tmp_path,
-                                                            monkeypatch):
+def test_model_tokenizer_version_device_and_xla_flags_change_the_entry(model, filled, tmp_path,
+                                                                      monkeypatch):
     from maxjax.engine.plan import plan_engine
     plan = plan_engine(EngineConfig(**ENGINE, quantization_encoding="float32"), model)
     here = cache.entry_path(model, plan, filled[0])
@@ -123,10 +123,17 @@ def test_model_tokenizer_version_and_device_change_the_entry(model, filled, tmp_
         root, entry = copy_of(filled, tmp_path)
         assert cache.load(entry, model, plan) is None
         assert not os.path.exists(entry)
+    flags = os.environ.get("XLA_FLAGS", "")
+    # XLA flags that shape the code (an ISA cap) give another entry; the device count does not
+    monkeypatch.setenv("XLA_FLAGS", flags + " --xla_force_host_platform_device_count=7")
+    assert cache.entry_path(model, plan, filled[0]) == here
+    monkeypatch.setenv("XLA_FLAGS", flags + " --xla_cpu_max_isa=AVX2")
+    paths.add(cache.entry_path(model, plan, filled[0]))
+    monkeypatch.setenv("XLA_FLAGS", flags)
     device = mf.local_device()
     monkeypatch.setattr(mf, "local_device", lambda: {**device, "device_kind": "other-cpu"})
     paths.add(cache.entry_path(model, plan, filled[0]))
-    assert len(paths) == 5
+    assert len(paths) == 6
 
 
 def _truncate(path):

@@ -71,7 +71,7 @@ def entry_key(model_fp: dict, engine_fp: dict, device_ids: list[int] = (0,)) -> 
     does not load onto device 1: each data-parallel replica keeps an entry of its own)."""
     key = {"format_version": mf.FORMAT_VERSION, "model": model_fp["fingerprint"],
            "engine": engine_fp["fingerprint"], "versions": mf.versions(),
-           "code": mf.code_digest(), "device": mf.local_device()}
+           "code": mf.code_digest(), "device": mf.local_device(), "xla_flags": mf.codegen_flags()}
     if list(device_ids) != [0]:
         key["device_ids"] = list(device_ids)
     if group.size() > 1:    # each process of a group keeps an entry of its own executables

@@ -63,6 +63,17 @@ def versions() -> dict:
     return {"maxjax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
+# XLA flags that change no executable (jax's own compile cache leaves them out of its key too)
+_NOT_CODEGEN = ("--xla_force_host_platform_device_count", "--xla_dump")
+
+
+def codegen_flags() -> list[str]:
+    """$XLA_FLAGS that shape the code XLA emits (--xla_cpu_max_isa, optimization levels, ...):
+    part of a compile cache key, so an entry compiled under other flags is not reused."""
+    return sorted(f for f in os.environ.get("XLA_FLAGS", "").split()
+                  if not f.startswith(_NOT_CODEGEN))
+
+
 def local_device() -> dict:
     dev = jax.devices()[0]
     return {"platform": jax.export.default_export_platform(), "device_kind": dev.device_kind,

@@ -47,7 +47,7 @@ def request_key(model_path: str, engine_cfg, chat_template: str | None,
     return mf.digest({"model": model, "chat_template": chat_template,
                       "engine": dataclasses.asdict(engine_cfg), "versions": mf.versions(),
                       "code": mf.code_digest(), "device": mf.local_device(),
-                      "kernel_isa": cpu_kernels.isa()})[:32]
+                      "xla_flags": mf.codegen_flags(), "kernel_isa": cpu_kernels.isa()})[:32]
 
 
 def remember(root: str, request: str, entry: str) -> None:
