@@ -4,7 +4,7 @@ a step reads and the roofline those bytes give at the copy and the read bandwidt
 same run.
 
     .venv/bin/python tools/bench_quant.py [--encodings float32,int8,q4_1] [--kv float32,bfloat16]
-        [--rows 1,8,32,64] [--context 256] [--iters 15] [--one-digit]
+        [--rows 1,8,32,64] [--context 256] [--iters 15] [--settle 1] [--one-digit]
 
 `--one-digit` adds each quantized case with activations in one int8 digit, not two
 (graphs/quant.py; a one-row step then is padded to two rows).
@@ -98,6 +98,10 @@ def main():
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--settle", type=int, default=1, metavar="N",
+                    help="untimed calls of a case before each timed one: the first call after "
+                    "another case's is slower (its allocations, the threads' state), by up to "
+                    "1.8x after XLA's 1-second q4_1 step (BENCHMARKS.md, 2026-12-04)")
     ap.add_argument("--one-digit", action="store_true",
                     help="also time activations in one int8 digit (graphs/quant.py)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
@@ -137,10 +141,12 @@ def main():
     for _ in range(args.iters + 1):
         for case in cases:
             c, params, kv, st, sa = case[1:6]
-            t = time.perf_counter()
-            out, case[3] = c(params, kv, st, sa)
-            jax.device_get(out[0].token_ids)
-            case[8].append(time.perf_counter() - t)
+            for timed in [False] * args.settle + [True]:
+                t = time.perf_counter()
+                out, case[3] = c(params, case[3], st, sa)
+                jax.device_get(out[0].token_ids)
+                if timed:
+                    case[8].append(time.perf_counter() - t)
     bw, rbw = copy_bandwidth(), read_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (reads + writes), read bandwidth "
           f"{rbw / 1e9:.1f} GB/s; context {args.context} tokens per row")
