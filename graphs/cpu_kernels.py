@@ -58,7 +58,8 @@ TILE, GROUP, BLOCK = 64, 4, 32   # output columns a tile, inputs a byte group, i
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -71,7 +72,7 @@ def _cpu_flags() -> frozenset[str]:
 
 def _missing(name: str) -> list[str]:
     """The CPU flags ISA `name` needs that this CPU lacks."""
-    return [f for f in ISA_FLAGS[name][0] if f not in _cpu_flags()]
+    return [f for f in ISA_FLAGS[name][0] if f not in cpu_flags()]
 
 
 def isa() -> str | None:

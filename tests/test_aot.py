@@ -452,6 +452,19 @@ def test_other_device_compiles_the_export_or_refuses(warmed, tmp_path, model, ca
     assert core.stats().xla_compiles_since_ready == 0
 
 
+def test_executables_from_a_cpu_with_more_extensions_are_not_loaded(warmed, tmp_path, model):
+    """XLA:CPU compiles for the host's vector extensions: an artifact from a CPU with one this
+    CPU lacks gives its exports, not its executables (here refused, naming the extension)."""
+    local = mf.local_device()
+    assert local["platform"] != "cpu" or "avx2" in local["cpu_isa"]      # this machine's
+    d = _copy(warmed, tmp_path)
+    _edit_manifest(d, lambda m: m["compiled_for"].update(
+        cpu_isa=sorted(m["compiled_for"]["cpu_isa"] + ["avx10_9"])))
+    with pytest.raises(UserError, match=r"executables are for cpu cpu \(.*\), a CPU with "
+                                        r"avx10_9, which this one lacks, and --require-compiled"):
+        aot_load.load_planned([d], model, EngineConfig(), require_compiled=True)
+
+
 def test_export_engine_round_trips(tmp_path, model):
     from maxjax.engine.core import EngineCore
     from maxjax.engine.plan import EnginePlan, plan_layout

@@ -44,7 +44,7 @@ def test_the_environment_forces_the_isa(monkeypatch):
 
 def test_a_cpu_without_the_flags(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags",
+    monkeypatch.setattr(cpu_kernels, "cpu_flags",
                         lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
     assert cpu_kernels.isa() == "avx2"
     assert cpu_kernels.unavailable("avx512") == "this CPU lacks avx512bw, avx512_vnni"
@@ -52,7 +52,7 @@ def test_a_cpu_without_the_flags(monkeypatch):
     assert cpu_kernels.isa() == "avx512"
     assert cpu_kernels.unavailable() == "this CPU lacks avx512bw, avx512_vnni"
     monkeypatch.delenv(ENV)
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     assert cpu_kernels.isa() is None
     assert cpu_kernels.unavailable() == "this CPU lacks avx2, fma, f16c"
 

@@ -283,8 +283,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled,
             continue
         m, g = cands[0]
         built = m.data.get("compiled_for")
-        built = (f"its executables are for {built.get('platform')} {built.get('device_kind')} "
-                 f"({built.get('platform_version')})" if built else "it holds no executables")
+        built = (f"its executables are for {mf.describe_device(built, local)}" if built else
+                 "it holds no executables")
         if require_compiled:
             raise UserError(f"{m.path}: no executable compiled for this device "
                             f"({local['platform']} {local['device_kind']}, "

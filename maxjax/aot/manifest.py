@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import jax
@@ -74,10 +75,32 @@ def codegen_flags() -> list[str]:
                   if not f.startswith(_NOT_CODEGEN))
 
 
+# x86 extensions XLA:CPU may emit, as it compiles for the host CPU: an executable built where one
+# is present may not run where it is absent
+_CPU_ISA = re.compile(r"^(sse|ssse3|avx|fma|f16c|bmi|amx|gfni|vaes|vpclmulqdq|movbe|popcnt|abm|adx)")
+
+
 def local_device() -> dict:
+    """What an executable is compiled for: platform, device kind, runtime version and, on a CPU,
+    the vector extensions it has."""
+    from maxjax.graphs import cpu_kernels
     dev = jax.devices()[0]
-    return {"platform": jax.export.default_export_platform(), "device_kind": dev.device_kind,
-            "platform_version": dev.client.platform_version}
+    out = {"platform": jax.export.default_export_platform(), "device_kind": dev.device_kind,
+           "platform_version": dev.client.platform_version}
+    if out["platform"] == "cpu":
+        out["cpu_isa"] = sorted(f for f in cpu_kernels.cpu_flags() if _CPU_ISA.match(f))
+    return out
+
+
+def describe_device(built: dict, local: dict) -> str:
+    """`built` (a manifest's compiled_for) in words, naming how it differs from `local`."""
+    text = f"{built.get('platform')} {built.get('device_kind')} ({built.get('platform_version')})"
+    lacks = sorted(set(built.get("cpu_isa") or ()) - set(local.get("cpu_isa") or ()))
+    if lacks:
+        text += f", a CPU with {', '.join(lacks)}, which this one lacks"
+    elif built.get("cpu_isa") != local.get("cpu_isa"):
+        text += ", a CPU with other vector extensions than this one"
+    return text
 
 
 # ---- graph code ----------------------------------------------------------------------------------
