@@ -101,7 +101,7 @@ def main():
     ap.add_argument("--settle", type=int, default=1, metavar="N",
                     help="untimed calls of a case before each timed one: the first call after "
                     "another case's is slower (its allocations, the threads' state), by up to "
-                    "1.8x after XLA's 1-second q4_1 step (BENCHMARKS.md, 2026-12-04)")
+                    "1.9x after XLA's 1-second q4_1 step (BENCHMARKS.md, 2026-12-04)")
     ap.add_argument("--one-digit", action="store_true",
                     help="also time activations in one int8 digit (graphs/quant.py)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
@@ -140,7 +140,7 @@ def main():
     quant.DIGITS = 2
     for _ in range(args.iters + 1):
         for case in cases:
-            c, params, kv, st, sa = case[1:6]
+            c, params, _, st, sa = case[1:6]       # the pool, case[3], changes each call
             for timed in [False] * args.settle + [True]:
                 t = time.perf_counter()
                 out, case[3] = c(params, case[3], st, sa)
