@@ -19,6 +19,11 @@ _cache = os.environ.get("MAXJAX_TEST_JAX_CACHE")
 os.environ.setdefault("MAXJAX_CACHE_DIR", _cache.rstrip("/") + ".maxjax" if _cache else
                       tempfile.mkdtemp(prefix="maxjax-compile-cache-"))
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+# pytest-xdist's workers share the cores: torch's OpenMP threads (the transformers references)
+# spin while they wait for each other, and beside a busy worker that doubled a reference's time
+# (test_embeddings' 64-text test beside one busy process: 26 s with two threads, 12 s with one).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import pytest  # noqa: E402

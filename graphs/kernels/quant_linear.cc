@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
@@ -403,7 +404,10 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   int64_t total = (tiles + sh->chunk - 1) / sh->chunk;
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([sh] { sh->work(); });
   sh->work();
-  while (sh->done.load(std::memory_order_acquire) < total) _mm_pause();
+  // chunks a pool thread claimed and still runs: a short spin, then yield (on a busy machine the
+  // thread may be waiting for this core)
+  for (int spins = 0; sh->done.load(std::memory_order_acquire) < total; ++spins)
+    spins < 4096 ? _mm_pause() : std::this_thread::yield();
   return ffi::Error::Success();
 }
 
