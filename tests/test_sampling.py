@@ -49,6 +49,17 @@ def test_temperature_zero_and_top_k_one_are_argmax():
     np.testing.assert_array_equal(np.asarray(out.token_ids)[:3], want[:3])
 
 
+@pytest.mark.parametrize("vocab", [49152, 32001, 2100, 100])
+def test_argmax_is_numpys_first_index_of_the_max(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.normal(size=(6, vocab)).astype(np.float32)
+    x[1, [7, vocab - 1]] = 9.0                    # a tie: the first index wins
+    x[2] = -np.inf                                # every token suppressed: index 0, as numpy
+    x[3, -1] = 50.0                               # the max in the padded last chunk
+    x[4] = np.round(x[4])                         # many ties at the max
+    np.testing.assert_array_equal(jax.jit(sampling.argmax)(x), x.argmax(-1))
+
+
 def test_seeded_samples_independent_of_batch_and_row():
     rng = np.random.default_rng(1)
     V = 64
