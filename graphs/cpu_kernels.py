@@ -2,10 +2,9 @@
 custom calls (graphs/kernels/quant_linear.cc). XLA:CPU's own int8 dot (YNNPACK) reads int8
 weights at a fraction of the float32 matrix-vector product's bandwidth at the few rows a decode
 step has, and the graph's 4-bit path rounds the blocks to int8 first (BENCHMARKS.md, Quantized
-weights). These compute in int32 sums: int8 weights exactly as graphs/quant.py does (two int8
-activation digits per row), GGUF 4-bit blocks in their own arithmetic with one int8 activation
-digit per 16 inputs (each half block's sum scaled by its digit's scale and the block's scale,
-plus the block's low end times the digits' sum).
+weights). These compute with two int8 activation digits per row and int32 sums: int8 weights
+exactly as graphs/quant.py does, GGUF 4-bit blocks in their own arithmetic (each block's sum
+scaled by its scale, plus its low end times the block's input sum).
 
 `pack_params` lays a single-device quantized model's matrices out for them (a `QuantizedWeight`
 whose `q` is 4-D; the tied embedding table stays for the row lookup and gains a packed

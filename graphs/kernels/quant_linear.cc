@@ -4,10 +4,8 @@
 // -mavx512f -mavx512bw -mavx512vnni -mfma) or avx2 (-mavx2 -mfma -mf16c); the exported symbols
 // carry that suffix, so both libraries load in one process. Only the vector ops of the
 // activation quantizer (struct V) and the micro-tiles differ; the packed layouts do not.
-// int8: each activation row goes in two int8 digits as in graphs/quant.py, x ~ s1 * x1 + s2 * x2
-// (x2 quantizing x - s1 * x1). int4: one int8 digit per 16 inputs, x ~ s_h * x_h, as llama.cpp's
-// Q8 activations but a scale per half block (half the multiply-adds of two digits).
-// Products are summed in int32, 64 output columns a tile.
+// Each activation row goes in two int8 digits as in graphs/quant.py, x ~ s1 * x1 + s2 * x2 (x2
+// quantizing x - s1 * x1), and products are summed in int32, 64 output columns a tile.
 //  int8: weights w + 128 as bytes, packed [out/64, in/4, 64, 4]. One scale per output column.
 //  int4: GGUF blocks of 32 inputs, w = scale[b] * nibble + low[b]; packed [out/64, in/8, 64, 4]
 //        (for block b and group p < 4, 4 bytes per column whose low nibbles are inputs
@@ -44,8 +42,8 @@ namespace {
 
 // Digit rows of a call: row r's digit d is digit row 2r + d.
 struct Digits {
-  std::vector<int8_t> x;        // [2R, in]; int4: [R, in]
-  std::vector<float> scale;     // [2R]; int4: [R, in/16], each half-block's
+  std::vector<int8_t> x;        // [2R, in]
+  std::vector<float> scale;     // [2R]
   std::vector<int32_t> sum;     // [2R] 128 * sum_i x (the AVX-512 int8 tile's unsigned offset)
   std::vector<float> block_sum; // [R, in/32] sum of x over each block of 32 inputs (int4)
 };
@@ -93,8 +91,7 @@ struct V {             // the activation quantizer's vector ops: 16 float lanes
   }
 };
 
-constexpr int kRows = 2;     // int8: real rows a tile, 2 x 2 digit rows x 4 zmm accumulators
-constexpr int kRows4 = 2;    // int4: 2 rows x 2 half-blocks x 4 zmm accumulators
+constexpr int kRows = 2;     // real rows a tile: 2 x 2 digit rows x 4 zmm accumulators
 
 // acc += unsigned bytes of a x signed bytes of b, 4 per 32-bit lane. Written in asm: g++ 12
 // copies the accumulator around each _mm512_dpbusd_epi32.
@@ -141,7 +138,7 @@ __attribute__((noinline)) void tile8(const Call& c, int64_t r0, int64_t o0) {
 
 template <int RB>
 __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
-  constexpr int D = RB;
+  constexpr int D = 2 * RB;
   const int64_t in = c.in, blocks = in / 32;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   float* y = c.y + r0 * c.out + o0;            // accumulated in place: registers are all taken
@@ -150,11 +147,10 @@ __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
   const uint8_t* qp = c.q + o0 * (in / 2);
   const float* sp = c.scale + o0 * blocks;      // [out/64, in/32, 64]
   const float* lp = c.low + o0 * blocks;
-  const int8_t* xp = c.d.x.data() + r0 * in;
+  const int8_t* xp = c.d.x.data() + 2 * r0 * in;
   for (int64_t b = 0; b < blocks; ++b, sp += 64, lp += 64) {
-    __m512i acc[D][2][4];           // [row][low nibbles: inputs 0..15, high: 16..31][16 columns]
-    UNROLL for (int r = 0; r < D; ++r) UNROLL for (int h = 0; h < 2; ++h)
-      UNROLL for (int k = 0; k < 4; ++k) acc[r][h][k] = _mm512_setzero_si512();
+    __m512i acc[D][4];
+    UNROLL for (int r = 0; r < D; ++r) UNROLL for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p, qp += 256) {
       UNROLL for (int k = 0; k < 4; ++k) _mm_prefetch((const char*)(qp + 2048 + 64 * k), _MM_HINT_T0);
       const int64_t i = 32 * b + 4 * p;
@@ -162,17 +158,17 @@ __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
         __m512i raw = _mm512_loadu_si512(qp + 64 * k);
         __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
         UNROLL for (int r = 0; r < D; ++r) {
-          dpbusd(acc[r][0][k], lo, bcast4(xp + r * in + i));
-          dpbusd(acc[r][1][k], hi, bcast4(xp + r * in + i + 16));
+          dpbusd(acc[r][k], lo, bcast4(xp + r * in + i));
+          dpbusd(acc[r][k], hi, bcast4(xp + r * in + i + 16));
         }
       }
     }
     UNROLL for (int k = 0; k < 4; ++k) {
       __m512 ws = _mm512_loadu_ps(sp + 16 * k), wl = _mm512_loadu_ps(lp + 16 * k);
       UNROLL for (int r = 0; r < RB; ++r) {
-        const float* xs = c.d.scale.data() + 2 * ((r0 + r) * blocks + b);
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][0][k]), _mm512_set1_ps(xs[0]));
-        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1][k]), _mm512_set1_ps(xs[1]), v);
+        int64_t dr = 2 * (r0 + r);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * r][k]), _mm512_set1_ps(c.d.scale[dr]));
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[2 * r + 1][k]), _mm512_set1_ps(c.d.scale[dr + 1]), v);
         float* yp = y + r * c.out + 16 * k;
         __m512 acc_y = _mm512_fmadd_ps(v, ws, _mm512_loadu_ps(yp));
         acc_y = _mm512_fmadd_ps(_mm512_set1_ps(c.d.block_sum[(r0 + r) * blocks + b]), wl, acc_y);
@@ -222,9 +218,8 @@ struct V {             // the activation quantizer's vector ops: 8 float lanes
 
 // Real rows a tile. A tile of RB rows goes over its 64 columns 32 / RB at a time: 2 * RB digit
 // rows x 4 / RB accumulators, 8 of the 16 ymm. 1 and 2 rows measured the same on this Zen 4
-// (compute-bound: 4 ops for 32 int8 multiply-adds, where vpdpbusd does 64 in one). int4: RB
-// rows of one digit each x 8 / RB accumulators.
-constexpr int kRows = 2, kRows4 = 4;
+// (compute-bound: 4 ops for 32 int8 multiply-adds, where vpdpbusd does 64 in one).
+constexpr int kRows = 2;
 
 inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
@@ -272,10 +267,10 @@ __attribute__((noinline)) void tile8(const Call& c, int64_t r0, int64_t o0) {
 
 template <int RB>
 __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
-  constexpr int D = RB, K = 4 / RB;             // one digit row a row; 8-column vectors a pass
+  constexpr int D = 2 * RB, K = 4 / RB;
   const int64_t in = c.in, blocks = in / 32;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const int8_t* xp = c.d.x.data() + r0 * in;
+  const int8_t* xp = c.d.x.data() + 2 * r0 * in;
   for (int h = 0; h < 64; h += 8 * K) {
     float* y = c.y + r0 * c.out + o0 + h;       // accumulated in place, block by block
     UNROLL for (int r = 0; r < RB; ++r) UNROLL for (int k = 0; k < K; ++k)
@@ -284,31 +279,29 @@ __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
     const float* sp = c.scale + o0 * blocks + h;  // [out/64, in/32, 64]
     const float* lp = c.low + o0 * blocks + h;
     for (int64_t b = 0; b < blocks; ++b, sp += 64, lp += 64) {
-      // [row][low nibbles: inputs 0..15, high: 16..31][8 columns], int16 lanes: 8 products
-      // nibble x digit, |sum| <= 8 * 15 * 127 < 2^15
-      __m256i acc[D][2][K];
-      UNROLL for (int r = 0; r < D; ++r) UNROLL for (int h = 0; h < 2; ++h)
-        UNROLL for (int k = 0; k < K; ++k) acc[r][h][k] = _mm256_setzero_si256();
+      // int16 lanes: 16 products nibble x digit of a block, |sum| <= 16 * 15 * 127 < 2^15
+      __m256i acc[D][K];
+      UNROLL for (int r = 0; r < D; ++r) UNROLL for (int k = 0; k < K; ++k) acc[r][k] = _mm256_setzero_si256();
       for (int p = 0; p < 4; ++p, qp += 256) {
         UNROLL for (int k = 0; k < K; k += 2) _mm_prefetch((const char*)(qp + 2048 + 32 * k), _MM_HINT_T0);
         const int64_t i = 32 * b + 4 * p;
         UNROLL for (int k = 0; k < K; ++k) {
           __m256i raw = _mm256_loadu_si256((const __m256i*)(qp + 32 * k));
           __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-          UNROLL for (int r = 0; r < D; ++r) {
-            acc[r][0][k] = _mm256_add_epi16(acc[r][0][k], _mm256_maddubs_epi16(lo, bcast4(xp + r * in + i)));
-            acc[r][1][k] = _mm256_add_epi16(acc[r][1][k], _mm256_maddubs_epi16(hi, bcast4(xp + r * in + i + 16)));
-          }
+          UNROLL for (int r = 0; r < D; ++r)
+            acc[r][k] = _mm256_add_epi16(acc[r][k], _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, bcast4(xp + r * in + i)),
+                _mm256_maddubs_epi16(hi, bcast4(xp + r * in + i + 16))));
         }
       }
       UNROLL for (int k = 0; k < K; ++k) {
         __m256 ws = _mm256_loadu_ps(sp + 8 * k), wl = _mm256_loadu_ps(lp + 8 * k);
         UNROLL for (int r = 0; r < RB; ++r) {
-          const float* xs = c.d.scale.data() + 2 * ((r0 + r) * blocks + b);
-          __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][0][k], ones)),
-                                   _mm256_set1_ps(xs[0]));
-          v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][1][k], ones)),
-                              _mm256_set1_ps(xs[1]), v);
+          int64_t dr = 2 * (r0 + r);
+          __m256 n0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[2 * r][k], ones));
+          __m256 n1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[2 * r + 1][k], ones));
+          __m256 v = _mm256_mul_ps(n0, _mm256_set1_ps(c.d.scale[dr]));
+          v = _mm256_fmadd_ps(n1, _mm256_set1_ps(c.d.scale[dr + 1]), v);
           float* yp = y + r * c.out + 8 * k;
           __m256 acc_y = _mm256_fmadd_ps(v, ws, _mm256_loadu_ps(yp));
           acc_y = _mm256_fmadd_ps(_mm256_set1_ps(c.d.block_sum[(r0 + r) * blocks + b]), wl, acc_y);
@@ -323,47 +316,14 @@ __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
 #error "needs AVX-512F/BW/VNNI or AVX2 + FMA + F16C (graphs/cpu_kernels.py's build flags)"
 #endif
 
-// int8 x max|x| / 127 ~ x, rounded to nearest, into q[0 .. n) (n a multiple of V::W); returns
-// the scale (1 for zeros) and adds the digits to `sum`.
-inline float digits(const float* x, int64_t n, int8_t* q, V::I& sum) {
-  using F = V::F;
-  F m = V::set1(0.0f);
-  for (int64_t i = 0; i < n; i += V::W) m = V::max(m, V::abs(V::load(x + i)));
-  const float amax = V::reduce_max(m);
-  const float s = amax > 0 ? amax / 127.0f : 1.0f;
-  const F sv = V::set1(s), lim = V::set1(127.0f), neg = V::set1(-127.0f);
-  for (int64_t i = 0; i < n; i += V::W) {
-    V::I ni = V::cvt(V::min(lim, V::max(neg, V::round(V::div(V::load(x + i), sv)))));
-    V::store_i8(q + i, ni);
-    sum = V::iadd(sum, ni);
-  }
-  return s;
-}
-
-// int4: one digit per 16 inputs (the half of a block one nibble of each byte holds), and each
-// block's digits times their scales summed, for the offsets' term. The digits' sum, not x's: the
-// nibbles are 0..15, so the scale term's rounding error carries ~7.5 x the digits' total
-// error, which the offsets' term then takes back, as llama.cpp's Q8_1 sums do (x's own sum:
-// +1.55% perplexity on SmolLM2).
-void quantize_blocks(const float* x, int64_t R, int64_t in, Digits& d) {
-  const int64_t halves = in / 16;
-  d.x.resize(R * in); d.scale.resize(R * halves); d.block_sum.resize(R * halves / 2);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < halves; ++h) {
-      V::I sum = V::izero();
-      const float s = digits(x + r * in + 16 * h, 16, d.x.data() + r * in + 16 * h, sum);
-      d.scale[r * halves + h] = s;
-      const float part = s * float(V::reduce_add(sum));
-      d.block_sum[(r * halves + h) / 2] = h % 2 ? d.block_sum[(r * halves + h) / 2] + part : part;
-    }
-}
-
 void quantize(const float* x, int64_t R, int64_t in, Digits& d) {
   using F = V::F;
   d.x.resize(2 * R * in); d.scale.resize(2 * R); d.sum.resize(2 * R);
+  d.block_sum.resize(R * (in / 32));
   std::vector<float> rest(in);
   for (int64_t r = 0; r < R; ++r) {
     std::copy(x + r * in, x + (r + 1) * in, rest.begin());
+    for (int64_t b = 0; b < in / 32; ++b) d.block_sum[r * (in / 32) + b] = V::sum32(&rest[32 * b]);
     for (int digit = 0; digit < 2; ++digit) {
       F m = V::set1(0.0f);
       for (int64_t i = 0; i < in; i += V::W) m = V::max(m, V::abs(V::load(&rest[i])));
@@ -390,14 +350,8 @@ template <bool INT4>
 void run_cols(const Call& c, int64_t c0, int64_t c1) {
   for (int64_t o0 = c0; o0 < c1; o0 += 64) {
     int64_t r = 0;
-    if constexpr (INT4) {
-      for (; r + kRows4 <= c.R; r += kRows4) tile4<kRows4>(c, r, o0);
-      for (; r + 2 <= c.R; r += 2) tile4<2>(c, r, o0);
-      if (r < c.R) tile4<1>(c, r, o0);
-    } else {
-      for (; r + kRows <= c.R; r += kRows) tile8<kRows>(c, r, o0);
-      if (r < c.R) tile8<1>(c, r, o0);
-    }
+    for (; r + kRows <= c.R; r += kRows) INT4 ? tile4<kRows>(c, r, o0) : tile8<kRows>(c, r, o0);
+    if (r < c.R) INT4 ? tile4<1>(c, r, o0) : tile8<1>(c, r, o0);
   }
 }
 
@@ -434,7 +388,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (R == 0) return ffi::Error::Success();
   auto sh = std::make_shared<Shared<INT4>>();
   Call& c = sh->c;
-  (INT4 ? quantize_blocks : quantize)(x.typed_data(), R, in, c.d);
+  quantize(x.typed_data(), R, in, c.d);
   c.q = q.typed_data(); c.scale = scale.typed_data(); c.low = low; c.y = y->typed_data();
   c.R = R; c.in = in; c.out = out;
   double bytes = double(in) * out / (INT4 ? 1.6 : 1.0);
