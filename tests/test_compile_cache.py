@@ -17,7 +17,7 @@ import time
 import pytest
 
 import maxjax
-from maxjax.aot import cache, prefetch
+from maxjax.aot import cache, prefetch, weight_cache
 from maxjax.aot import manifest as mf
 from maxjax.aot.manifest import MANIFEST
 from maxjax.cli.main import build_parser, main
@@ -54,8 +54,10 @@ def tokens(llm) -> list:
 
 
 def entries_in(root) -> list[str]:
-    """The entries and temp directories (not the prefetch's request pointers)."""
-    return sorted(n for n in os.listdir(root) if n != prefetch.REQUESTS)
+    """The compiled entries and temp directories (not the prefetch's request pointers, nor the
+    converted weights: tests/test_weight_cache.py)."""
+    return sorted(n for n in os.listdir(root)
+                  if n != prefetch.REQUESTS and not n.startswith(weight_cache.PREFIX))
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +211,7 @@ def test_two_processes_filling_at_once_leave_one_valid_entry(model, model_dir, t
         assert "xla compiles: 3 total, 0 since ready" in err      # both compiled and stored
     assert outs[0][0] == outs[1][0]
     (name,) = entries_in(root)          # one entry, no temp directory left
+    assert len(cache.entries(root, kind="weights")) == 1    # both stored them: one stays
     _, compiles, sources = start(model, root)
     assert compiles == 0 and sources == {"executable"}
 

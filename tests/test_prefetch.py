@@ -92,5 +92,5 @@ def test_a_prefetch_for_another_entry_is_waited_for_and_dropped(setup, caplog):
 
 
 def _entry(root: str) -> str:
-    (e,) = cache.entries(root)
+    (e,) = cache.entries(root, kind="graphs")
     return e.path

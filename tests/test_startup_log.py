@@ -85,7 +85,9 @@ def test_first_start_log_is_maxjax_lines_one_per_phase(starts):
         assert phase in text, text
     assert [int(n) for n in re.findall(r"Compiled (\d)/5 graphs", text)] == [1, 2, 3, 4, 5]
     assert re.fullmatch(r"Server ready on http://127\.0\.0\.1:\d+", first["ready"])
-    assert len([n for n in os.listdir(cache_dir) if not n.startswith(".")]) == 1
+    # the compiled entry, and the converted weights (maxjax/aot/weight_cache.py)
+    assert len([n for n in os.listdir(cache_dir) if not n.startswith(".")]) == 2
+    assert "compile cache: stored the converted weights" in text, text
 
 
 def test_second_start_loads_every_graph_from_the_cache(starts):
@@ -95,6 +97,8 @@ def test_second_start_loads_every_graph_from_the_cache(starts):
     assert re.search(rf"Loaded 5 graphs from {cache_dir}/\w+ in [\d.]+ s \(5 executables, 5 "
                      r"deserialized while the weights loaded, 0 compiled from exports\)", text), text
     assert "Compiling" not in text
+    assert re.search(r"Loaded SmolLM2-135M-Instruct \(\w+\) in [\d.]+ s \(converted weights "
+                     r"from the compile cache\)", text), text
     # where each second went, from process start
     split = re.search(r"Start-up ([\d.]+) s from process start: imports and setup ([\d.]+) s, "
                       r"CPU kernels and cache key ([\d.]+) s, weights ([\d.]+) s, "

@@ -37,6 +37,7 @@ from maxjax.errors import UserError
 log = logging.getLogger("maxjax.cache")
 DEFAULT_MAX_SIZE = "10G"
 _STALE_TMP_SECONDS = 24 * 3600
+WEIGHTS_KIND = "converted-weights"     # a manifest's kind: maxjax/aot/weight_cache.py
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -177,6 +178,7 @@ class Entry:
     model: str
     graphs: int
     device: str
+    kind: str = "graphs"        # or "weights": converted weights (maxjax/aot/weight_cache.py)
 
     @property
     def name(self) -> str:
@@ -194,8 +196,9 @@ def _size(path: str) -> int:
     return total
 
 
-def entries(root: str | None = None) -> list[Entry]:
-    """The cache's entries, least recently used first (temp and trash directories excluded)."""
+def entries(root: str | None = None, kind: str | None = None) -> list[Entry]:
+    """The cache's entries, least recently used first (temp and trash directories excluded);
+    `kind` "graphs" or "weights": those alone."""
     import json
     root = root or directory()
     out = []
@@ -209,9 +212,12 @@ def entries(root: str | None = None) -> list[Entry]:
                 data = json.load(f)
             dev = data.get("compiled_for") or {}
             info = (data.get("model", {}).get("name", "?"), len(data.get("graphs", [])),
-                    f"{dev.get('platform', '?')} {dev.get('device_kind', '?')}")
+                    f"{dev.get('platform', '?')} {dev.get('device_kind', '?')}",
+                    "weights" if data.get("kind") == WEIGHTS_KIND else "graphs")
         except (OSError, ValueError, AttributeError):
-            info = ("? (unreadable manifest)", 0, "?")
+            info = ("? (unreadable manifest)", 0, "?", "graphs")
+        if kind is not None and info[3] != kind:
+            continue
         try:
             used = os.stat(path).st_mtime
         except OSError:

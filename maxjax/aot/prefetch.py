@@ -35,19 +35,23 @@ def request_key(model_path: str, engine_cfg, chat_template: str | None,
     """What a start asks for, known before its model loads: the checkpoint's files (names,
     sizes, modification times), the model source's other flags (`source`: ModelSource.options),
     every engine flag, the versions, graph code and device."""
-    files = []
-    if os.path.isfile(model_path):
-        files = [model_path]
-    elif os.path.isdir(model_path):
-        files = sorted(os.path.join(model_path, f) for f in os.listdir(model_path))
-    stats = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
-             if os.path.isfile(f)]
     from maxjax.graphs import cpu_kernels
-    model = [model_path, stats] + ([source] if source else [])
+    model = [model_path, file_stats(model_path)] + ([source] if source else [])
     return mf.digest({"model": model, "chat_template": chat_template,
                       "engine": dataclasses.asdict(engine_cfg), "versions": mf.versions(),
                       "code": mf.code_digest(), "device": mf.local_device(),
                       "xla_flags": mf.codegen_flags(), "kernel_isa": cpu_kernels.isa()})[:32]
+
+
+def file_stats(path: str) -> list:
+    """(name, size, modification time) of the file at `path`, or of each file in the directory."""
+    files = []
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path))
+    return [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
+            if os.path.isfile(f)]
 
 
 def remember(root: str, request: str, entry: str) -> None:

@@ -210,8 +210,8 @@ def cmd_cache(args) -> int:
           f"{sum(e.bytes for e in found) / 1e6:.1f} MB; cap {cache.max_bytes() / 1e9:.1f} GB)")
     for e in reversed(found):       # most recently used first
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
-        print(f"{e.name}  {e.bytes / 1e6:8.1f} MB  {e.graphs:3d} graphs  {e.device}  "
-              f"last used {used}")
+        what = f"{e.graphs:3d} graphs" if e.kind == "graphs" else "converted weights"
+        print(f"{e.name}  {e.bytes / 1e6:8.1f} MB  {what}  {e.device}  last used {used}")
     return 0
 
 

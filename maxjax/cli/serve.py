@@ -93,6 +93,10 @@ def served_names(model, override: str | None) -> tuple[str, tuple[str, ...]]:
 def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
     """`group`: the resolved DistributedOptions of a multi-host run (None: one process); process
     0 serves, the others follow it (maxjax/engine/distributed.py)."""
+    if group is None and not model_opts.precompiled_artifacts:
+        from maxjax.engine.build import prefetch_early
+        prefetch_early(model_opts.source(), engine_cfg, model_opts.chat_template,
+                       model_opts.compile_cache)
     from maxjax.server.app import run_server
     if group is not None and group.process_id > 0:
         from maxjax.engine.distributed import run_follower

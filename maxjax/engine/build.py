@@ -85,13 +85,20 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template) \
         if use_cache and not precompiled_artifacts else None
     from maxjax.aot import prefetch
-    early = request and prefetch.start(cache.directory(), request)
+    early = _early_prefetch(request) or (request and prefetch.start(cache.directory(), request))
+    stored_at = _weights_entry(model, flags, chat_template, kernels, replica) \
+        if use_cache and not precompiled_artifacts else None
     clock.mark("CPU kernels and cache key")
-    model = load(model, flags.quantization_encoding, chat_template, precompiled_artifacts,
-                 progress, replica_mesh(flags, replica) if precompiled_artifacts else None,
-                 kernels=kernels)
+    restored = stored_at and _restore_weights(stored_at, model, progress)
+    if not restored:
+        model = load(model, flags.quantization_encoding, chat_template, precompiled_artifacts,
+                     progress, replica_mesh(flags, replica) if precompiled_artifacts else None,
+                     kernels=kernels)
     clock.mark("weights")
-    model = on_devices(model, flags, replica, kernels=kernels)
+    model = on_devices(restored or model, flags, replica, kernels=kernels)
+    if stored_at and not restored:
+        from maxjax.aot import weight_cache
+        weight_cache.store(stored_at, model, limit)
     clock.mark("placing")
     t0 = time.perf_counter()
     loaded = ()
@@ -127,6 +134,44 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
             log.info("Start-up %.1f s from process start: %s", since_process_start(),
                      ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items()))
     return core
+
+
+_EARLY: dict = {}
+
+
+def prefetch_early(model, flags: EngineConfig, chat_template: str | None = None,
+                   compile_cache: bool | None = None) -> None:
+    """Start deserializing the executables this start will load (maxjax/aot/prefetch.py) now,
+    before the caller's own imports (`maxjax serve`'s server); build_core takes them over when
+    it asks for the same. Quietly nothing where build_core would not prefetch or would refuse
+    the flags (it reports that itself)."""
+    from maxjax.aot import cache, prefetch
+    try:
+        flags = flags.for_platform(None)
+        check_flags(flags)
+        if not cache.enabled(compile_cache) or flags.data_parallel_degree > 1:
+            return
+        kernels = choose_kernels(flags, quiet=True)
+        request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template)
+        started = request and prefetch.start(cache.directory(), request)
+    except Exception as e:     # noqa: BLE001: build_core meets the same and says so
+        log.debug("early prefetch skipped (%s)", e)
+        return
+    if started:
+        _EARLY["prefetch"] = (request, started)
+
+
+def _early_prefetch(request: str | None):
+    """`prefetch_early`'s Prefetch when it was for `request`; another is waited for (two
+    deserializations at once crash XLA:CPU) and dropped."""
+    got = _EARLY.pop("prefetch", None)
+    if got is None:
+        return None
+    key, started = got
+    if key == request:
+        return started
+    started.take("")
+    return None
 
 
 class Clock:
@@ -199,6 +244,37 @@ def _request(model, engine_cfg: EngineConfig, chat_template: str | None) -> str 
                                     engine_cfg, chat_template, as_source(model).options())
     except (UserError, OSError):
         return None
+
+
+def _weights_entry(model, flags: EngineConfig, chat_template: str | None, kernels: bool,
+                   replica: int) -> str | None:
+    """The compile cache's converted-weights entry of this start (maxjax/aot/weight_cache.py);
+    None where the store does not apply: a LoadedModel, a mesh, a group, remote code, a model
+    path that is not on disk yet (the load reports it)."""
+    from maxjax.aot import weight_cache
+    from maxjax.models.loader import resolve_model_path
+    from maxjax.models.source import as_source
+    src = None if isinstance(model, LoadedModel) else as_source(model)
+    if src is None or src.trust_remote_code or \
+            not weight_cache.usable(replica, replica_mesh(flags, replica)):
+        return None
+    try:
+        path = resolve_model_path(src, flags.quantization_encoding)
+        return weight_cache.entry_path(weight_cache.key(
+            path, src.options(), chat_template, flags.quantization_encoding, kernels))
+    except (UserError, OSError):
+        return None
+
+
+def _restore_weights(path: str, model, progress: bool) -> LoadedModel | None:
+    from maxjax.aot import weight_cache
+    from maxjax.models.loader import EMBEDDED_NAME
+    from maxjax.models.source import as_source
+    restored = weight_cache.restore(path, as_source(model).model_path or EMBEDDED_NAME)
+    if restored is not None and progress:
+        log.info("Loaded %s (%s) in %.1f s (converted weights from the compile cache)",
+                 restored.name, restored.dtype, restored.load_seconds)
+    return restored
 
 
 def _draft_graphs(artifacts: Sequence[str], require_compiled: bool, limit: int | None,

@@ -139,12 +139,12 @@ def replica_mesh(cfg: EngineConfig, replica: int = 0):
 
 
 def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
-                   platforms: Sequence[str] | None = None) -> bool:
+                   platforms: Sequence[str] | None = None, quiet: bool = False) -> bool:
     """Whether maxjax's CPU kernels (graphs/cpu_kernels.py) run. --use-experimental-kernels:
     True requires them (a UserError naming why they cannot run), False keeps XLA's path, None
     (the default) turns them on wherever they run: as `pinned` (what --precompiled-artifacts
     were built with, `aot_load.pinned_kernels`) when given, else on this CPU unless one log line
-    says why not. `platforms`: where the graphs run (None: this machine)."""
+    says why not (`quiet`: no line). `platforms`: where the graphs run (None: this machine)."""
     flag = cfg.use_experimental_kernels
     if flag is False:
         return False
@@ -161,7 +161,9 @@ def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
            if mesh is not None and mesh.size > 1 else cpu_kernels.unavailable())
     if why and flag:
         raise UserError(f"{source}: {why}")
-    if why:
+    if quiet:
+        pass
+    elif why:
         log.info("CPU kernels off: %s; XLA's path runs", why)
     elif flag is None:
         log.info("CPU kernels on (%s)", cpu_kernels.isa())
