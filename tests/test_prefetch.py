@@ -14,7 +14,7 @@ import pytest
 import maxjax
 from maxjax.aot import cache, prefetch
 from maxjax.aot import manifest as mf
-from maxjax.engine import compile_counter
+from maxjax.engine import build, compile_counter
 from maxjax.engine.config import EngineConfig
 from tiny_llama import write_tiny_llama
 
@@ -89,6 +89,24 @@ def test_a_prefetch_for_another_entry_is_waited_for_and_dropped(setup, caplog):
     assert early._future.done()
     assert set(prefetch.Prefetch(_entry(root)).take(_entry(root))) == \
         {g["name"] for g in mf.read_manifest(_entry(root), "x").data["graphs"]}
+
+
+def test_an_early_prefetch_is_taken_over_by_the_start_that_asks_for_it(setup, caplog):
+    path, root = setup
+    first, _, _ = _start(path, caplog)
+    flags = EngineConfig(quantization_encoding="float32", **ENGINE)
+    build.prefetch_early(path, flags)           # what `maxjax serve` does before its imports
+    assert build._EARLY
+    second, compiles, text = _start(path, caplog)
+    assert not build._EARLY and second == first and compiles == 0
+    assert "deserialized while the weights loaded" in text
+    # one for other flags: waited for and dropped; the start prefetches its own
+    _start(path, caplog, max_length=24)
+    build.prefetch_early(path, flags.replace(max_length=24))
+    (request, early), = build._EARLY.values()
+    again, compiles, text = _start(path, caplog)
+    assert not build._EARLY and early._future.done() and again == first and compiles == 0
+    assert "deserialized while the weights loaded" in text
 
 
 def _entry(root: str) -> str:

@@ -90,12 +90,15 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
         if use_cache and not precompiled_artifacts else None
     clock.mark("CPU kernels and cache key")
     restored = stored_at and _restore_weights(stored_at, model, progress)
-    if not restored:
-        model = load(model, flags.quantization_encoding, chat_template, precompiled_artifacts,
-                     progress, replica_mesh(flags, replica) if precompiled_artifacts else None,
-                     kernels=kernels)
+    model = restored or load(model, flags.quantization_encoding, chat_template,
+                             precompiled_artifacts, progress,
+                             replica_mesh(flags, replica) if precompiled_artifacts else None,
+                             kernels=kernels)
     clock.mark("weights")
-    model = on_devices(restored or model, flags, replica, kernels=kernels)
+    if flags.enable_structured_output and model.tokenizer is not None:
+        from maxjax.structured.backend import prepare
+        prepare(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+    model = on_devices(model, flags, replica, kernels=kernels)
     if stored_at and not restored:
         from maxjax.aot import weight_cache
         weight_cache.store(stored_at, model, limit)
