@@ -4,8 +4,9 @@ back instead of converting (the same params leaf for leaf, the same tokenizer an
 same greedy tokens, nothing compiled); a flipped byte in any of its files is refused with a
 warning, the checkpoint converted again and the entry rebuilt; the key follows the checkpoint's
 files, the encoding and the kernels but not the engine's flags; weights over a quarter of the
-cap are not stored; `maxjax cache list` names the entry. A tiny random Llama (HF directory,
-float32) and a tiny q4_1 GGUF packed for the CPU kernels (tests/tiny_llama.py)."""
+cap are not stored; `maxjax cache list` names the entry; `maxjax warm-cache` stores them too.
+A tiny random Llama (HF directory, float32) and a tiny q4_1 GGUF packed for the CPU kernels
+(tests/tiny_llama.py)."""
 from __future__ import annotations
 
 import logging
@@ -163,3 +164,15 @@ def test_cache_list_names_the_entry(llama, root, caplog, capsys):
     assert any(line.startswith(name) and "converted weights" in line for line in out.splitlines())
     assert main(["cache", "clear"]) == 0
     assert cache.entries(root) == []
+
+
+def test_warm_cache_stores_what_serve_reads(llama, root, caplog, monkeypatch, capsys):
+    flags = [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    assert main(["warm-cache", "--model-path", llama, "--quantization-encoding", "float32",
+                 *flags]) == 0
+    assert "converted weights stored: " in capsys.readouterr().out
+    _weights(root)
+    with monkeypatch.context() as mp:
+        _no_conversion(mp)
+        _, _, compiles, text = _start(llama, caplog)
+    assert "read the converted weights" in text and compiles == 0

@@ -86,7 +86,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
         if use_cache and not precompiled_artifacts else None
     from maxjax.aot import prefetch
     early = _early_prefetch(request) or (request and prefetch.start(cache.directory(), request))
-    stored_at = _weights_entry(model, flags, chat_template, kernels, replica) \
+    stored_at = weights_entry(model, flags, chat_template, kernels, replica) \
         if use_cache and not precompiled_artifacts else None
     clock.mark("CPU kernels and cache key")
     restored = stored_at and _restore_weights(stored_at, model, progress)
@@ -249,7 +249,7 @@ def _request(model, engine_cfg: EngineConfig, chat_template: str | None) -> str 
         return None
 
 
-def _weights_entry(model, flags: EngineConfig, chat_template: str | None, kernels: bool,
+def weights_entry(model, flags: EngineConfig, chat_template: str | None, kernels: bool,
                    replica: int) -> str | None:
     """The compile cache's converted-weights entry of this start (maxjax/aot/weight_cache.py);
     None where the store does not apply: a LoadedModel, a mesh, a group, remote code, a model

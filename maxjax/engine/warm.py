@@ -12,7 +12,7 @@ import jax
 from maxjax.aot import cache, group
 from maxjax.aot.export import DRAFT_DIR, default_jobs, normalize_targets, write_artifacts
 from maxjax.aot.load import check_target_arch
-from maxjax.engine.build import load, on_devices
+from maxjax.engine.build import weights_entry, load, on_devices
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.plan import check_flags, choose_kernels, plan_engine
 from maxjax.errors import UserError
@@ -52,7 +52,14 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
     if artifacts_dir is None:
         directory = cache.entry_path(model, plan)
         data, _ = cache.fill(directory, model, plan, platforms, jobs, replace=True)
-        cache.evict(cache.max_bytes(model_opts.compile_cache_max_size), keep=directory)
+        limit = cache.max_bytes(model_opts.compile_cache_max_size)
+        cache.evict(limit, keep=directory)
+        stored_at = platforms[0] == local and weights_entry(
+            model_opts.source(), flags, model_opts.chat_template, kernels, 0)
+        if stored_at:       # what serve on this machine would convert: maxjax/aot/weight_cache.py
+            from maxjax.aot import weight_cache
+            if weight_cache.store(stored_at, model, limit):
+                print(f"converted weights stored: {stored_at}")
     else:
         directory = os.path.abspath(artifacts_dir)
         data = write_artifacts(directory, model, plan, platforms, jobs,
