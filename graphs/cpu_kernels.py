@@ -12,8 +12,9 @@ whose `q` is 4-D; the tied embedding table stays for the row lookup and gains a 
 instruction set.
 
 Each kernel source builds for one of `ISAS` (the C++ picks its vector code by the -m flags):
-avx512 (AVX-512F/BW/VNNI: vpdpbusd) or avx2 (AVX2 + FMA + F16C: vpmaddubsw, the same integer
-sums). `isa()` is this process's: $MAXJAX_CPU_ISA (avx512, avx2 or none) when set, else the best
+avx512 (AVX-512F/BW/VNNI: vpdpbusd; int8 calls of 8 rows and more on AMX-INT8 tiles where the
+CPU has them, $MAXJAX_CPU_AMX=0 not: `set_amx`) or avx2 (AVX2 + FMA + F16C: vpmaddubsw; all
+three give the same integer sums). `isa()` is this process's: $MAXJAX_CPU_ISA (avx512, avx2 or none) when set, else the best
 this CPU has, read anew each call. Each ISA's library is built once per source and jaxlib with
 g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and its FFI targets carry the ISA
 (`target`: maxjax_int8_linear_avx2, ...), so both load in one process and an executable names the
@@ -46,9 +47,11 @@ SOURCES = {"quant_linear.cc": (TARGET, TARGET4),
            "paged_attention.cc": ("maxjax_paged_attention", "maxjax_write_kv", "maxjax_zero_pool")}
 ISAS = ("avx512", "avx2")          # best first
 ISA_ENV = "MAXJAX_CPU_ISA"
+AMX_ENV = "MAXJAX_CPU_AMX"         # 0: the AVX-512 kernels leave the AMX tiles alone
 # ISA: (the /proc/cpuinfo flags it needs, g++'s flags for it)
 ISA_FLAGS = {"avx512": (("avx512f", "avx512bw", "avx512_vnni"),
-                        ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma")),
+                        ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-mamx-tile",
+                         "-mamx-int8")),
              "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"))}
 # every ISA's target names (jax.export allows these custom calls: maxjax/aot/graphs.py)
 TARGETS = tuple(f"{t}_{i}" for i in ISAS for targets in SOURCES.values() for t in targets)
@@ -119,7 +122,7 @@ def _load(isa: str) -> str | None:
     flags = [*ISA_FLAGS[isa][1], f"-DMAXJAX_ISA={isa}"]
     sources = [os.path.join(KERNEL_DIR, name) for name in SOURCES]
     key = hashlib.sha256("\0".join([jaxlib.__version__, *flags]).encode())
-    for path in sources:
+    for path in sources + headers():
         with open(path, "rb") as f:
             key.update(f.read())
     root = os.environ.get("MAXJAX_KERNEL_DIR") or os.path.join(
@@ -138,7 +141,32 @@ def _load(isa: str) -> str | None:
         full = f"{name}_{isa}"
         jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(getattr(handle, full)),
                                     platform="cpu")
+    if isa == "avx512":
+        _amx["switch"] = handle.maxjax_amx_avx512
+        set_amx(os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "off", "false", "no"))
     return None
+
+
+def headers() -> list[str]:
+    """The kernel sources' headers (part of each library's key and of the graphs' code)."""
+    return sorted(os.path.join(KERNEL_DIR, n) for n in os.listdir(KERNEL_DIR) if n.endswith(".h"))
+
+
+_amx: dict = {}     # the avx512 library's switch (maxjax_amx_avx512) and its state, once loaded
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AVX-512 library's AMX-INT8 tiles on (where the CPU and the OS allow them) or
+    off; whether they run now. Their outputs are the VNNI path's to the bit: this changes the
+    speed of int8 calls of 8 rows or more, nothing else."""
+    if "switch" in _amx:
+        _amx["on"] = bool(_amx["switch"](ctypes.c_int(int(on))))
+    return _amx.get("on", False)
+
+
+def amx() -> bool:
+    """Whether this process's kernels run int8 calls of 8 rows or more on AMX tiles."""
+    return isa() == "avx512" and unavailable() is None and _amx.get("on", False)
 
 
 def _build(compiler: str, flags: list[str], sources: list[str], out: str) -> str | None:

@@ -4,8 +4,14 @@ flags makes it unavailable naming them. Each ISA's library exports its own targe
 load here and their results compare: the linears' integer sums equal exactly (weights -128 and
 127 against activations +-127: no saturation on AVX2's vpmaddubsw path), their outputs bit for
 bit on random inputs, the attention's to float32 rounding; a tiny int8 engine forced to avx2
-gives avx512's greedy tokens. The reference tests of each kernel run for every ISA in
+gives avx512's greedy tokens. Where the CPU has AMX-INT8, the AVX-512 library runs int8 calls
+of 8 rows and more on its tiles (MAXJAX_CPU_AMX=0: not): their outputs are the VNNI path's, bit for
+bit, and the exactness test runs through them. The reference tests of each kernel run for every ISA in
 tests/test_cpu_kernels.py and tests/test_cpu_attention.py."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +23,8 @@ from maxjax.models.quantize import pack_q4
 
 ENV = cpu_kernels.ISA_ENV
 RUNNABLE = [isa for isa in cpu_kernels.ISAS if cpu_kernels.unavailable(isa) is None]
+AMX = "avx512" in RUNNABLE and cpu_kernels.set_amx(True)     # the default where it runs
+needs_amx = pytest.mark.skipif(not AMX, reason="needs AMX-INT8 (amx_int8, Linux 5.16 or later)")
 needs_every_isa = pytest.mark.skipif(
     len(RUNNABLE) < len(cpu_kernels.ISAS),
     reason=f"needs every kernel ISA: {[cpu_kernels.unavailable(i) for i in cpu_kernels.ISAS]}")
@@ -82,7 +90,7 @@ def int4_weight(nib):
 
 @pytest.mark.skipif(not RUNNABLE, reason=f"CPU kernels: {cpu_kernels.unavailable()}")
 @pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
 def test_integer_sums_are_exact(isa, rows):
     """Activations of integers with |x| = 127 somewhere in each row quantize to themselves
     (scale 1, a zero second digit) and unit weight scales leave the int32 sums as they are:
@@ -124,6 +132,46 @@ def test_isas_agree_bit_for_bit(rows):
         got = {isa: linear(x, w, isa) for isa in RUNNABLE}
         assert np.abs(got["avx512"]).max() > 0
         np.testing.assert_array_equal(got["avx2"], got["avx512"])
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [8, 9, 16, 23, 40, 256])
+def test_amx_tiles_give_the_vnni_bits(rows):
+    """The tiles take an int8 call's first multiple of 8 rows and VNNI the rest; weights of 576
+    inputs go through them (64 inputs a tile row), of 96 not, 4-bit blocks never: the same bits
+    either way."""
+    rng = np.random.default_rng(20 + rows)
+    for i in (576, 96):
+        x = jnp.asarray(rng.standard_normal((rows, i)).astype(np.float32))
+        q = rng.integers(-128, 128, (i, 192)).astype(np.int8)
+        w8 = cpu_kernels.pack_weight(quant.QuantizedWeight(
+            jnp.asarray(q), jnp.asarray(rng.uniform(1e-3, 2e-2, 192).astype(np.float32))))
+        nib = rng.integers(0, 16, (i, 192)).astype(np.uint8)
+        w4 = cpu_kernels.pack_weight(quant.QuantizedWeight(
+            jnp.asarray(pack_q4(nib)), jnp.asarray(rng.uniform(1e-3, 2e-2, (i // 32, 192)),
+                                                   jnp.float32),
+            jnp.asarray(rng.uniform(-0.1, 0.1, (i // 32, 192)), jnp.float32), jnp.ones(192),
+            bits=4))
+        for w in (w8, w4):
+            try:
+                assert cpu_kernels.set_amx(False) is False
+                vnni = linear(x, w, "avx512")
+            finally:
+                assert cpu_kernels.set_amx(True) is True
+            tiles = linear(x, w, "avx512")
+            assert np.abs(tiles).max() > 0
+            np.testing.assert_array_equal(tiles, vnni)
+
+
+@needs_amx
+def test_the_environment_turns_the_tiles_off():
+    code = ("from maxjax.graphs import cpu_kernels as k; "
+            "assert k.unavailable() is None; print(k.amx())")
+    for value, want in (("0", "False"), ("1", "True")):
+        env = {**os.environ, cpu_kernels.AMX_ENV: value, cpu_kernels.ISA_ENV: "avx512"}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.stdout.strip() == want, r.stderr[-2000:]
 
 
 @needs_every_isa

@@ -68,9 +68,10 @@ def test_first_start_log_is_maxjax_lines_one_per_phase(starts):
     why = cpu_kernels.unavailable()
     kernels = first["info"]["kernels"]
     if why is None:
-        assert f"CPU kernels on ({cpu_kernels.isa()})" in text, text
+        amx = ", AMX tiles for int8 at 8 rows and more" if cpu_kernels.amx() else ""
+        assert f"CPU kernels on ({cpu_kernels.isa()}{amx})" in text, text
         # the 4-bit blocks, and the int8 rows of the tied LM head
-        assert kernels == {"isa": cpu_kernels.isa(), "attention": True,
+        assert kernels == {"isa": cpu_kernels.isa(), "amx": cpu_kernels.amx(), "attention": True,
                            "linear": [cpu_kernels.INT8_LINEAR, cpu_kernels.INT4_LINEAR]}
     else:
         assert f"CPU kernels off: {why}; XLA's path runs" in text, text

@@ -1,7 +1,8 @@
 // The CPU quantized linears of --use-experimental-kernels (graphs/cpu_kernels.py), XLA FFI
 // handlers: jax.ffi.ffi_call("maxjax_int8_linear_<isa>" | "maxjax_int4_linear_<isa>", ...).
 // One source, two instruction sets, picked at build time: -DMAXJAX_ISA=avx512 (with
-// -mavx512f -mavx512bw -mavx512vnni -mfma) or avx2 (-mavx2 -mfma -mf16c); the exported symbols
+// -mavx512f -mavx512bw -mavx512vnni -mfma, and AMX-INT8 tiles where the CPU has them:
+// quant_linear_amx.h) or avx2 (-mavx2 -mfma -mf16c); the exported symbols
 // carry that suffix, so both libraries load in one process. Only the vector ops of the
 // activation quantizer (struct V) and the micro-tiles differ; the packed layouts do not.
 // Each activation row goes in two int8 digits as in graphs/quant.py, x ~ s1 * x1 + s2 * x2 (x2
@@ -178,6 +179,8 @@ __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
   }
 }
 
+#include "quant_linear_amx.h"
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // ---- AVX2 + FMA ---------------------------------------------------------------------------------
 struct V {             // the activation quantizer's vector ops: 8 float lanes
@@ -348,11 +351,23 @@ void quantize(const float* x, int64_t R, int64_t in, Digits& d) {
 
 template <bool INT4>
 void run_cols(const Call& c, int64_t c0, int64_t c1) {
+#if defined(__AVX512F__)
+  const int64_t tiled = INT4 ? 0 : amx_rows(c.R, c.in);  // the AMX tiles' rows, the rest VNNI's
+  if (tiled) amx_begin();
+#else
+  const int64_t tiled = 0;
+#endif
   for (int64_t o0 = c0; o0 < c1; o0 += 64) {
-    int64_t r = 0;
+    int64_t r = tiled;
+#if defined(__AVX512F__)
+    if (tiled) amx_tile8(c, tiled, o0);
+#endif
     for (; r + kRows <= c.R; r += kRows) INT4 ? tile4<kRows>(c, r, o0) : tile8<kRows>(c, r, o0);
     if (r < c.R) INT4 ? tile4<1>(c, r, o0) : tile8<1>(c, r, o0);
   }
+#if defined(__AVX512F__)
+  if (tiled) _tile_release();
+#endif
 }
 
 // A call shares its column tiles with XLA's intra-op threads when one thread would take at least
@@ -425,6 +440,11 @@ ffi::Error Int4Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+#if defined(__AVX512F__)
+// asks for the AMX tiles (on: 1) or turns them off (0); whether they run now
+extern "C" int MAXJAX_SYMBOL(maxjax_amx)(int on) { return amx_enable(on); }
+#endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MAXJAX_SYMBOL(maxjax_int8_linear), Int8Linear,
                               ffi::Ffi::Bind()

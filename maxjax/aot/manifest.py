@@ -177,7 +177,7 @@ def graph_code(root: str) -> dict[str, str]:
             todo.extend(_imports(root, name, path))
     kernels = files.get("maxjax.graphs.cpu_kernels")
     if kernels:             # the C++ it builds into the graphs' custom calls
-        for src in sorted(glob.glob(os.path.join(os.path.dirname(kernels), "kernels", "*.cc"))):
+        for src in sorted(glob.glob(os.path.join(os.path.dirname(kernels), "kernels", "*.[ch]*"))):
             files[f"maxjax.graphs.kernels/{os.path.basename(src)}"] = src
     return files
 

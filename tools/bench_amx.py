@@ -1,0 +1,77 @@
+"""The CPU kernels' linears with the AMX-INT8 tiles against the VNNI path (graphs/kernels/
+quant_linear_amx.h), in one process, the two interleaved call by call: SmolLM2-135M's matrices
+(random values in the embedded GGUF's encodings: the 4-bit blocks of q|k|v, o, gate|up and down,
+the int8 rows of the tied LM head) at each row count, and a step's worth of them (30 layers and
+the head). The outputs are checked equal to the bit on the way.
+
+    .venv/bin/python tools/bench_amx.py [--rows 8,16,32,64,256] [--iters 40]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import maxjax  # noqa: F401  (sets the XLA defaults before JAX starts)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxjax.graphs import cpu_kernels, quant
+from maxjax.models.quantize import pack_q4
+
+LAYERS = 30
+SHAPES = {   # name: (inputs, outputs, bits, calls a step)
+    "qkv": (576, 960, 4, LAYERS), "o": (576, 576, 4, LAYERS), "gate_up": (576, 3072, 4, LAYERS),
+    "down": (1536, 576, 4, LAYERS), "lm_head": (576, 49152, 8, 1),
+}
+
+
+def weight(rng, i: int, o: int, bits: int):
+    if bits == 8:
+        return cpu_kernels.pack_weight(quant.QuantizedWeight(
+            jnp.asarray(rng.integers(-128, 128, (i, o)).astype(np.int8)),
+            jnp.asarray(rng.uniform(1e-3, 2e-2, o).astype(np.float32))))
+    return cpu_kernels.pack_weight(quant.QuantizedWeight(
+        jnp.asarray(pack_q4(rng.integers(0, 16, (i, o)).astype(np.uint8))),
+        jnp.asarray(rng.uniform(1e-3, 2e-2, (i // 32, o)), jnp.float32),
+        jnp.asarray(rng.uniform(-0.1, 0.1, (i // 32, o)), jnp.float32), jnp.ones(o), bits=4))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="8,16,32,64,256")
+    ap.add_argument("--iters", type=int, default=40)
+    args = ap.parse_args()
+    why = cpu_kernels.unavailable("avx512")
+    if why or not cpu_kernels.set_amx(True):
+        raise SystemExit(f"needs the AVX-512 kernels and AMX-INT8 here: {why or 'no AMX'}")
+    rng = np.random.default_rng(0)
+    f = jax.jit(lambda x, w: cpu_kernels.packed_linear(x, w, isa="avx512"))
+    weights = {name: weight(rng, i, o, bits) for name, (i, o, bits, _) in SHAPES.items()}
+    print(f"{'matrix':>8} {'rows':>5} {'VNNI ms':>9} {'AMX ms':>9} {'speed-up':>9}")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        step = {True: 0.0, False: 0.0}
+        for name, (i, o, bits, calls) in SHAPES.items():
+            x = jnp.asarray(rng.standard_normal((rows, i)).astype(np.float32))
+            outs, times = {}, {True: [], False: []}
+            for it in range(args.iters + 2):
+                for amx in (True, False):
+                    cpu_kernels.set_amx(amx)
+                    t = time.perf_counter()
+                    y = f(x, weights[name]).block_until_ready()
+                    if it >= 2:
+                        times[amx].append(time.perf_counter() - t)
+                    outs[amx] = y
+            cpu_kernels.set_amx(True)
+            assert np.array_equal(np.asarray(outs[True]), np.asarray(outs[False])), name
+            med = {amx: float(np.median(t)) * 1e3 for amx, t in times.items()}
+            for amx in step:
+                step[amx] += med[amx] * calls
+            print(f"{name:>8} {rows:>5} {med[False]:>9.3f} {med[True]:>9.3f} "
+                  f"{med[False] / med[True]:>8.2f}x")
+        print(f"{'a step':>8} {rows:>5} {step[False]:>9.2f} {step[True]:>9.2f} "
+              f"{step[False] / step[True]:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
