@@ -5,7 +5,9 @@ the paged step graph in chunks of 512 (one compile per encoding), logits at ever
 "int8-kernel" and "q4_1-kernel" go through the CPU kernels (graphs/cpu_kernels.py, this CPU's
 best ISA) and "q4_1-kernel-avx2" through their AVX2 path (MAXJAX_CPU_ISA=avx2); the 4-bit ones
 keep the GGUF's block arithmetic, within +0.5% of float32, also over the bfloat16 KV pool
-the default serve gives them ("q4_1-kernel-bf16-kv").
+the default serve gives them ("q4_1-kernel-bf16-kv"). On a CPU with AMX-INT8 the int8 calls
+(int8-kernel's linears, every kernel case's LM head: 512-row chunks) run on its tiles, the VNNI
+path's bits (tests/test_cpu_kernel_isas.py).
 Figures (printed with `-s`) are in BENCHMARKS.md, Quantized weights."""
 import dataclasses
 import math

@@ -1,10 +1,11 @@
 """The CPU kernels' linears with the AMX-INT8 tiles against the VNNI path (graphs/kernels/
 quant_linear_amx.h), in one process, the two interleaved call by call: SmolLM2-135M's matrices
 (random values in the embedded GGUF's encodings: the 4-bit blocks of q|k|v, o, gate|up and down,
-the int8 rows of the tied LM head) at each row count, and a step's worth of them (30 layers and
-the head). The outputs are checked equal to the bit on the way.
+the int8 rows of the tied LM head; `--layers int8`: the layers in int8 too, as
+`--quantization-encoding int8` serves them) at each row count, and a step's worth of them (30
+layers and the head). The outputs are checked equal to the bit on the way.
 
-    .venv/bin/python tools/bench_amx.py [--rows 8,16,32,64,256] [--iters 40]
+    .venv/bin/python tools/bench_amx.py [--rows 8,16,32,64,256] [--iters 40] [--layers int8]
 """
 from __future__ import annotations
 
@@ -41,21 +42,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="8,16,32,64,256")
     ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--layers", choices=("q4_1", "int8"), default="q4_1")
     args = ap.parse_args()
     why = cpu_kernels.unavailable("avx512")
     if why or not cpu_kernels.set_amx(True):
         raise SystemExit(f"needs the AVX-512 kernels and AMX-INT8 here: {why or 'no AMX'}")
     rng = np.random.default_rng(0)
     f = jax.jit(lambda x, w: cpu_kernels.packed_linear(x, w, isa="avx512"))
-    weights = {name: weight(rng, i, o, bits) for name, (i, o, bits, _) in SHAPES.items()}
+    shapes = {name: (i, o, 8 if args.layers == "int8" else bits, calls)
+              for name, (i, o, bits, calls) in SHAPES.items()}
+    weights = {name: weight(rng, i, o, bits) for name, (i, o, bits, _) in shapes.items()}
     print(f"{'matrix':>8} {'rows':>5} {'VNNI ms':>9} {'AMX ms':>9} {'speed-up':>9}")
     for rows in [int(r) for r in args.rows.split(",")]:
         step = {True: 0.0, False: 0.0}
-        for name, (i, o, bits, calls) in SHAPES.items():
+        for name, (i, o, bits, calls) in shapes.items():
             x = jnp.asarray(rng.standard_normal((rows, i)).astype(np.float32))
             outs, times = {}, {True: [], False: []}
             for it in range(args.iters + 2):
-                for amx in (True, False):
+                for amx in ((True, False) if it % 2 else (False, True)):
                     cpu_kernels.set_amx(amx)
                     t = time.perf_counter()
                     y = f(x, weights[name]).block_until_ready()

@@ -2,7 +2,10 @@
 # Build native llama-server (the fair CPU peer) from the llama.cpp source vendored in the PyPI sdist of
 # llama-cpp-python: no download outside the package registry. Usage:
 #   tools/build_llama_server.sh [DEST_DIR]   (default /work/cache/llama-server; prints the binary's path)
-# AMX is off (llama.cpp's AMX path segfaults on this CPU); cached: a second run returns at once.
+# GGML_NATIVE (-march=native) compiles llama.cpp's AMX path in on a CPU that has AMX-INT8: its
+# system_info line then says AMX_INT8 = 1 and the log "AMX model buffer" (2026-12-05, Intel Xeon).
+# (-DGGML_AMX is no option of this llama.cpp; it changes nothing.) Cached: a second run returns
+# at once.
 set -euo pipefail
 DEST="${1:-/work/cache/llama-server}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"

@@ -7,7 +7,7 @@
   * llama-server: native llama.cpp with parallel slots (`-np` = the highest concurrency,
                   continuous batching), what a llama.cpp user runs; same benchmark. Built by
                   tools/build_llama_server.sh from the llama.cpp source in the PyPI sdist of
-                  llama-cpp-python (AMX off: it segfaults on this CPU), found at --llama-server
+                  llama-cpp-python (-march=native: AMX where the CPU has it), found at --llama-server
                   (default $LLAMA_SERVER, else /work/cache/llama-server/bin/llama-server);
   * transformers: no server: an offline `generate` loop over static batches of 1/8/32 prompts
                   on the same GGUF (dequantized to f32 by transformers), greedy, exactly

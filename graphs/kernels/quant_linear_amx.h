@@ -26,13 +26,13 @@ struct alignas(64) TileConfig {
 };
 
 bool amx_enable(bool on) {
-  if (on) {
+  static const bool can = [] {
     unsigned a, b, c, d;
-    on = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
-         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  }
-  g_amx.store(on);
-  return on;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  g_amx.store(on && can);
+  return on && can;
 }
 
 void amx_begin() {
