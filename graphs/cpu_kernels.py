@@ -12,9 +12,9 @@ whose `q` is 4-D; the tied embedding table stays for the row lookup and gains a 
 instruction set.
 
 Each kernel source builds for one of `ISAS` (the C++ picks its vector code by the -m flags):
-avx512 (AVX-512F/BW/VNNI: vpdpbusd; int8 calls of 8 rows and more on AMX-INT8 tiles where the
-CPU has them, $MAXJAX_CPU_AMX=0 not: `set_amx`) or avx2 (AVX2 + FMA + F16C: vpmaddubsw; all
-three give the same integer sums). `isa()` is this process's: $MAXJAX_CPU_ISA (avx512, avx2 or none) when set, else the best
+avx512 (AVX-512F/BW/VNNI: vpdpbusd) or avx2 (AVX2 + FMA + F16C: vpmaddubsw, the same integer
+sums). Each uses an extension where the CPU has it (`EXTENSIONS`: AMX-INT8 tiles for avx512's
+int8 calls of 8 rows and more, AVX-VNNI for avx2), with the same outputs to the bit. `isa()` is this process's: $MAXJAX_CPU_ISA (avx512, avx2 or none) when set, else the best
 this CPU has, read anew each call. Each ISA's library is built once per source and jaxlib with
 g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and its FFI targets carry the ISA
 (`target`: maxjax_int8_linear_avx2, ...), so both load in one process and an executable names the
@@ -47,7 +47,6 @@ SOURCES = {"quant_linear.cc": (TARGET, TARGET4),
            "paged_attention.cc": ("maxjax_paged_attention", "maxjax_write_kv", "maxjax_zero_pool")}
 ISAS = ("avx512", "avx2")          # best first
 ISA_ENV = "MAXJAX_CPU_ISA"
-AMX_ENV = "MAXJAX_CPU_AMX"         # 0: the AVX-512 kernels leave the AMX tiles alone
 # ISA: (the /proc/cpuinfo flags it needs, g++'s flags for it)
 ISA_FLAGS = {"avx512": (("avx512f", "avx512bw", "avx512_vnni"),
                         ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-mamx-tile",
@@ -141,9 +140,9 @@ def _load(isa: str) -> str | None:
         full = f"{name}_{isa}"
         jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(getattr(handle, full)),
                                     platform="cpu")
-    if isa == "avx512":
-        _amx["switch"] = handle.maxjax_amx_avx512
-        set_amx(os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "off", "false", "no"))
+    _switch[isa] = [getattr(handle, f"maxjax_extension_{isa}"), False]
+    set_extension(os.environ.get(EXTENSIONS[isa][1], "1").strip().lower()
+                  not in ("0", "off", "false", "no"), isa)
     return None
 
 
@@ -152,21 +151,29 @@ def headers() -> list[str]:
     return sorted(os.path.join(KERNEL_DIR, n) for n in os.listdir(KERNEL_DIR) if n.endswith(".h"))
 
 
-_amx: dict = {}     # the avx512 library's switch (maxjax_amx_avx512) and its state, once loaded
+# ISA: (the dot-product extension its library uses where the CPU has it, as the log names it,
+# the environment variable that turns it off with 0). Either gives the ISA's own outputs to the
+# bit: only the speed changes (graphs/kernels/quant_linear_amx.h, quant_linear.cc's AVX2 tiles).
+EXTENSIONS = {"avx512": ("AMX tiles for int8 at 8 rows and more", "MAXJAX_CPU_AMX"),
+              "avx2": ("AVX-VNNI", "MAXJAX_CPU_AVX_VNNI")}
+_switch: dict = {}     # ISA: [its library's maxjax_extension_<isa>, whether the extension runs]
 
 
-def set_amx(on: bool) -> bool:
-    """Turns the AVX-512 library's AMX-INT8 tiles on (where the CPU and the OS allow them) or
-    off; whether they run now. Their outputs are the VNNI path's to the bit: this changes the
-    speed of int8 calls of 8 rows or more, nothing else."""
-    if "switch" in _amx:
-        _amx["on"] = bool(_amx["switch"](ctypes.c_int(int(on))))
-    return _amx.get("on", False)
+def set_extension(on: bool, isa: str | None = None) -> bool:
+    """Turns ISA `isa`'s extension (default: the process's ISA's; `EXTENSIONS`) on, where the CPU
+    and the OS allow it, or off; whether it runs now (False before the library is loaded)."""
+    entry = _switch.get(isa or _process_isa())
+    if entry:
+        entry[1] = bool(entry[0](ctypes.c_int(int(on))))
+    return bool(entry and entry[1])
 
 
-def amx() -> bool:
-    """Whether this process's kernels run int8 calls of 8 rows or more on AMX tiles."""
-    return isa() == "avx512" and unavailable() is None and _amx.get("on", False)
+def extension(isa: str | None = None) -> str | None:
+    """The extension ISA `isa`'s kernels (default: the process's) run, as the log names it."""
+    isa = isa or _process_isa()
+    if isa is None or unavailable(isa) is not None or not _switch[isa][1]:
+        return None
+    return EXTENSIONS[isa][0]
 
 
 def _build(compiler: str, flags: list[str], sources: list[str], out: str) -> str | None:

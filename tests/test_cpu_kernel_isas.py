@@ -4,9 +4,9 @@ flags makes it unavailable naming them. Each ISA's library exports its own targe
 load here and their results compare: the linears' integer sums equal exactly (weights -128 and
 127 against activations +-127: no saturation on AVX2's vpmaddubsw path), their outputs bit for
 bit on random inputs, the attention's to float32 rounding; a tiny int8 engine forced to avx2
-gives avx512's greedy tokens. Where the CPU has AMX-INT8, the AVX-512 library runs int8 calls
-of 8 rows and more on its tiles (MAXJAX_CPU_AMX=0: not): their outputs are the VNNI path's, bit for
-bit, and the exactness test runs through them. The reference tests of each kernel run for every ISA in
+gives avx512's greedy tokens. Each ISA's extension (AMX-INT8 tiles for avx512's int8 calls of 8
+rows and more, AVX-VNNI for avx2), where the CPU has it, gives the ISA's own bits; the
+exactness test runs through them, and MAXJAX_CPU_AMX=0 / MAXJAX_CPU_AVX_VNNI=0 turn them off. The reference tests of each kernel run for every ISA in
 tests/test_cpu_kernels.py and tests/test_cpu_attention.py."""
 import os
 import subprocess
@@ -23,8 +23,8 @@ from maxjax.models.quantize import pack_q4
 
 ENV = cpu_kernels.ISA_ENV
 RUNNABLE = [isa for isa in cpu_kernels.ISAS if cpu_kernels.unavailable(isa) is None]
-AMX = "avx512" in RUNNABLE and cpu_kernels.set_amx(True)     # the default where it runs
-needs_amx = pytest.mark.skipif(not AMX, reason="needs AMX-INT8 (amx_int8, Linux 5.16 or later)")
+# whether each ISA's extension runs here (on: the default where the CPU has it)
+EXTENDED = {i: i in RUNNABLE and cpu_kernels.set_extension(True, i) for i in cpu_kernels.ISAS}
 needs_every_isa = pytest.mark.skipif(
     len(RUNNABLE) < len(cpu_kernels.ISAS),
     reason=f"needs every kernel ISA: {[cpu_kernels.unavailable(i) for i in cpu_kernels.ISAS]}")
@@ -134,12 +134,14 @@ def test_isas_agree_bit_for_bit(rows):
         np.testing.assert_array_equal(got["avx2"], got["avx512"])
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [8, 9, 16, 23, 40, 256])
-def test_amx_tiles_give_the_vnni_bits(rows):
-    """The tiles take an int8 call's first multiple of 8 rows and VNNI the rest; weights of 576
-    inputs go through them (64 inputs a tile row), of 96 not, 4-bit blocks never: the same bits
-    either way."""
+@pytest.mark.parametrize("isa", [i for i in cpu_kernels.ISAS if EXTENDED[i]] or
+                         [pytest.param(None, marks=pytest.mark.skip(
+                             reason="no extension here (AMX-INT8, AVX-VNNI)"))])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 23, 40, 256])
+def test_an_extension_gives_its_isas_bits(isa, rows):
+    """AMX tiles take an int8 call's first multiple of 8 rows (weights of 576 inputs: 64 a tile
+    row; of 96 not; 4-bit blocks never), AVX-VNNI every call of the avx2 kernels: the same bits
+    as the ISA without them."""
     rng = np.random.default_rng(20 + rows)
     for i in (576, 96):
         x = jnp.asarray(rng.standard_normal((rows, i)).astype(np.float32))
@@ -154,24 +156,26 @@ def test_amx_tiles_give_the_vnni_bits(rows):
             bits=4))
         for w in (w8, w4):
             try:
-                assert cpu_kernels.set_amx(False) is False
-                vnni = linear(x, w, "avx512")
+                assert cpu_kernels.set_extension(False, isa) is False
+                plain = linear(x, w, isa)
             finally:
-                assert cpu_kernels.set_amx(True) is True
-            tiles = linear(x, w, "avx512")
-            assert np.abs(tiles).max() > 0
-            np.testing.assert_array_equal(tiles, vnni)
+                assert cpu_kernels.set_extension(True, isa) is True
+            extended = linear(x, w, isa)
+            assert np.abs(extended).max() > 0
+            np.testing.assert_array_equal(extended, plain)
 
 
-@needs_amx
-def test_the_environment_turns_the_tiles_off():
+@pytest.mark.skipif(not any(EXTENDED.values()), reason="no extension here (AMX-INT8, AVX-VNNI)")
+def test_the_environment_turns_an_extension_off():
     code = ("from maxjax.graphs import cpu_kernels as k; "
-            "assert k.unavailable() is None; print(k.amx())")
-    for value, want in (("0", "False"), ("1", "True")):
-        env = {**os.environ, cpu_kernels.AMX_ENV: value, cpu_kernels.ISA_ENV: "avx512"}
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert r.stdout.strip() == want, r.stderr[-2000:]
+            "assert k.unavailable() is None; print(k.extension())")
+    for isa in (i for i in cpu_kernels.ISAS if EXTENDED[i]):
+        name, variable = cpu_kernels.EXTENSIONS[isa]
+        for value, want in (("0", "None"), ("1", name)):
+            env = {**os.environ, variable: value, cpu_kernels.ISA_ENV: isa}
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                               text=True, timeout=300)
+            assert r.stdout.strip() == want, r.stderr[-2000:]
 
 
 @needs_every_isa

@@ -92,7 +92,7 @@ def test_default_engine_runs_the_kernels(tiny, want):
     assert cpu_kernels.kernels_of(llm.core.model.params) == [cpu_kernels.INT8_LINEAR]
     assert llm.core.layout.attention == "cpu_paged_kernel"
     assert llm.core.layout.kv_dtype == "bfloat16"     # quantized weights on the kernel
-    assert kernels_info(llm.core) == {"isa": cpu_kernels.isa(), "amx": cpu_kernels.amx(),
+    assert kernels_info(llm.core) == {"isa": cpu_kernels.isa(), "extension": cpu_kernels.extension(),
                                       "linear": [cpu_kernels.INT8_LINEAR], "attention": True}
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
 

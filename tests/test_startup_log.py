@@ -68,10 +68,10 @@ def test_first_start_log_is_maxjax_lines_one_per_phase(starts):
     why = cpu_kernels.unavailable()
     kernels = first["info"]["kernels"]
     if why is None:
-        amx = ", AMX tiles for int8 at 8 rows and more" if cpu_kernels.amx() else ""
-        assert f"CPU kernels on ({cpu_kernels.isa()}{amx})" in text, text
+        ext = cpu_kernels.extension()
+        assert f"CPU kernels on ({cpu_kernels.isa()}{', ' + ext if ext else ''})" in text, text
         # the 4-bit blocks, and the int8 rows of the tied LM head
-        assert kernels == {"isa": cpu_kernels.isa(), "amx": cpu_kernels.amx(), "attention": True,
+        assert kernels == {"isa": cpu_kernels.isa(), "extension": cpu_kernels.extension(), "attention": True,
                            "linear": [cpu_kernels.INT8_LINEAR, cpu_kernels.INT4_LINEAR]}
     else:
         assert f"CPU kernels off: {why}; XLA's path runs" in text, text

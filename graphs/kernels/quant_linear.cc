@@ -20,6 +20,7 @@
 // Only the first `live` rows are computed (the rest, a bucket's padding, come out 0); a call
 // long enough shares its column tiles with XLA's intra-op threads. On this Zen 4 the AVX-512 int8
 // tile does 2.2x the multiply-adds per second of a float32-FMA kernel (BENCHMARKS.md).
+#include <cpuid.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
@@ -228,7 +229,27 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
 }
 
-template <int RB>
+// AVX-VNNI (Intel Alder Lake and later cores, no AVX-512 needed): ymm vpdpbusd, one instruction
+// where vpmaddubsw + vpmaddwd take three, chosen at run time (CPUID leaf 7.1, EAX bit 4). int8
+// then reads the weight bytes w + 128 and takes back 128 x the digit row's sum, as the AVX-512
+// tile does; 4-bit sums the nibbles in int32. The same sums and epilogue: the same bits. In asm:
+// the intrinsic needs the function compiled for AVX-VNNI.
+std::atomic<bool> g_avx_vnni{false};
+
+bool avx_vnni_enable(bool on) {
+  static const bool can = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+  }();
+  g_avx_vnni.store(on && can);
+  return on && can;
+}
+
+inline void dpbusd(__m256i& acc, __m256i a, __m256i b) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+}
+
+template <int RB, bool VNNI>
 __attribute__((noinline)) void tile8(const Call& c, int64_t r0, int64_t o0) {
   constexpr int D = 2 * RB, K = 4 / RB;        // digit rows; 8-column vectors a pass
   const int64_t in = c.in;
@@ -243,6 +264,11 @@ __attribute__((noinline)) void tile8(const Call& c, int64_t r0, int64_t o0) {
       __m256i a[D];
       UNROLL for (int r = 0; r < D; ++r) a[r] = bcast4(xp + r * in + g);
       UNROLL for (int k = 0; k < K; ++k) {
+        if constexpr (VNNI) {
+          __m256i w = _mm256_loadu_si256((const __m256i*)(qp + 32 * k));
+          UNROLL for (int r = 0; r < D; ++r) dpbusd(acc[r][k], w, a[r]);
+          continue;
+        }
         // the weight bytes w + 128 back to w; |w| (128 for -128: unsigned) x x with w's sign
         __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qp + 32 * k)), flip);
         __m256i aw = _mm256_abs_epi8(w);
@@ -259,8 +285,9 @@ __attribute__((noinline)) void tile8(const Call& c, int64_t r0, int64_t o0) {
         __m256 v = _mm256_setzero_ps();
         UNROLL for (int digit = 0; digit < 2; ++digit) {
           int64_t dr = 2 * (r0 + r) + digit;
-          v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[2 * r + digit][k]),
-                              _mm256_set1_ps(c.d.scale[dr]), v);
+          __m256i n = VNNI ? _mm256_sub_epi32(acc[2 * r + digit][k], _mm256_set1_epi32(c.d.sum[dr]))
+                           : acc[2 * r + digit][k];
+          v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(n), _mm256_set1_ps(c.d.scale[dr]), v);
         }
         _mm256_storeu_ps(c.y + (r0 + r) * c.out + col, _mm256_mul_ps(v, ws));
       }
@@ -268,7 +295,7 @@ __attribute__((noinline)) void tile8(const Call& c, int64_t r0, int64_t o0) {
   }
 }
 
-template <int RB>
+template <int RB, bool VNNI>
 __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
   constexpr int D = 2 * RB, K = 4 / RB;
   const int64_t in = c.in, blocks = in / 32;
@@ -282,7 +309,8 @@ __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
     const float* sp = c.scale + o0 * blocks + h;  // [out/64, in/32, 64]
     const float* lp = c.low + o0 * blocks + h;
     for (int64_t b = 0; b < blocks; ++b, sp += 64, lp += 64) {
-      // int16 lanes: 16 products nibble x digit of a block, |sum| <= 16 * 15 * 127 < 2^15
+      // int16 lanes (AVX-VNNI: int32): 16 products nibble x digit of a block, |sum| <= 16 * 15 *
+      // 127 < 2^15
       __m256i acc[D][K];
       UNROLL for (int r = 0; r < D; ++r) UNROLL for (int k = 0; k < K; ++k) acc[r][k] = _mm256_setzero_si256();
       for (int p = 0; p < 4; ++p, qp += 256) {
@@ -291,18 +319,25 @@ __attribute__((noinline)) void tile4(const Call& c, int64_t r0, int64_t o0) {
         UNROLL for (int k = 0; k < K; ++k) {
           __m256i raw = _mm256_loadu_si256((const __m256i*)(qp + 32 * k));
           __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-          UNROLL for (int r = 0; r < D; ++r)
-            acc[r][k] = _mm256_add_epi16(acc[r][k], _mm256_add_epi16(
-                _mm256_maddubs_epi16(lo, bcast4(xp + r * in + i)),
-                _mm256_maddubs_epi16(hi, bcast4(xp + r * in + i + 16))));
+          UNROLL for (int r = 0; r < D; ++r) {
+            if constexpr (VNNI) {
+              dpbusd(acc[r][k], lo, bcast4(xp + r * in + i));
+              dpbusd(acc[r][k], hi, bcast4(xp + r * in + i + 16));
+            } else {
+              acc[r][k] = _mm256_add_epi16(acc[r][k], _mm256_add_epi16(
+                  _mm256_maddubs_epi16(lo, bcast4(xp + r * in + i)),
+                  _mm256_maddubs_epi16(hi, bcast4(xp + r * in + i + 16))));
+            }
+          }
         }
       }
       UNROLL for (int k = 0; k < K; ++k) {
         __m256 ws = _mm256_loadu_ps(sp + 8 * k), wl = _mm256_loadu_ps(lp + 8 * k);
         UNROLL for (int r = 0; r < RB; ++r) {
           int64_t dr = 2 * (r0 + r);
-          __m256 n0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[2 * r][k], ones));
-          __m256 n1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[2 * r + 1][k], ones));
+          __m256 n0 = _mm256_cvtepi32_ps(VNNI ? acc[2 * r][k] : _mm256_madd_epi16(acc[2 * r][k], ones));
+          __m256 n1 = _mm256_cvtepi32_ps(VNNI ? acc[2 * r + 1][k]
+                                              : _mm256_madd_epi16(acc[2 * r + 1][k], ones));
           __m256 v = _mm256_mul_ps(n0, _mm256_set1_ps(c.d.scale[dr]));
           v = _mm256_fmadd_ps(n1, _mm256_set1_ps(c.d.scale[dr + 1]), v);
           float* yp = y + r * c.out + 8 * k;
@@ -349,21 +384,34 @@ void quantize(const float* x, int64_t R, int64_t in, Digits& d) {
   }
 }
 
+// RB rows from r of the 64 columns from o0 on the vector tiles; `vnni`: AVX-VNNI's (AVX2)
+template <bool INT4, int RB>
+inline void tile(const Call& c, int64_t r, int64_t o0, bool vnni) {
+#if defined(__AVX512F__)
+  INT4 ? tile4<RB>(c, r, o0) : tile8<RB>(c, r, o0);
+#else
+  if (vnni) INT4 ? tile4<RB, true>(c, r, o0) : tile8<RB, true>(c, r, o0);
+  else INT4 ? tile4<RB, false>(c, r, o0) : tile8<RB, false>(c, r, o0);
+#endif
+}
+
 template <bool INT4>
 void run_cols(const Call& c, int64_t c0, int64_t c1) {
 #if defined(__AVX512F__)
   const int64_t tiled = INT4 ? 0 : amx_rows(c.R, c.in);  // the AMX tiles' rows, the rest VNNI's
+  const bool vnni = false;
   if (tiled) amx_begin();
 #else
   const int64_t tiled = 0;
+  const bool vnni = g_avx_vnni.load(std::memory_order_relaxed);
 #endif
   for (int64_t o0 = c0; o0 < c1; o0 += 64) {
     int64_t r = tiled;
 #if defined(__AVX512F__)
     if (tiled) amx_tile8(c, tiled, o0);
 #endif
-    for (; r + kRows <= c.R; r += kRows) INT4 ? tile4<kRows>(c, r, o0) : tile8<kRows>(c, r, o0);
-    if (r < c.R) INT4 ? tile4<1>(c, r, o0) : tile8<1>(c, r, o0);
+    for (; r + kRows <= c.R; r += kRows) tile<INT4, kRows>(c, r, o0, vnni);
+    if (r < c.R) tile<INT4, 1>(c, r, o0, vnni);
   }
 #if defined(__AVX512F__)
   if (tiled) _tile_release();
@@ -441,9 +489,12 @@ ffi::Error Int4Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
+// asks for the ISA's extension (AVX-512: the AMX tiles; AVX2: AVX-VNNI) with on = 1, or turns it
+// off (0); whether it runs now
 #if defined(__AVX512F__)
-// asks for the AMX tiles (on: 1) or turns them off (0); whether they run now
-extern "C" int MAXJAX_SYMBOL(maxjax_amx)(int on) { return amx_enable(on); }
+extern "C" int MAXJAX_SYMBOL(maxjax_extension)(int on) { return amx_enable(on); }
+#else
+extern "C" int MAXJAX_SYMBOL(maxjax_extension)(int on) { return avx_vnni_enable(on); }
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MAXJAX_SYMBOL(maxjax_int8_linear), Int8Linear,

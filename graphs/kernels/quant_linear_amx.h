@@ -11,7 +11,6 @@
 // through tiles (stored to memory, read back) that measured no faster (BENCHMARKS.md).
 // Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), once a
 // process; `maxjax_amx_avx512` makes it and says whether the tiles run.
-#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 

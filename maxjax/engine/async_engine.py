@@ -72,7 +72,7 @@ def kernels_info(core) -> dict | None:
     if not core.cfg.use_experimental_kernels:
         return None
     from maxjax.graphs import cpu_kernels
-    return {"isa": cpu_kernels.isa(), "amx": cpu_kernels.amx(),
+    return {"isa": cpu_kernels.isa(), "extension": cpu_kernels.extension(),
             "linear": cpu_kernels.kernels_of(core.model.params),
             "attention": backend_named(core.layout.attention).needs_cpu_kernels}
 

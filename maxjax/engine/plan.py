@@ -166,8 +166,8 @@ def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
     elif why:
         log.info("CPU kernels off: %s; XLA's path runs", why)
     elif flag is None:
-        log.info("CPU kernels on (%s%s)", cpu_kernels.isa(),
-                 ", AMX tiles for int8 at 8 rows and more" if cpu_kernels.amx() else "")
+        ext = cpu_kernels.extension()
+        log.info("CPU kernels on (%s%s)", cpu_kernels.isa(), f", {ext}" if ext else "")
     return why is None
 
 
