@@ -14,11 +14,12 @@ instruction set.
 Each kernel source builds for one of `ISAS` (the C++ picks its vector code by the -m flags):
 avx512 (AVX-512F/BW/VNNI: vpdpbusd) or avx2 (AVX2 + FMA + F16C: vpmaddubsw, the same integer
 sums). Each uses an extension where the CPU has it (`EXTENSIONS`: AMX-INT8 tiles for avx512's
-int8 calls of 8 rows and more, AVX-VNNI for avx2), with the same outputs to the bit. `isa()` is this process's: $MAXJAX_CPU_ISA (avx512, avx2 or none) when set, else the best
-this CPU has, read anew each call. Each ISA's library is built once per source and jaxlib with
-g++ into $MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and its FFI targets carry the ISA
-(`target`: maxjax_int8_linear_avx2, ...), so both load in one process and an executable names the
-one it needs.
+int8 calls of 8 rows and more, AVX-VNNI for avx2), with the same outputs to the bit. `isa()` is
+this process's: $MAXJAX_CPU_ISA (avx512, avx2 or none) when set, else the best this CPU has,
+read anew each call. Each ISA's library is built once per source and jaxlib with g++ into
+$MAXJAX_KERNEL_DIR (default ~/.cache/maxjax/kernels) and its FFI targets carry the ISA (`target`:
+maxjax_int8_linear_avx2, ...), so both load in one process and an executable names the one it
+needs.
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def _load(isa: str) -> str | None:
     flags = [*ISA_FLAGS[isa][1], f"-DMAXJAX_ISA={isa}"]
     sources = [os.path.join(KERNEL_DIR, name) for name in SOURCES]
     key = hashlib.sha256("\0".join([jaxlib.__version__, *flags]).encode())
-    for path in sources + headers():
+    for path in sources + _headers():
         with open(path, "rb") as f:
             key.update(f.read())
     root = os.environ.get("MAXJAX_KERNEL_DIR") or os.path.join(
@@ -146,8 +147,9 @@ def _load(isa: str) -> str | None:
     return None
 
 
-def headers() -> list[str]:
-    """The kernel sources' headers (part of each library's key and of the graphs' code)."""
+def _headers() -> list[str]:
+    """The kernel sources' headers: part of each library's key (manifest.graph_code takes every
+    file under graphs/kernels into the graphs' code digest)."""
     return sorted(os.path.join(KERNEL_DIR, n) for n in os.listdir(KERNEL_DIR) if n.endswith(".h"))
 
 

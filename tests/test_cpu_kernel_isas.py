@@ -6,8 +6,9 @@ load here and their results compare: the linears' integer sums equal exactly (we
 bit on random inputs, the attention's to float32 rounding; a tiny int8 engine forced to avx2
 gives avx512's greedy tokens. Each ISA's extension (AMX-INT8 tiles for avx512's int8 calls of 8
 rows and more, AVX-VNNI for avx2), where the CPU has it, gives the ISA's own bits; the
-exactness test runs through them, and MAXJAX_CPU_AMX=0 / MAXJAX_CPU_AVX_VNNI=0 turn them off. The reference tests of each kernel run for every ISA in
-tests/test_cpu_kernels.py and tests/test_cpu_attention.py."""
+exactness test runs through them, and MAXJAX_CPU_AMX=0 / MAXJAX_CPU_AVX_VNNI=0 turn them off.
+The reference tests of each kernel run for every ISA in tests/test_cpu_kernels.py and
+tests/test_cpu_attention.py."""
 import os
 import subprocess
 import sys

@@ -10,7 +10,7 @@
 // The 4-bit blocks stay on VNNI: each block of 32 inputs needs its own float epilogue, and
 // through tiles (stored to memory, read back) that measured no faster (BENCHMARKS.md).
 // Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), once a
-// process; `maxjax_amx_avx512` makes it and says whether the tiles run.
+// process; `maxjax_extension_avx512` (quant_linear.cc) asks for it and says whether the tiles run.
 #include <sys/syscall.h>
 #include <unistd.h>
 
