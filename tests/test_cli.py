@@ -127,3 +127,20 @@ def test_mef_flags_are_aliases_of_the_artifact_flags(command):
     assert mefs == options("--precompiled-artifacts", "a", "b", "--export-artifacts", "out")
     assert options("--precompiled-mefs", "a", "--precompiled-artifacts", "b").precompiled_artifacts \
         == ["a", "b"]
+
+
+def test_serve_turns_the_collector_back_on_when_its_start_fails(capsys):
+    """`maxjax serve` starts with the garbage collector off (maxjax/cli/main.py); a start that
+    fails on a flag leaves it on, as does the end of a start (settle_heap: collected, frozen)."""
+    import gc
+
+    from maxjax.cli.serve import settle_heap
+    one_line_error(capsys, "--quantization-encoding", "serve", "--quantization-encoding", "q4_k")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        settle_heap()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import pytest
 
@@ -53,6 +55,25 @@ def test_the_second_start_deserializes_while_the_weights_load(setup, caplog):
     _, _, text = _start(path, caplog, max_length=24)
     assert "deserialized while the weights loaded" not in text
     assert len(os.listdir(os.path.join(root, prefetch.REQUESTS))) == 2
+
+
+def test_the_executables_deserialize_on_several_threads(setup, caplog, monkeypatch):
+    """A warm start's critical path is deserializing: the prefetch spreads it over the cores."""
+    from jax.experimental import serialize_executable
+    path, root = setup
+    first, _, _ = _start(path, caplog)
+    threads, real = set(), serialize_executable.deserialize_and_load
+
+    def recording(*a, **k):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)            # each thread's first one still runs when the next starts
+        return real(*a, **k)
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", recording)
+    again, compiles, text = _start(path, caplog)
+    assert again == first and compiles == 0 and "deserialized while the weights loaded" in text
+    n = len(mf.read_manifest(_entry(root), "x").data["graphs"])
+    assert len(threads) == min(4, os.cpu_count() or 1, n), threads
+    assert all(t.startswith("maxjax-deserialize") for t in threads)
 
 
 def test_a_damaged_entry_is_not_deserialized_early(setup, caplog):

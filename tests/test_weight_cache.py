@@ -90,6 +90,20 @@ def test_the_second_start_reads_what_the_first_converted(llama, root, caplog, mo
     assert os.path.isdir(path)
 
 
+def test_the_weights_read_are_the_entrys_pages_and_outlive_it(llama, root, caplog):
+    """Read weights map params.bin (the page cache's pages, no copy); an entry removed while an
+    engine runs from it (evicted, refused by another start) leaves that engine's weights whole."""
+    _, tokens, _, _ = _start(llama, caplog)
+    second, again, _, text = _start(llama, caplog)
+    assert "read the converted weights" in text and again == tokens
+    params = os.path.realpath(os.path.join(_weights(root), weight_cache.PARAMS))
+    with open("/proc/self/maps") as f:
+        assert any(line.rstrip().endswith(params) for line in f)
+    cache.remove(_weights(root))
+    assert not os.path.exists(params)
+    assert [o.token_ids for o in second.generate(PROMPTS, GREEDY)] == tokens
+
+
 @pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason="no CPU kernels here")
 def test_a_4bit_gguf_packed_for_the_kernels_round_trips(tmp_path, root, caplog, monkeypatch):
     from gguf import GGMLQuantizationType as T

@@ -9,7 +9,8 @@ deserializes that entry's executables on a thread, after the entry's manifest se
 file's sha256 passed (the model and engine checks come later, in load.py, as always: an
 executable that does not pass them is discarded, never run). `Prefetch.take(path)` hands them
 to the loader when `path` is the entry the model's own key names; it always waits for the
-thread first, since two deserializations at once crash XLA:CPU (maxjax/aot/load.py).
+thread first. The executables deserialize on up to four threads at once (maxjax/aot/load.py
+keeps one: see the note there).
 One device and one process only (a mesh's or a group's executables load as before).
 """
 from __future__ import annotations
@@ -104,20 +105,28 @@ def _deserialize(path: str) -> dict:
     if m.data.get("compiled_for") != mf.local_device() or m.data.get("engine", {}).get("mesh"):
         return {}
     mf.check_files(m, "maxjax warm-cache")               # every sha256, before any deserializing
-    out = {}
-    for g in m.data.get("graphs", []):
-        entry, sig = g["files"].get("executable"), g.get("signature", {})
-        if entry is None:
-            continue
+    device = jax.devices()[0]
+
+    def one(g: dict, entry: dict):
         with open(m.file(entry["path"]), "rb") as f:
             blob = f.read()
         if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-            continue
+            return None
+        sig = g.get("signature", {})
         groups = [len(sig["in"][k]) for k in ("params", "kv", "step", "sampling")] \
             if sig.get("in") else []
         in_tree = jax.tree.structure((tuple(tuple(0 for _ in range(n)) for n in groups), {}))
         out_tree = jax.tree.structure((tuple(0 for _ in range(g["sample_outputs"])),
                                        tuple(0 for _ in sig["out"]["kv"])))
-        out[g["name"]] = (entry["sha256"], serialize_executable.deserialize_and_load(
-            blob, in_tree, out_tree, execution_devices=[jax.devices()[0]]))
-    return out
+        return entry["sha256"], serialize_executable.deserialize_and_load(
+            blob, in_tree, out_tree, execution_devices=[device])
+
+    todo = [(g, g["files"]["executable"]) for g in m.data.get("graphs", [])
+            if g["files"].get("executable") is not None]
+    # The largest first, on as many threads as cores (at most 4): deserializing is native code
+    # that releases the GIL, and it is most of a warm start's critical path.
+    todo.sort(key=lambda t: -t[1].get("bytes", 0))
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
+                                               thread_name_prefix="maxjax-deserialize") as pool:
+        got = {g["name"]: pool.submit(one, g, entry) for g, entry in todo}
+    return {name: f.result() for name, f in got.items() if f.result() is not None}

@@ -207,21 +207,15 @@ def _restore(path: str, served_name: str):
 
 
 def _read_aligned(path: str, size: int) -> np.ndarray:
-    """The file's bytes in a buffer aligned as the kernels' weights are; ValueError when it is
-    not `size` bytes long."""
+    """The file's bytes mapped copy-on-write (page-aligned, as the kernels' weights must be):
+    the arrays placed from it are the page cache's pages, not a copy. An entry is replaced by
+    rename and removed by unlink, so a mapping outlives both. ValueError when the file is not
+    `size` bytes long."""
     if os.path.getsize(path) != size:
         raise ValueError(f"{os.path.basename(path)} is not {size} bytes long")
-    buf = np.empty(size + _ALIGN, np.uint8)
-    start = -buf.ctypes.data % _ALIGN
-    raw = buf[start:start + size]
-    with open(path, "rb", buffering=0) as f:
-        view, got = memoryview(raw), 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                raise ValueError(f"{os.path.basename(path)} ends early")
-            got += n
-    return raw
+    if size == 0:
+        return np.empty(0, np.uint8)
+    return np.memmap(path, np.uint8, mode="c", shape=(size,))
 
 
 def _tokenizer(m: mf.Manifest, files: dict, cls: list[str]):
