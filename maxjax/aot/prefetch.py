@@ -129,4 +129,5 @@ def _deserialize(path: str) -> dict:
     with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
                                                thread_name_prefix="maxjax-deserialize") as pool:
         got = {g["name"]: pool.submit(one, g, entry) for g, entry in todo}
-    return {name: f.result() for name, f in got.items() if f.result() is not None}
+    done = {name: f.result() for name, f in got.items()}
+    return {name: exe for name, exe in done.items() if exe is not None}

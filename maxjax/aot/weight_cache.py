@@ -181,7 +181,7 @@ def _restore(path: str, served_name: str):
             raise ValueError(f"file {rel!r} leaves the entry")
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenizer") as pool:
         tokenizing = pool.submit(_tokenizer, m, files, info["tokenizer_class"])
-        raw = _read_aligned(m.file(PARAMS), files[PARAMS]["bytes"])
+        raw = _map(m.file(PARAMS), files[PARAMS]["bytes"])
         if hashlib.sha256(raw).hexdigest() != files[PARAMS]["sha256"]:
             raise ValueError(f"{PARAMS} fails its sha256 check (corrupt or modified)")
         target = abstract(m.data["tree"], None)
@@ -206,15 +206,13 @@ def _restore(path: str, served_name: str):
                        served_name=served_name)
 
 
-def _read_aligned(path: str, size: int) -> np.ndarray:
+def _map(path: str, size: int) -> np.ndarray:
     """The file's bytes mapped copy-on-write (page-aligned, as the kernels' weights must be):
     the arrays placed from it are the page cache's pages, not a copy. An entry is replaced by
     rename and removed by unlink, so a mapping outlives both. ValueError when the file is not
     `size` bytes long."""
     if os.path.getsize(path) != size:
         raise ValueError(f"{os.path.basename(path)} is not {size} bytes long")
-    if size == 0:
-        return np.empty(0, np.uint8)
     return np.memmap(path, np.uint8, mode="c", shape=(size,))
 
 

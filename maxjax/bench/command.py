@@ -13,7 +13,6 @@ run; 2 for a bad flag or an unreachable server (UserError).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
