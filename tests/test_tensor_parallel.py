@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
 
 # XLA's path on one device too: the CPU kernels run on one device only, so by default the
 # single-device reference would take them and another arithmetic
-ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
+ENGINE = dict(max_batch_size=2, max_batch_input_tokens=4, max_length=64, num_kv_pages=24,
               kv_cache_page_size=8, use_experimental_kernels=False)
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
                         top_logprobs=3)
