@@ -111,9 +111,10 @@ def test_greedy_parity_with_transformers(ours_run, reference, prompts, i):
     assert_logits_close(logits[i], ref_logits, rel=1e-3)
 
 
-def test_hf_directory_matches_gguf(ours, reference, prompts, ours_run, tmp_path_factory):
+def test_hf_directory_matches_gguf(ours, reference, prompts, tmp_path_factory):
     """transformers' model saved as an HF checkpoint (config.json + safetensors + tokenizer) loads
-    to the same parameters and the same logits as the GGUF."""
+    to the same architecture, config and parameters as the GGUF, hence the same logits (the graph
+    is a pure function of the three: test_greedy_parity_with_transformers checks the GGUF's)."""
     from safetensors.torch import save_file
     directory = tmp_path_factory.mktemp("smollm2_hf")
     config = reference.config.to_dict()
@@ -126,18 +127,13 @@ def test_hf_directory_matches_gguf(ours, reference, prompts, ours_run, tmp_path_
     ours.tokenizer.save_pretrained(str(directory))
 
     from_dir = load_model(str(directory), "float32", progress=False)
-    assert from_dir.config == ours.config
+    assert from_dir.arch is ours.arch and from_dir.config == ours.config
     assert from_dir.chat_template == ours.chat_template
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
                         from_dir.params, ours.params)
     assert all(jax.tree.leaves(same)), same
     prompt = prompts[1]
     assert from_dir.tokenizer(ours.tokenizer.decode(prompt)).input_ids == prompt
-    logits, tokens = paged_greedy(from_dir.arch, from_dir.config, from_dir.params, [prompt], CHUNK,
-                                  4, PAGE)
-    # a batch of one compiles to other kernels than the batch of three: close, not bit-equal
-    assert_logits_close(logits[0], ours_run[0][1][:4], rel=1e-5)
-    assert tokens[0] == ours_run[1][1][:4]
 
 
 def test_lora_adapter_parity_with_peft(ours, reference, prompts, tmp_path_factory):
