@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 import tempfile
 
@@ -76,3 +77,28 @@ def smollm2_chat():
     yield eng, server
     server.close()
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def compiled_graphs(tmp_path_factory) -> str:
+    """The step graphs a module's tests compiled into their `seeded_cache`s."""
+    return str(tmp_path_factory.mktemp("graphs"))
+
+
+def _copy_graphs(src: str, dst: str) -> None:
+    from maxjax.aot import cache
+    for e in cache.entries(src, kind="graphs"):
+        if not os.path.exists(os.path.join(dst, e.name)):
+            shutil.copytree(e.path, os.path.join(dst, e.name))
+
+
+@pytest.fixture()
+def seeded_cache(tmp_path, monkeypatch, compiled_graphs) -> str:
+    """A fresh MAXJAX_CACHE_DIR that starts with copies of the graphs the module's earlier tests
+    compiled, and nothing else (no converted weights, no prefetch records): for tests about what
+    else the cache holds, so that only the first test of each engine compiles."""
+    path = str(tmp_path / "cache")
+    monkeypatch.setenv("MAXJAX_CACHE_DIR", path)
+    _copy_graphs(compiled_graphs, path)
+    yield path
+    _copy_graphs(path, compiled_graphs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -32,27 +31,9 @@ GREEDY = maxjax.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=Tru
 PROMPTS = [[5, 7, 9], [40, 41, 42, 43]]
 
 
-@pytest.fixture(scope="module")
-def graphs(tmp_path_factory) -> str:
-    """The step graphs the module's tests compiled: each test's cache starts with copies of them
-    and without any converted weights (what the tests are about), so only the first test of
-    each engine compiles."""
-    return str(tmp_path_factory.mktemp("graphs"))
-
-
-def _copy_graphs(src: str, dst: str) -> None:
-    for e in cache.entries(src, kind="graphs"):
-        if not os.path.exists(os.path.join(dst, e.name)):
-            shutil.copytree(e.path, os.path.join(dst, e.name))
-
-
 @pytest.fixture()
-def root(tmp_path, monkeypatch, graphs):
-    path = str(tmp_path / "cache")
-    monkeypatch.setenv("MAXJAX_CACHE_DIR", path)
-    _copy_graphs(graphs, path)
-    yield path
-    _copy_graphs(path, graphs)
+def root(seeded_cache):
+    return seeded_cache
 
 
 @pytest.fixture(scope="module")
