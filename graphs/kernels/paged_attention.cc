@@ -5,7 +5,7 @@
 // A work item is (up to kTileTokens consecutive tokens of one row, one KV head): its
 // tokens x G query heads share every K/V page load. Scores are dot products over hd (keys in
 // the page), the softmax is online over pages in float32, P x V broadcasts each probability
-// over a row of V. Large calls spread their items over XLA's intra-op thread pool.
+// over a row of V. Large calls spread their items over helper threads (workers.h).
 // One source, two instruction sets, picked at build time (graphs/cpu_kernels.py):
 // -DMAXJAX_ISA=avx512 (AVX-512F, 16 float lanes, mask registers) or avx2 (AVX2 + FMA + F16C,
 // 8 lanes, vector masks); struct V holds the vector ops, and the exported symbols carry the
@@ -22,6 +22,7 @@
 #include <memory>
 #include <thread>
 #include <vector>
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
 
@@ -343,11 +344,11 @@ ItemFn item_fn(int64_t hd) {
 
 // Shared by the caller and the pool's tasks; a task that starts after every item is claimed
 // (or never starts) touches nothing but this.
-struct Work {
+struct Work : Job {
   Call call;
   ItemFn fn;
   std::atomic<int64_t> next{0}, done{0};
-  void run() {
+  void work() override {
     std::vector<float> scratch;
     const int64_t n = static_cast<int64_t>(call.items.size());
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
@@ -403,10 +404,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int64_t n = static_cast<int64_t>(c.items.size());
   const int64_t tasks =
       macs >= kThreadedWork ? std::min(pool.num_threads() - 1, n - 1) : 0;
-  for (int64_t i = 0; i < tasks; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
+  Workers& helpers = Workers::get(pool.num_threads() - 1);
+  const bool held = tasks > 0 && helpers.offer(work, tasks);
+  for (int64_t i = held ? helpers.size() : 0; i < tasks; ++i)
+    pool.Schedule([work] { work->work(); });
+  work->work();
   // items a pool thread claimed and still runs (yield: on a busy machine it may need this core)
   while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  if (held) helpers.release();
   return ffi::Error::Success();
 }
 

@@ -18,8 +18,8 @@
 // saturation: |w| <= 128, |x| <= 127), 4-bit multiplies the nibbles by x directly. Both give the
 // same int32 sums and, in the same float order, the same outputs.
 // Only the first `live` rows are computed (the rest, a bucket's padding, come out 0); a call
-// long enough shares its column tiles with XLA's intra-op threads. On this Zen 4 the AVX-512 int8
-// tile does 2.2x the multiply-adds per second of a float32-FMA kernel (BENCHMARKS.md).
+// long enough shares its column tiles with helper threads (workers.h). On this Zen 4 the AVX-512
+// int8 tile does 2.2x the multiply-adds per second of a float32-FMA kernel (BENCHMARKS.md).
 #include <cpuid.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -28,6 +28,7 @@
 #include <memory>
 #include <thread>
 #include <vector>
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
 
@@ -418,7 +419,7 @@ void run_cols(const Call& c, int64_t c0, int64_t c1) {
 #endif
 }
 
-// A call shares its column tiles with XLA's intra-op threads when one thread would take at least
+// A call shares its column tiles with other threads when one thread would take at least
 // this long (weights read at ~17 GB/s or ~110 G multiply-adds/s per thread, measured here):
 // shorter calls lose more waiting for a pool thread to wake than they gain. 10 us measured best
 // on a quiet machine (100: the one-row step 1.10x slower); on cores other work keeps busy,
@@ -426,11 +427,11 @@ void run_cols(const Call& c, int64_t c0, int64_t c1) {
 constexpr double kThreadedMicros = 10;
 
 template <bool INT4>
-struct Shared {        // heap-held: a pool task may start after the call has returned
+struct Shared : Job {  // heap-held: a helper or pool task may start after the call has returned
   Call c;
   int64_t tiles = 0, chunk = 1;
   std::atomic<int64_t> next{0}, done{0};
-  void work() {
+  void work() override {
     for (int64_t k; (k = next.fetch_add(1)) * chunk < tiles;) {
       run_cols<INT4>(c, k * chunk * 64, std::min(tiles, (k + 1) * chunk) * 64);
       done.fetch_add(1, std::memory_order_release);
@@ -465,12 +466,16 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   sh->tiles = tiles;
   sh->chunk = (tiles + chunks - 1) / chunks;
   int64_t total = (tiles + sh->chunk - 1) / sh->chunk;
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([sh] { sh->work(); });
+  Workers& helpers = Workers::get(pool.num_threads() - 1);
+  const bool held = helpers.offer(sh, threads - 1);
+  for (int64_t t = held ? helpers.size() + 1 : 1; t < threads; ++t)
+    pool.Schedule([sh] { sh->work(); });
   sh->work();
   // chunks a pool thread claimed and still runs: a short spin, then yield (on a busy machine the
   // thread may be waiting for this core)
   for (int spins = 0; sh->done.load(std::memory_order_acquire) < total; ++spins)
     spins < 4096 ? _mm_pause() : std::this_thread::yield();
+  if (held) helpers.release();
   return ffi::Error::Success();
 }
 
