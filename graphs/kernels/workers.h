@@ -1,7 +1,8 @@
-// Helper threads for the kernels' long calls (quant_linear.cc). XLA's intra-op pool wakes a
-// sleeping thread for each call it is handed, ~10 us on this VM, and a one-row decode step makes
-// 121 linear calls of 10-60 us: with the pool, a step's linears read their 108 MB at 19 GB/s,
-// with helpers that stay awake between calls at 28 GB/s (tools/bench_linear_stream.py).
+// Helper threads for the kernels' long calls (quant_linear.cc, paged_attention.cc). XLA's
+// intra-op pool wakes a sleeping thread for each call it is handed, ~10 us on this VM, and a
+// one-row decode step makes 121 linear calls of 10-60 us: with the pool, a step's linears read
+// their 108 MB at 19 GB/s, with helpers that stay awake between calls at 26-28 GB/s
+// (tools/bench_linear_stream.py).
 // A helper spins on its slot for kSpinMicros after its last job (yielding the core after the
 // first microsecond or two, so other threads that need it run), then sleeps until a call wakes it.
 // One caller at a time holds the helpers; a concurrent caller (another device's step) is told no
