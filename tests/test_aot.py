@@ -253,10 +253,10 @@ def test_warm_cache_for_cuda_on_this_cpu_loads_for_the_cpu(root, model_dir, cold
 @pytest.fixture
 def calls(monkeypatch):
     """Records every deserialization."""
-    from jax.experimental import serialize_executable
+    from maxjax.aot import graphs
     seen = []
-    real_exe, real_exp = serialize_executable.deserialize_and_load, jax.export.deserialize
-    monkeypatch.setattr(serialize_executable, "deserialize_and_load",
+    real_exe, real_exp = graphs.load_executable, jax.export.deserialize
+    monkeypatch.setattr(graphs, "load_executable",
                         lambda *a, **k: seen.append("executable") or real_exe(*a, **k))
     monkeypatch.setattr(jax.export, "deserialize", lambda *a, **k: seen.append("export") or real_exp(*a, **k))
     return seen

@@ -145,20 +145,32 @@ def test_artifacts_record_the_isa(tiny, want, tmp_path, monkeypatch):
 
 
 @needs_kernels
-def test_data_parallel_replicas_run_them_on_their_own_device(tiny, want):
+def test_data_parallel_replicas_run_them_on_their_own_device(tiny, want, tmp_path,
+                                                             monkeypatch):
     """--data-parallel-degree 2 over two devices: each replica's packed weights and KV pool sit
-    on its own device, and concurrent requests on both answer as one device does."""
+    on its own device; the second replica runs the executables the first compiled (one compile
+    cache entry, loaded onto its device), and concurrent requests on both answer as one device
+    does."""
     import asyncio
 
     import jax
 
+    from maxjax.aot import cache
+    from maxjax.engine import compile_counter
     from maxjax.engine.async_engine import AsyncEngine, kernels_info
     from maxjax.engine.build import build_core
     from maxjax.engine.replicas import ReplicatedEngine
+    monkeypatch.setenv("MAXJAX_CACHE_DIR", str(tmp_path))
     flags = EngineConfig(devices="cpu:2", data_parallel_degree=2,
                          **{k: v for k, v in ENGINE.items() if k != "compile_cache"})
     assert choose_kernels(flags) is True
-    cores = [build_core(tiny, flags, replica=i, compile_cache=False) for i in range(2)]
+    cores, compiles = [], []
+    for i in range(2):
+        before = compile_counter.count()
+        cores.append(build_core(tiny, flags, replica=i))
+        compiles.append(compile_counter.count() - before)
+    assert compiles[0] > 0 and compiles[1] == 0, compiles
+    assert len(cache.entries(str(tmp_path), kind="graphs")) == 1
     for i, core in enumerate(cores):
         assert kernels_info(core)["linear"] == [cpu_kernels.INT8_LINEAR]
         assert {d for a in jax.tree.leaves(core.model.params) for d in a.devices()} == \

@@ -148,10 +148,9 @@ def _without_lora(d):
                           r"--enable-lora: drop it"),
 ], ids=["max-num-loras", "max-lora-rank", "lora-off", "artifacts-without-lora"])
 def test_lora_flags_that_differ_are_refused(setup, tmp_path, monkeypatch, options, edit, pattern):
-    from jax.experimental import serialize_executable
+    from maxjax.aot import graphs
     seen = []
-    monkeypatch.setattr(serialize_executable, "deserialize_and_load",
-                        lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(graphs, "load_executable", lambda *a, **k: seen.append(a))
     d = str(tmp_path / "art")
     shutil.copytree(setup["entry"], d)
     if edit:

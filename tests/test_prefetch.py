@@ -60,16 +60,16 @@ def test_the_second_start_deserializes_while_the_weights_load(setup, caplog):
 
 def test_the_executables_deserialize_on_several_threads(setup, caplog, monkeypatch):
     """A warm start's critical path is deserializing: the prefetch spreads it over the cores."""
-    from jax.experimental import serialize_executable
+    from maxjax.aot import graphs
     path, root = setup
     first, _, _ = _start(path, caplog)
-    threads, real = set(), serialize_executable.deserialize_and_load
+    threads, real = set(), graphs.load_executable
 
     def recording(*a, **k):
         threads.add(threading.current_thread().name)
         time.sleep(0.05)            # each thread's first one still runs when the next starts
         return real(*a, **k)
-    monkeypatch.setattr(serialize_executable, "deserialize_and_load", recording)
+    monkeypatch.setattr(graphs, "load_executable", recording)
     again, compiles, text = _start(path, caplog)
     assert again == first and compiles == 0 and "deserialized while the weights loaded" in text
     n = len(mf.read_manifest(_entry(root), "x").data["graphs"])

@@ -347,7 +347,7 @@ ItemFn item_fn(int64_t hd) {
 struct Work : Job {
   Call call;
   ItemFn fn;
-  std::atomic<int64_t> next{0}, done{0};
+  std::atomic<int64_t> next{0};
   void work() override {
     std::vector<float> scratch;
     const int64_t n = static_cast<int64_t>(call.items.size());
@@ -404,14 +404,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int64_t n = static_cast<int64_t>(c.items.size());
   const int64_t tasks =
       macs >= kThreadedWork ? std::min(pool.num_threads() - 1, n - 1) : 0;
-  Workers& helpers = Workers::get(pool.num_threads() - 1);
-  const bool held = tasks > 0 && helpers.offer(work, tasks);
-  for (int64_t i = held ? helpers.size() : 0; i < tasks; ++i)
-    pool.Schedule([work] { work->work(); });
-  work->work();
-  // items a pool thread claimed and still runs (yield: on a busy machine it may need this core)
-  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-  if (held) helpers.release();
+  work->total = n;
+  run_shared(pool, work, tasks, 0);
   return ffi::Error::Success();
 }
 

@@ -430,7 +430,7 @@ template <bool INT4>
 struct Shared : Job {  // heap-held: a helper or pool task may start after the call has returned
   Call c;
   int64_t tiles = 0, chunk = 1;
-  std::atomic<int64_t> next{0}, done{0};
+  std::atomic<int64_t> next{0};
   void work() override {
     for (int64_t k; (k = next.fetch_add(1)) * chunk < tiles;) {
       run_cols<INT4>(c, k * chunk * 64, std::min(tiles, (k + 1) * chunk) * 64);
@@ -465,17 +465,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   int64_t chunks = std::min(tiles, threads * 4);
   sh->tiles = tiles;
   sh->chunk = (tiles + chunks - 1) / chunks;
-  int64_t total = (tiles + sh->chunk - 1) / sh->chunk;
-  Workers& helpers = Workers::get(pool.num_threads() - 1);
-  const bool held = helpers.offer(sh, threads - 1);
-  for (int64_t t = held ? helpers.size() + 1 : 1; t < threads; ++t)
-    pool.Schedule([sh] { sh->work(); });
-  sh->work();
-  // chunks a pool thread claimed and still runs: a short spin, then yield (on a busy machine the
-  // thread may be waiting for this core)
-  for (int spins = 0; sh->done.load(std::memory_order_acquire) < total; ++spins)
-    spins < 4096 ? _mm_pause() : std::this_thread::yield();
-  if (held) helpers.release();
+  sh->total = (tiles + sh->chunk - 1) / sh->chunk;
+  run_shared(pool, sh, threads - 1, 4096);
   return ffi::Error::Success();
 }
 

@@ -25,8 +25,10 @@
 namespace MAXJAX_WORKERS_NAMESPACE(MAXJAX_ISA) {
 
 struct Job {            // what a call shares with its helpers; heap-held by shared_ptr
-  virtual void work() = 0;
+  virtual void work() = 0;     // claims pieces until none is left, counting each one `done`
   virtual ~Job() = default;
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;           // pieces
 };
 
 class Workers {
@@ -100,6 +102,25 @@ class Workers {
   std::mutex busy_, sleep_;
   std::condition_variable wake_;
 };
+
+// Runs `job` on this thread and `extra` more: the helpers when this caller gets them, tasks of
+// XLA's `pool` otherwise and for any beyond the helpers. Returns once every piece is done; while
+// it waits for pieces another thread claimed it spins `spin` pauses, then yields the core (on a
+// busy machine that thread may be waiting for it).
+template <class Pool>
+void run_shared(Pool& pool, const std::shared_ptr<Job>& job, int64_t extra, int spin) {
+  Workers* held = nullptr;
+  if (extra > 0) {
+    Workers& helpers = Workers::get(pool.num_threads() - 1);
+    if (helpers.offer(job, extra)) held = &helpers;
+    for (int64_t t = held ? helpers.size() : 0; t < extra; ++t)
+      pool.Schedule([job] { job->work(); });
+  }
+  job->work();
+  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->total; ++spins)
+    spins < spin ? _mm_pause() : std::this_thread::yield();
+  if (held) held->release();
+}
 
 }  // namespace MAXJAX_WORKERS_NAMESPACE(MAXJAX_ISA)
 using namespace MAXJAX_WORKERS_NAMESPACE(MAXJAX_ISA);

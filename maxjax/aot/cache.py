@@ -68,8 +68,9 @@ def max_bytes(flag: str | None = None) -> int:
 
 
 def entry_key(model_fp: dict, engine_fp: dict, device_ids: list[int] = (0,)) -> str:
-    """`device_ids`: the devices the executables run on (an executable serialized for device 0
-    does not load onto device 1: each data-parallel replica keeps an entry of its own)."""
+    """`device_ids`: the devices the executables run on, [0] where they load onto any
+    (maxjax/aot/graphs.movable: one CPU device, so one-device data-parallel replicas share an
+    entry); a mesh's executables load onto the devices they were compiled for only."""
     key = {"format_version": mf.FORMAT_VERSION, "model": model_fp["fingerprint"],
            "engine": engine_fp["fingerprint"], "versions": mf.versions(),
            "code": mf.code_digest(), "device": mf.local_device(), "xla_flags": mf.codegen_flags()}
@@ -83,10 +84,11 @@ def entry_key(model_fp: dict, engine_fp: dict, device_ids: list[int] = (0,)) -> 
 def entry_path(model, plan, root: str | None = None) -> str:
     """Where the entry for this model, engine layout, versions and device lives (named by the
     key alone: a model's name or path shapes no graph; `maxjax cache list` shows it)."""
-    from maxjax.aot.graphs import execution_devices
+    from maxjax.aot.graphs import execution_devices, movable
+    devices = execution_devices(plan.layout)
     key = entry_key(mf.model_fingerprint(model),
                     mf.engine_fingerprint(plan.layout, plan.config, model.dtype),
-                    [d.id for d in execution_devices(plan.layout)])
+                    [0] if movable(devices) else [d.id for d in devices])
     return os.path.join(root or directory(), key[:32])
 
 

@@ -17,9 +17,13 @@ donate; `jax.jit(exp.call, donate_argnums=(1,))` does, and a serialized executab
 from __future__ import annotations
 
 import importlib
+import io
+import pickle
 from typing import Callable
 
 import jax
+import numpy as np
+from jaxlib import xla_client
 
 from maxjax.errors import UserError
 from maxjax.graphs import cpu_kernels
@@ -101,6 +105,47 @@ def export(spec: GraphSpec, platforms: list[str]) -> tuple[jax.export.Exported, 
 
 def compile_export(exp, spec: GraphSpec) -> jax.stages.Compiled:
     return jax.jit(exp.call, **flat_jit_kwargs(spec)).lower(*flat_args(spec.args)).compile()
+
+
+def movable(devices) -> bool:
+    """Whether an executable compiled for another device loads onto `devices`: one CPU device
+    (XLA:CPU code does not depend on which), so data-parallel replicas share one compile."""
+    return len(devices) == 1 and devices[0].platform == "cpu"
+
+
+class _Onto(pickle.Unpickler):
+    """serialize_executable's pickle, every device it names read as `device`, the executable's
+    device assignment replaced by it."""
+
+    def __init__(self, blob: bytes, device):
+        super().__init__(io.BytesIO(blob))
+        self.device = device
+
+    def persistent_load(self, pid):
+        if pid[0] == "exec":
+            options = xla_client.CompileOptions()
+            options.device_assignment = xla_client.DeviceAssignment.create(
+                np.array([[self.device.id]]))
+            return self.device.client.deserialize_executable(
+                pid[1], executable_devices=xla_client.DeviceList((self.device,)),
+                compile_options=options)
+        if pid[0] == "device":
+            return self.device
+        if pid[0] == "client":
+            return self.device.client
+        raise pickle.UnpicklingError(f"unknown persistent id {pid[0]!r}")
+
+
+def load_executable(blob: bytes, in_tree, out_tree, devices: list) -> jax.stages.Compiled:
+    """A serialized executable (serialize_executable's) loaded onto `devices`; where they are
+    `movable`, whichever device it was compiled for."""
+    if not movable(devices):
+        from jax.experimental import serialize_executable
+        return serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
+                                                         execution_devices=devices)
+    unloaded, args_info, no_kwargs = _Onto(blob, devices[0]).load()
+    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info), out_tree,
+                               no_kwargs=no_kwargs)
 
 
 def executable_trees(args, num_outputs: int, num_kv: int):

@@ -249,7 +249,6 @@ def _check_graphs(m: mf.Manifest, specs, kv, fix: str) -> None:
 
 def _load_graphs(manifests, model, layout, local, require_compiled,
                  preloaded: dict) -> tuple[dict, Callable]:
-    from jax.experimental import serialize_executable
     specs = graphs.graph_specs(model, layout)
     kv = graphs.pool_specs(model, layout)
     devices = graphs.execution_devices(layout)
@@ -279,8 +278,8 @@ def _load_graphs(manifests, model, layout, local, require_compiled,
             blob = _read_verified(m, name, g["files"][key])
             trees = graphs.executable_trees(spec.args, g["sample_outputs"],
                                             len(jax.tree.leaves(kv)) if spec.returns_kv else 0)
-            loads[name] = (pool.submit(serialize_executable.deserialize_and_load, blob, *trees,
-                                       execution_devices=devices), g["output_structure"])
+            loads[name] = (pool.submit(graphs.load_executable, blob, *trees, devices),
+                           g["output_structure"])
             counts["executable"] += 1
             continue
         m, g = cands[0]

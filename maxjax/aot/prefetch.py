@@ -100,7 +100,7 @@ class Prefetch:
 
 
 def _deserialize(path: str) -> dict:
-    from jax.experimental import serialize_executable
+    from maxjax.aot import graphs
     m = mf.read_manifest(path, "maxjax warm-cache")      # the seal
     if m.data.get("compiled_for") != mf.local_device() or m.data.get("engine", {}).get("mesh"):
         return {}
@@ -118,8 +118,7 @@ def _deserialize(path: str) -> dict:
         in_tree = jax.tree.structure((tuple(tuple(0 for _ in range(n)) for n in groups), {}))
         out_tree = jax.tree.structure((tuple(0 for _ in range(g["sample_outputs"])),
                                        tuple(0 for _ in sig["out"]["kv"])))
-        return entry["sha256"], serialize_executable.deserialize_and_load(
-            blob, in_tree, out_tree, execution_devices=[device])
+        return entry["sha256"], graphs.load_executable(blob, in_tree, out_tree, [device])
 
     todo = [(g, g["files"]["executable"]) for g in m.data.get("graphs", [])
             if g["files"].get("executable") is not None]

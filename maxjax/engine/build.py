@@ -99,9 +99,6 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     if stored_at and not restored:
         from maxjax.aot import weight_cache
         weight_cache.store(stored_at, model, limit)
-    if flags.enable_structured_output and model.tokenizer is not None:
-        from maxjax.structured.backend import prepare
-        prepare(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
     clock.mark("placing")
     t0 = time.perf_counter()
     loaded = ()

@@ -116,9 +116,8 @@ _LL_BUILDER: list = []
 
 def prepare(tokenizer, vocab_size: int, eos_token_ids) -> concurrent.futures.Future:
     """The Future of `tokenizer`'s llguidance tokenizer, built once a process on a thread of its
-    own. It holds the GIL while it builds (~0.4 s for a 49k vocabulary, ~4 s for Gemma's 262k),
-    so maxjax/engine/build.py starts it as soon as the weights are loaded, beside the native
-    work that follows, rather than beside the warm-up; data-parallel replicas share it."""
+    own; data-parallel replicas share it. It holds the GIL while it builds (~0.4 s for a 49k
+    vocabulary, ~4 s for Gemma's 262k), so a start leaves it until the server is ready."""
     import llguidance.hf
     eos = [int(t) for t in eos_token_ids] or [tokenizer.eos_token_id]
     key = (vocab_size, tuple(eos))
@@ -153,11 +152,20 @@ class GrammarBackend:
         self.cache_size = cache_size
         self._pool = concurrent.futures.ThreadPoolExecutor(workers,
                                                            thread_name_prefix="maxjax-grammar")
-        self._tokenizer = prepare(tokenizer, vocab_size, eos_token_ids)   # the first compile waits
+        self._eos_token_ids = eos_token_ids
+        self._tokenizer: concurrent.futures.Future | None = None
         self._executor = llguidance.LLExecutor()
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds: list[float] = []    # per grammar compiled (benchmarks)
+
+    def prepare(self) -> concurrent.futures.Future:
+        """Start building llguidance's tokenizer (once; `maxjax serve` asks right after it is
+        ready, so the start does not hold the GIL for it); the first compile waits for it."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = prepare(self.hf_tokenizer, self.vocab_size, self._eos_token_ids)
+            return self._tokenizer
 
     @property
     def words(self) -> int:
@@ -198,7 +206,7 @@ class GrammarBackend:
             grammar = self._grammar(spec)
         except ValueError as e:
             raise RequestError(spec.param, f"invalid grammar: {_one_line(e)}") from None
-        matcher = self._llg.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
+        matcher = self._llg.LLMatcher(self.prepare().result(), grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(spec.param, f"cannot compile: {_one_line(matcher.get_error())}")
         self.compile_seconds.append(time.perf_counter() - t0)
