@@ -175,12 +175,16 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     # A start allocates millions of objects that live as long as the server and frees few; the
     # collector's passes over them took ~0.4 s of a 2.8 s warm start. It is off until the
-    # engine is built, which then collects once and freezes them (maxjax/cli/serve.py).
+    # engine is built, which then collects once and freezes them (maxjax/cli/serve.py), and
+    # so are glibc's fastbins (serve.fastbins).
+    from maxjax.cli.serve import fastbins
     gc.disable()
+    fastbins(False)
     try:
         return _serve(args)
     finally:
         gc.enable()
+        fastbins(True)
 
 
 def _serve(args) -> int:

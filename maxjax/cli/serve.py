@@ -3,6 +3,8 @@ graph compiles on a background thread, then the engine starts and health turns 2
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import logging
 import threading
@@ -92,11 +94,27 @@ def served_names(model, override: str | None) -> tuple[str, tuple[str, ...]]:
     return name, (model.name,) if model.name != name else ()
 
 
+# glibc's mallopt parameter and its default on 64-bit Linux (64 * sizeof(size_t) / 4)
+_M_MXFAST, _MXFAST_DEFAULT = 1, 128
+
+
+def fastbins(on: bool) -> None:
+    """glibc's fastbins on or off (nothing elsewhere). Deserializing an XLA executable builds
+    and frees ~10^5 small protobuf nodes, and with fastbins glibc then spends ~10% of it merging
+    them back (malloc_consolidate): a start turns them off until it is ready."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(_M_MXFAST,
+                                                           _MXFAST_DEFAULT if on else 0)
+    except (OSError, AttributeError, TypeError):    # not glibc
+        pass
+
+
 def settle_heap() -> None:
-    """After a start with the collector off (cmd_serve): one collection, then what is left
-    (modules, the engine, its tokenizer) goes to the permanent generation, out of every later
-    collection's scan."""
+    """After a start with the collector and fastbins off (cmd_serve): one collection, then what
+    is left (modules, the engine, its tokenizer) goes to the permanent generation, out of every
+    later collection's scan."""
     t0 = time.perf_counter()
+    fastbins(True)
     gc.collect()
     gc.freeze()
     gc.enable()
