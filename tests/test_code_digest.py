@@ -99,3 +99,18 @@ def test_source_dirs_are_pyprojects_package_dirs():
     with open(path, "rb") as f:
         package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
     assert {k: v for k, v in package_dir.items() if k != v} == mf.SOURCE_DIRS
+
+
+def test_every_kernel_source_is_package_data():
+    """A wheel holds what pyproject's package-data names: a kernel source or header left out
+    turns the CPU kernels off on every non-editable install (the library fails to build)."""
+    import fnmatch
+    root = mf.package_root()
+    path = os.path.join(root, "pyproject.toml")
+    if not os.path.isfile(path):
+        pytest.skip("an installed package has no pyproject.toml")
+    with open(path, "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["maxjax.graphs"]
+    kernels = os.path.join(root, mf.SOURCE_DIRS["maxjax.graphs"], "kernels")
+    files = [f"kernels/{f}" for f in sorted(os.listdir(kernels)) if not f.startswith(".")]
+    assert files and [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []
