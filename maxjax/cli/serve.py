@@ -121,14 +121,6 @@ def settle_heap() -> None:
     log.info("start-up heap collected and frozen in %.2f s", time.perf_counter() - t0)
 
 
-def prepare_grammars(engine) -> None:
-    """Once ready: start building the grammar tokenizer that only structured-output requests
-    use (it holds the GIL ~0.4 s for a 49k vocabulary); the first such request waits for it."""
-    for e in getattr(engine, "replicas", [engine]):
-        if e.core.grammars is not None:
-            e.core.grammars.prepare()
-
-
 def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
     """`group`: the resolved DistributedOptions of a multi-host run (None: one process); process
     0 serves, the others follow it (maxjax/engine/distributed.py)."""
@@ -154,7 +146,6 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
                                  leader=channel.get("leader"), on_death=stop_serving)
             lazy.inner = built      # ready: what follows is off the start's path
             settle_heap()
-            prepare_grammars(built)
         except BaseException as e:  # reported on the main thread
             lazy.failure = e
             loop, stop = stop_holder["loop"], stop_holder["stop"]

@@ -116,8 +116,9 @@ _LL_BUILDER: list = []
 
 def prepare(tokenizer, vocab_size: int, eos_token_ids) -> concurrent.futures.Future:
     """The Future of `tokenizer`'s llguidance tokenizer, built once a process on a thread of its
-    own; data-parallel replicas share it. It holds the GIL while it builds (~0.4 s for a 49k
-    vocabulary, ~4 s for Gemma's 262k), so a start leaves it until the server is ready."""
+    own; data-parallel replicas share it. It holds the GIL while it builds (0.2-0.4 s for a 49k
+    vocabulary, ~2 s for Gemma's 262k: other Python threads, the engine's loop among them, wait
+    that long), so it is built when the first grammar needs it."""
     import llguidance.hf
     eos = [int(t) for t in eos_token_ids] or [tokenizer.eos_token_id]
     key = (vocab_size, tuple(eos))
@@ -160,8 +161,9 @@ class GrammarBackend:
         self.compile_seconds: list[float] = []    # per grammar compiled (benchmarks)
 
     def prepare(self) -> concurrent.futures.Future:
-        """Start building llguidance's tokenizer (once; `maxjax serve` asks right after it is
-        ready, so the start does not hold the GIL for it); the first compile waits for it."""
+        """llguidance's tokenizer, built on the first grammar's compile (`prepare`): it holds
+        the GIL while it builds, so a start does not, and neither does a server that never
+        gets a structured-output request."""
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = prepare(self.hf_tokenizer, self.vocab_size, self._eos_token_ids)
