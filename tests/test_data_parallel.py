@@ -125,9 +125,9 @@ def test_a_failed_replica_ends_its_requests_and_the_other_serves(server, referen
 
 
 def test_a_second_start_loads_every_replica_from_the_compile_cache(server, tiny_path, caplog):
-    """Each replica's executables are serialized for its own devices: each keeps its own
-    compile cache entry (one replica's entry used to be refused by the next and compiled again
-    on every start)."""
+    """A replica of two devices (TP=2) runs executables compiled for its own mesh: each keeps
+    its own compile cache entry (one replica's entry used to be refused by the next and compiled
+    again on every start). One-device replicas share one: tests/test_kernels_default.py."""
     import logging
 
     from maxjax.engine import compile_counter
