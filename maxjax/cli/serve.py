@@ -127,6 +127,7 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
     from maxjax.server.app import run_server
     if group is not None and group.process_id > 0:
         gc.enable()     # a follower's start ends in its loop, not here
+        fastbins(True)
         from maxjax.engine.distributed import run_follower
         return run_follower(model_opts, engine_cfg, group)
     from maxjax.models.loader import EMBEDDED_NAME
