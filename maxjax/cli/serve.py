@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import gc
 import logging
 import threading
@@ -102,9 +101,8 @@ def fastbins(on: bool) -> None:
     """glibc's fastbins on or off (nothing elsewhere). Deserializing an XLA executable builds
     and frees ~10^5 small protobuf nodes, and with fastbins glibc then spends ~10% of it merging
     them back (malloc_consolidate): a start turns them off until it is ready."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(_M_MXFAST,
-                                                           _MXFAST_DEFAULT if on else 0)
+    try:        # the process's own symbols: libc's, without find_library's ldconfig run
+        ctypes.CDLL(None).mallopt(_M_MXFAST, _MXFAST_DEFAULT if on else 0)
     except (OSError, AttributeError, TypeError):    # not glibc
         pass
 
