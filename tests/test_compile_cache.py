@@ -106,6 +106,32 @@ def test_graph_shaping_flag_misses_and_the_cap_evicts(model, filled, tmp_path):
     assert [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == filled[2][:1]
 
 
+def test_a_new_entry_takes_the_graphs_another_entry_compiled(model, filled, tmp_path,
+                                                             monkeypatch):
+    """A bucket set that adds one bucket compiles that graph alone: the buckets and the KV
+    initializer it shares with the filled entry are byte-identical exports, whose executables
+    are copied from there (cache.Donors). Under other XLA flags nothing is taken."""
+    root, entry = copy_of(filled, tmp_path)
+    old = {g["name"] for g in mf.read_manifest(entry, "").data["graphs"]}
+    llm, compiles, _ = start(model, root, max_batch_input_tokens=4)
+    (new_entry,) = set(entries_in(root)) - {os.path.basename(entry)}
+    graphs = mf.read_manifest(os.path.join(root, new_entry), "").data["graphs"]
+    reused = {g["name"] for g in graphs if g.get("reused")}
+    assert reused == old & {g["name"] for g in graphs} and "kv_init" in reused
+    assert compiles == len(graphs) - len(reused) > 0
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == filled[2]
+    # the copies are files of the new entry: it loads with the donor gone
+    cache.remove(entry)
+    again, compiles, sources = start(model, root, max_batch_input_tokens=4)
+    assert compiles == 0 and sources == {"executable"}
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX2")
+    root, entry = copy_of(filled, tmp_path / "isa")
+    start(model, root)
+    (isa_entry,) = set(entries_in(root)) - {os.path.basename(entry)}
+    assert not any(g.get("reused") for g in
+                   mf.read_manifest(os.path.join(root, isa_entry), "").data["graphs"])
+
+
 def test_model_tokenizer_version_device_and_xla_flags_change_the_entry(model, filled, tmp_path,
                                                                       monkeypatch):
     from maxjax.engine.plan import plan_engine

@@ -22,6 +22,7 @@ the cache fits $MAXJAX_CACHE_MAX_SIZE / --compile-cache-max-size.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -124,10 +125,12 @@ def fill(path: str, model, plan, platforms: list[str], jobs: int,
     """Build the entry at `path` (export + compile every graph, in a temp directory renamed into
     place): build_entry's (manifest, compiled executables). `replace`: an entry already there
     goes (warm-cache refreshes it); else the first one renamed into place stays."""
-    from maxjax.aot import export
+    from maxjax.aot import export, graphs
     tmp = new_tmp(os.path.dirname(path))
     try:
-        data, compiled = export.build_entry(tmp, model, plan, platforms, jobs, on_graph)
+        donors = Donors(os.path.dirname(path), graphs.execution_devices(plan.layout))
+        data, compiled = export.build_entry(tmp, model, plan, platforms, jobs, on_graph,
+                                            donors=donors)
         served = [g["name"] for g in data["graphs"] if group.executable_key() not in g["files"]]
         if served:      # see export.py: such executables do not serialize again
             log.warning("compile cache: not stored: %d graphs came from JAX's persistent "
@@ -140,6 +143,55 @@ def fill(path: str, model, plan, platforms: list[str], jobs: int,
         return data, compiled
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Donors:
+    """The executables the cache's other entries hold, by the sha256 of the export they were
+    compiled from: a graph whose export is byte-identical to one compiled before (another
+    model of the same shapes, another engine sharing a bucket or a sampler) is loaded from there
+    instead of compiled. Only entries built by this maxjax, jax and graph code, for this device
+    under these XLA flags, whose executables load onto any one CPU device (graphs.movable); a
+    donor's manifest seal and file sha256 are checked as for any entry."""
+
+    def __init__(self, root: str, devices: list):
+        from maxjax.aot import graphs
+        self.devices = devices
+        self.by_export: dict[str, tuple[str, dict]] = {}
+        if not graphs.movable(devices) or group.size() > 1:
+            return
+        want = {"versions": mf.versions(), "code_digest": mf.code_digest(),
+                "compiled_for": mf.local_device(), "xla_flags": mf.codegen_flags()}
+        for e in entries(root, kind="graphs"):
+            try:
+                m = mf.read_manifest(e.path, "")
+            except UserError:
+                continue
+            if any(m.data.get(k) != v for k, v in want.items()) or \
+                    m.data.get("engine", {}).get("mesh") is not None:
+                continue
+            for g in m.data.get("graphs", []):
+                files = g.get("files", {})
+                if "executable" in files and "export" in files:
+                    self.by_export.setdefault(files["export"]["sha256"],
+                                              (m.file(files["executable"]["path"]),
+                                               files["executable"]))
+
+    def load(self, export_sha256: str, trees) -> tuple[bytes, object] | None:
+        """(serialized executable, loaded) compiled from that export, or None."""
+        from maxjax.aot import graphs
+        found = self.by_export.get(export_sha256)
+        if found is None:
+            return None
+        path, entry = found
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+            if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+                return None
+            return blob, graphs.load_executable(blob, *trees, self.devices)
+        except Exception as e:      # a donor that does not load is only a missed shortcut
+            log.warning("compile cache: reusing %s failed (%s); compiling", path, e)
+            return None
 
 
 def publish(tmp: str, path: str) -> bool:

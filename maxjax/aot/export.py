@@ -40,8 +40,9 @@ def _safe(s: str) -> str:
 
 
 def build_graph(spec, platforms: list[str], directory: str, compile_local: bool,
-                shared: bool = False):
-    """Export one graph (and compile it for this machine); write its files (into a directory
+                shared: bool = False, donors=None):
+    """Export one graph (and compile it for this machine, or load what `donors`, the compile
+    cache's Donors, compiled from the same export); write its files (into a directory
     the processes of a group share, the export on process 0 only: maxjax/aot/group.py); return
     its manifest entry and the compiled executable (None when this machine is not a target)."""
     from jax.experimental import serialize_executable
@@ -55,19 +56,24 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool,
              {"path": name, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}}
     files["export"]["platforms"] = list(exp.platforms)
     t1 = time.perf_counter()
-    compiled = None
-    if compile_local:
+    compiled = exe_blob = None
+    trees = graphs.executable_trees(spec.args, n_out, num_kv)
+    reused = compile_local and donors and donors.load(files["export"]["sha256"], trees)
+    if reused:
+        exe_blob, compiled = reused
+    elif compile_local:
         hits = _jax_cache_hits()
         compiled = graphs.compile_export(exp, spec)
-    if compiled is not None and _jax_cache_hits() == hits:
-        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-        if (in_tree, out_tree) != graphs.executable_trees(spec.args, n_out, num_kv):
-            # the loader rebuilds exactly these
-            raise RuntimeError(f"{spec.name}: unexpected executable pytrees {in_tree} {out_tree}")
+        if _jax_cache_hits() == hits:
+            exe_blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+            if (in_tree, out_tree) != trees:        # the loader rebuilds exactly these
+                raise RuntimeError(f"{spec.name}: unexpected executable pytrees {in_tree} "
+                                   f"{out_tree}")
+    if exe_blob is not None:
         dev = mf.local_device()
         files[group.executable_key()] = _write(
             directory, f"{spec.name}.{_safe(dev['platform'])}-{_safe(dev['device_kind'])}"
-                       f"{group.executable_suffix()}.xlaexe", blob)
+                       f"{group.executable_suffix()}.xlaexe", exe_blob)
     b = spec.bucket
     entry = {"name": spec.name, "bucket": b and [b.num_tokens, b.num_rows, b.num_samples],
              "donate_argnums": list(spec.donate_argnums), "sample_outputs": n_out,
@@ -75,6 +81,8 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool,
              "signature": mf.signature(spec.args, (exp.out_avals[:n_out], exp.out_avals[n_out:])),
              "files": files,
              "seconds": {"export": round(t1 - t0, 3), "compile": round(time.perf_counter() - t1, 3)}}
+    if reused:
+        entry["reused"] = True
     return entry, compiled
 
 
@@ -113,22 +121,22 @@ def compile_order(specs: list) -> list:
 def build_entry(directory: str, model, plan, platforms: list[str],
                 jobs: int = 1, on_graph: Callable[[int, int, str], None] | None = None,
                 store_weights: bool = False, shared: bool = False,
-                archs: dict | None = None) -> tuple[dict, dict]:
+                archs: dict | None = None, donors=None) -> tuple[dict, dict]:
     """Export (and compile locally) every graph of `plan` (maxjax/engine/plan.py's EnginePlan)
     into the existing, empty `directory`,
     with `store_weights` the converted weights (maxjax/aot/weights.py), manifest last. `shared`:
     every process of a group writes into this one directory (group.py); else each process
     writes a whole directory of its own (a compile cache entry). Returns the manifest and
     {name: (compiled, "compiled", output_structure)} of the executables compiled for this
-    machine (empty when it is not a target)."""
+    machine (empty when it is not a target). `donors`: build_graph's."""
     local = jax.export.default_export_platform()
     compile_local = local in platforms
     layout = plan.layout
     specs = graphs.graph_specs(model, layout)
     entries, compiled = {}, {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(build_graph, s, platforms, directory, compile_local, shared)
-                   for s in compile_order(specs)]
+        futures = [pool.submit(build_graph, s, platforms, directory, compile_local, shared,
+                               donors) for s in compile_order(specs)]
         for i, fut in enumerate(as_completed(futures), 1):
             entry, exe = fut.result()
             entries[entry["name"]] = entry
@@ -142,6 +150,7 @@ def build_entry(directory: str, model, plan, platforms: list[str],
             "model": mf.model_fingerprint(model),
             "engine": mf.engine_fingerprint(layout, plan.config, model.dtype),
             "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
+            "xla_flags": mf.codegen_flags(),
             "graphs": [entries[s.name] for s in specs], "serve": serve_flags(model, plan.config)}
     if archs:
         data["target_archs"] = dict(archs)
