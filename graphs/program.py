@@ -1,16 +1,22 @@
-"""The compiled program: one step graph per bucket, the model step fused with sampling.
+"""The compiled program: one step graph per bucket, and one sampler graph per number of sample
+slots, run one after the other on the device (`SampledStep`).
 
-`step_program` is the function every step executable runs; `step_graph_specs` gives, for a bucket
-set, everything needed to trace, compile or export each graph (function, abstract arguments,
-donated arguments) without allocating anything; `kv_init_spec` is the one more graph that makes
-the zero KV pool on the device (so a server from artifacts compiles nothing, not even zeros).
-Every graph returns (outputs, kv). The engine's ModelRunner compiles these specs (or loads
-them from artifacts, maxjax/aot/), and AOT export reads them from here and nowhere else.
+`step_program` is the function every step executable runs, `sample_program` every sampler's;
+`step_graph_specs` and `sampler_specs` give, for a bucket set, everything needed to trace,
+compile or export each graph (function, abstract arguments, donated arguments) without
+allocating anything; `kv_init_spec` is the one more graph that makes the zero KV pool on the
+device (so a server from artifacts compiles nothing, not even zeros). Every graph returns
+(outputs, kv). The engine's ModelRunner compiles these specs (or loads them from artifacts,
+maxjax/aot/), and AOT export reads them from here and nowhere else.
 
-Inputs: (params, kv, step: StepInputs, samp: SamplingArrays) ->
-((SampleOutput, PromptLogprobs, PooledHidden), kv) with the KV pool donated. Logits never leave
-the device: only the sample slots' token ids and logprobs (and, in steps that ask, prompt logprobs
-and the rows' pooled hidden states) come back.
+Step: (params, kv, step: StepInputs) -> ((logits f32[S, V] of the sample slots, PromptLogprobs,
+PooledHidden), kv) with the KV pool donated. Sampler: (logits, samp: SamplingArrays) ->
+(SampleOutput, ()). The sampler is a graph of its own because it is most of a small model's
+compile time (XLA:CPU: 4 tiny step graphs compile in 5.6-6.7 s with it, 2.2 s without) and the
+same for every bucket with its number of slots and every model with its vocabulary: the
+buckets share one, and the compile cache shares it across engines (maxjax/aot/cache.py Donors).
+Logits never leave the device: only the sample slots' token ids and logprobs (and, in steps that
+ask, prompt logprobs and the rows' pooled hidden states) come back.
 """
 from __future__ import annotations
 
@@ -26,8 +32,10 @@ from maxjax.graphs.attention import AttentionBackend, backend_named
 from maxjax.graphs.decoder import init_kv, kv_pool_specs, kv_specs
 from maxjax.graphs.step import step_input_specs
 
-KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step, samp)
+KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step)
 KV_INIT = "kv_init"   # the graph that makes a zero KV pool
+STEP_ARGS = ("params", "kv", "step")        # what a graph's arguments are called in a manifest
+SAMPLE_ARGS = ("logits", "sampling")
 
 
 class PromptLogprobs(NamedTuple):
@@ -54,21 +62,21 @@ class GraphSpec:
     args: tuple              # pytree of jax.ShapeDtypeStruct
     donate_argnums: tuple
     out_shardings: Any = None   # on a mesh: (outputs', kv's) shardings; None: one device
-    returns_kv: bool = True     # False: its (outputs, kv) has no kv (an image encoder)
+    returns_kv: bool = True     # False: its (outputs, kv) has no kv (an image encoder, a sampler)
+    arg_names: tuple = STEP_ARGS
 
 
-def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, samp):
-    """The compiled step: model, sampling of the sample slots, and (only in steps that ask)
-    prompt logprobs of every token slot."""
+def step_program(arch, cfg, num_top_logprobs: int, params, kv, step):
+    """The compiled step: model, the sample slots' logits (float32, for the sampler graph), and
+    (only in steps that ask) prompt logprobs of every token slot."""
     if arch.hidden_states is None:     # an architecture without hidden states: no embeddings
         logits, kv = arch.forward(cfg, params, kv, step)
-        out = sampling.sample_logits(logits, samp, num_top_logprobs)
         R, H = step.page_table.shape[0], cfg.hidden_size
         zeros = jnp.zeros((R, H), jnp.float32)
-        return (out, _no_prompt_logprobs(step, num_top_logprobs), PooledHidden(zeros, zeros)), kv
+        return (logits.astype(jnp.float32), _no_prompt_logprobs(step, num_top_logprobs),
+                PooledHidden(zeros, zeros)), kv
     h, kv = arch.hidden_states(cfg, params, kv, step)
-    logits = arch.lm_logits(cfg, params, h[step.sample_idx])
-    out = sampling.sample_logits(logits, samp, num_top_logprobs)
+    logits = arch.lm_logits(cfg, params, h[step.sample_idx]).astype(jnp.float32)
 
     def prompt_lps(h):
         lps = sampling.token_logprobs(arch.lm_logits(cfg, params, h),
@@ -77,7 +85,48 @@ def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, samp):
 
     plp = jax.lax.cond(jnp.any(step.next_token >= 0), prompt_lps,
                        lambda h: _no_prompt_logprobs(step, num_top_logprobs), h)
-    return (out, plp, pool_rows(h, step)), kv
+    return (logits, plp, pool_rows(h, step)), kv
+
+
+def sample_program(num_top_logprobs: int, logits, samp):
+    """The compiled sampler: the sample slots' tokens (and logprobs) from their logits."""
+    return sampling.sample_logits(logits, samp, num_top_logprobs), ()
+
+
+def sampled_step(arch, cfg, num_top_logprobs: int, params, kv, step, samp):
+    """`step_program` then `sample_program` as one function (one jit): what a bucket's two
+    graphs compute, for benchmarks and tests that trace a whole step."""
+    (logits, plp, pooled), kv = step_program(arch, cfg, num_top_logprobs, params, kv, step)
+    return (sample_program(num_top_logprobs, logits, samp)[0], plp, pooled), kv
+
+
+class SampledStep:
+    """What ModelRunner calls for a bucket: (params, kv, step, samp) -> ((SampleOutput,
+    PromptLogprobs, PooledHidden), kv), its step graph then its sampler graph (both queued
+    on the device before anything comes back)."""
+
+    def __init__(self, step: Callable, sample: Callable):
+        self.step = step
+        self.sample = sample
+
+    @property
+    def source(self) -> str:
+        """How the step graph was obtained (maxjax/aot/graphs.py StepCallable), "jit" here."""
+        return getattr(self.step, "source", "jit")
+
+    def __call__(self, params, kv, step, samp):
+        (logits, plp, pooled), kv = self.step(params, kv, step)
+        out, _ = self.sample(logits, samp)
+        return (out, plp, pooled), kv
+
+
+def sampler_name(num_samples: int) -> str:
+    return f"sample_s{num_samples}"
+
+
+def graph_count(buckets: Sequence) -> int:
+    """The step graphs of `buckets`, their samplers and the KV initializer (no image encoder)."""
+    return len(buckets) + len({b.num_samples for b in buckets}) + 1
 
 
 def pool_rows(h, step) -> PooledHidden:
@@ -125,11 +174,26 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, h
         step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend,
                                 lora="lora" in params, embeds=image_embeds(cfg, params),
                                 mrope=cfg.mrope_section is not None)
-        samp = sampling.SamplingArrays.abstract(b.num_samples, history_len, cfg.vocab_size)
         if mesh is not None:      # per-step inputs are replicated: every device reads them whole
-            step, samp = (_on(x, sharding.replicated(mesh)) for x in (step, samp))
-        specs.append(GraphSpec(b.name, b, fn, (params, kv, step, samp), KV_DONATED,
-                               out_shardings))
+            step = _on(step, sharding.replicated(mesh))
+        specs.append(GraphSpec(b.name, b, fn, (params, kv, step), KV_DONATED, out_shardings))
+    return specs
+
+
+def sampler_specs(cfg, buckets: Sequence, history_len: int, num_top_logprobs: int,
+                  mesh=None) -> list[GraphSpec]:
+    """One sampler GraphSpec per number of sample slots among `buckets`, replicated over `mesh`
+    when given (every device samples the whole logits)."""
+    fn = partial(sample_program, num_top_logprobs)
+    specs = []
+    for S in sorted({b.num_samples for b in buckets}):
+        args = (jax.ShapeDtypeStruct((S, cfg.vocab_size), jnp.float32),
+                sampling.SamplingArrays.abstract(S, history_len, cfg.vocab_size))
+        out = None
+        if mesh is not None:
+            args, out = _on(args, sharding.replicated(mesh)), (sharding.replicated(mesh), ())
+        specs.append(GraphSpec(sampler_name(S), None, fn, args, (), out, returns_kv=False,
+                               arg_names=SAMPLE_ARGS))
     return specs
 
 

@@ -82,5 +82,6 @@ def vision_graph_specs(vision) -> list[GraphSpec]:
     spec, vcfg = vision.spec, vision.config
     fn = partial(_encode_graph, spec, vcfg)
     return [GraphSpec(graph_name(s), None, fn,
-                      (abstract(vision.params), spec.input_specs(vcfg, s)), (), returns_kv=False)
+                      (abstract(vision.params), spec.input_specs(vcfg, s)), (), returns_kv=False,
+                      arg_names=("params", "images"))
             for s in vision_sizes(spec, vcfg)]

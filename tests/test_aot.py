@@ -111,11 +111,12 @@ def test_cross_machine_generate_is_identical_and_compiles_no_graph(root, model_d
     loaded = maxjax([*GEN, "--model-path", model_dir, "--precompiled-artifacts", copy], env_b, cwd_b)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout == cold.stdout and len(loaded.stdout.splitlines()) == 2
-    assert "(4 executables, 0 compiled from exports)" in loaded.stderr
+    assert "(6 executables, 0 compiled from exports)" in loaded.stderr
     total, since_ready = compiles(loaded.stderr)
     cold_total, cold_since = compiles(cold.stderr)
-    # cold: the 3 step graphs and the KV initializer; from artifacts: nothing, from process start
-    assert (cold_total, cold_since) == (4, 0)
+    # cold: the 3 step graphs, their 2 samplers and the KV initializer; from artifacts: nothing,
+    # from process start
+    assert (cold_total, cold_since) == (6, 0)
     assert (total, since_ready) == (0, 0)
     assert os.listdir(os.path.join(root, "machine-b", "jax-cache")) == []
 
@@ -129,7 +130,7 @@ def test_warm_cache_fills_the_compile_cache(root, model_dir, warmed):
     r = maxjax([*GEN, "--model-path", model_dir, *FLAGS, "--no-use-experimental-kernels"], env,
                cwd)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"Loaded 4 graphs from {warmed} " in r.stderr
+    assert f"Loaded 6 graphs from {warmed} " in r.stderr
     assert compiles(r.stderr) == (0, 0)
     assert [e.path for e in cache.entries(os.path.dirname(warmed), "graphs")] == [warmed]
 
@@ -164,27 +165,35 @@ def test_manifest_and_cuda_exports(warmed):
     with open(os.path.join(warmed, MANIFEST)) as f:
         data = json.load(f)
     assert data["targets"] == ["cpu", "cuda"] and data["compiled_for"]["platform"] == "cpu"
-    *steps, kv_init = data["graphs"]
+    *steps, s1, s2, kv_init = data["graphs"]
     assert [g["bucket"] for g in steps] == data["engine"]["buckets"] == \
         [[1, 1, 1], [2, 2, 2], [4, 2, 2]]
+    assert [s1["name"], s2["name"]] == ["sample_s1", "sample_s2"]
     assert data["engine"]["num_kv_pages"] == 16 and data["engine"]["max_pages_per_row"] == 4
     for g in data["graphs"]:
         with open(os.path.join(warmed, g["files"]["export"]["path"]), "rb") as f:
             exp = jax.export.deserialize(bytearray(f.read()))
         assert exp.platforms == ("cpu", "cuda")
         sig = g["signature"]
-        assert mf.avals(exp.in_avals) == mf.flat_in(sig)
+        assert mf.avals(exp.in_avals) == mf.flat_in(sig, tuple(g["args"]))
         assert mf.avals(exp.out_avals) == sig["out"]["sample"] + sig["out"]["kv"]
         assert aot_graphs.spec_leaves(g["output_structure"]) == g["sample_outputs"] == \
             len(sig["out"]["sample"])
-        assert sig["out"]["kv"] == steps[0]["signature"]["in"]["kv"]
+        assert sig["out"]["kv"] == (steps[0]["signature"]["in"]["kv"]
+                                    if g not in (s1, s2) else [])
     for g in steps:
         T, R, S = g["bucket"]
         sig = g["signature"]
+        assert g["args"] == ["params", "kv", "step"]
         assert sig["in"]["step"][0] == [[T], "int32"]
-        assert sig["out"]["sample"][0] == [[S], "int32"]          # sampled token ids
-        assert g["output_structure"]["tuple"][0]["namedtuple"] == "maxjax.graphs.sampling:SampleOutput"
+        assert sig["out"]["sample"][0] == [[S, 512], "float32"]  # the sample slots' logits
         assert g["donate_argnums"] == [1]                           # the pool comes back donated
+    for g, S in ((s1, 1), (s2, 2)):
+        sig = g["signature"]
+        assert g["args"] == ["logits", "sampling"] and g["donate_argnums"] == []
+        assert sig["in"]["logits"] == [[[S, 512], "float32"]]
+        assert sig["out"]["sample"][0] == [[S], "int32"]          # sampled token ids
+        assert g["output_structure"]["namedtuple"] == "maxjax.graphs.sampling:SampleOutput"
     assert kv_init["name"] == "kv_init" and kv_init["bucket"] is None
     assert kv_init["signature"]["in"] == {} and kv_init["sample_outputs"] == 0
     assert kv_init["signature"]["out"]["kv"] == [[[2, 16, 2, 16, 16], "float32"]] * 2
@@ -199,13 +208,13 @@ def test_cuda_only_target_writes_exports_and_is_refused_here(tmp_path, model):
     data = aot_export.write_artifacts(d, model, EnginePlan(cfg, layout), ["cuda"],
                                       progress=False)
     assert data["compiled_for"] is None and data["targets"] == ["cuda"]
-    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "kv_init"]
+    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "sample_s1", "kv_init"]
     for g in data["graphs"]:
         assert set(g["files"]) == {"export"}
         with open(os.path.join(d, g["files"]["export"]["path"]), "rb") as f:
             exp = jax.export.deserialize(bytearray(f.read()))
         assert exp.platforms == ("cuda",)
-        assert mf.avals(exp.in_avals) == mf.flat_in(g["signature"])
+        assert mf.avals(exp.in_avals) == mf.flat_in(g["signature"], tuple(g["args"]))
     with pytest.raises(UserError, match=r"built for cuda, this machine is cpu.*--target cpu"):
         aot_load.load_planned([d], model, EngineConfig(**ENGINE))
 
@@ -234,7 +243,7 @@ def test_warm_cache_for_cuda_on_this_cpu_loads_for_the_cpu(root, model_dir, cold
     assert data["targets"] == ["cuda", "cpu"] and data["compiled_for"]["platform"] == "cpu"
     assert data["target_archs"] == {"cuda": "sm_90"}     # refused on another GPU (load.py)
     assert (data["engine"]["platform"], data["engine"]["attention"]) == ("cuda", "pallas_paged")
-    *steps, kv_init = data["graphs"]
+    steps = [g for g in data["graphs"] if g["bucket"]]
     for g in steps:
         with open(os.path.join(d, g["files"]["export"]["path"]), "rb") as f:
             exp = jax.export.deserialize(bytearray(f.read()))
@@ -243,7 +252,7 @@ def test_warm_cache_for_cuda_on_this_cpu_loads_for_the_cpu(root, model_dir, cold
     loaded = maxjax([*GEN, "--model-path", model_dir, "--quantization-encoding", "float32",
                      "--precompiled-artifacts", d], env, cwd)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert f"({len(steps) + 1} executables, 0 compiled from exports)" in loaded.stderr
+    assert f"({len(data['graphs'])} executables, 0 compiled from exports)" in loaded.stderr
     assert compiles(loaded.stderr) == (0, 0)
     assert [json.loads(x)["token_ids"] for x in loaded.stdout.splitlines()] == \
         [json.loads(x)["token_ids"] for x in cold.stdout.splitlines()]
@@ -351,9 +360,9 @@ def test_model_config_field_differs(warmed, tmp_path, calls):
      r"step_t2_r2: export file step_t2_r2.cpu-cuda.jaxexport is missing"),
     (lambda d: _edit_manifest(d, lambda m: m.update(graphs=m["graphs"][:2])),
      r"graph step_t4_r2 is missing"),
-    (lambda d: _edit_manifest(d, lambda m: m.update(graphs=m["graphs"][:3])),
+    (lambda d: _edit_manifest(d, lambda m: m.update(graphs=m["graphs"][:5])),
      r"graph kv_init is missing"),
-    (lambda d: _edit_manifest(d, lambda m: m["graphs"][3]["signature"]["out"]["kv"][0][0].__setitem__(1, 8)),
+    (lambda d: _edit_manifest(d, lambda m: m["graphs"][5]["signature"]["out"]["kv"][0][0].__setitem__(1, 8)),
      r"graph kv_init: signature differs"),
     (lambda d: open(os.path.join(d, MANIFEST), "w").write("{not json"), r"manifest is not valid JSON"),
     (lambda d: os.remove(os.path.join(d, MANIFEST)), r"manifest.json: missing"),
@@ -430,7 +439,7 @@ def test_loaded_executables_adopt_pinned_values_and_donate_the_pool(warmed, mode
         (2, 16, 64, 16)
     assert flags.num_kv_pages is None                     # the user's flags stay as given
     assert {e.source for e in exes.values()} == {"executable"} and len(exes) == 3
-    assert calls == ["executable"] * 4                    # the step graphs and the KV initializer
+    assert calls == ["executable"] * 6      # the step graphs, their samplers, the KV initializer
     before = compile_counter.count()
     core = EngineCore(model, plan, exes, kv_init)
     core.warmup()
@@ -476,7 +485,8 @@ def test_export_engine_round_trips(tmp_path, model):
     aot_export.export_engine(d, core)
     with open(os.path.join(d, MANIFEST)) as f:
         data = json.load(f)
-    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "step_t2_r2", "kv_init"]
+    assert [g["name"] for g in data["graphs"]] == ["step_t1_r1", "step_t2_r2", "sample_s1",
+                                                   "sample_s2", "kv_init"]
     assert all(set(g["files"]) == {"export", "executable"} for g in data["graphs"])
     assert data["engine"]["buckets"] == [[1, 1, 1], [2, 2, 2]]
 

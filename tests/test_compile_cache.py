@@ -30,7 +30,7 @@ from tiny_llama import write_tiny_llama
 
 pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
 
-# Two step graphs and the KV initializer: each start that misses compiles three
+# Two step graphs, their two samplers and the KV initializer: a start that misses compiles five
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=2, max_length=64, num_kv_pages=24,
               kv_cache_page_size=8)
 PROMPTS = [[5, 7, 9], [11, 3, 8, 20, 31, 4, 9, 100, 7, 2, 12]]
@@ -234,7 +234,7 @@ def test_two_processes_filling_at_once_leave_one_valid_entry(model, model_dir, t
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-        assert "xla compiles: 3 total, 0 since ready" in err      # both compiled and stored
+        assert "xla compiles: 5 total, 0 since ready" in err      # both compiled and stored
     assert outs[0][0] == outs[1][0]
     (name,) = entries_in(root)          # one entry, no temp directory left
     assert len(cache.entries(root, kind="weights")) == 1    # both stored them: one stays
@@ -291,7 +291,7 @@ def test_cache_list_and_clear(filled, tmp_path, monkeypatch, capsys):
     assert main(["cache", "list"]) == 0
     out = capsys.readouterr().out
     assert f"compile cache: {root} (1 entries" in out
-    assert os.path.basename(entry) in out and "3 graphs" in out
+    assert os.path.basename(entry) in out and "5 graphs" in out
     assert main(["cache", "clear"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
     assert entries_in(root) == []

@@ -422,7 +422,8 @@ def test_warm_cache_writes_the_draft_models_graphs(tmp_path):
     assert warm.warm_cache(model_opts, cfg, art, None, 1) == 0
     with open(tmp_path / "art" / "draft" / "manifest.json") as f:
         assert {g["name"] for g in json.load(f)["graphs"]} == {
-            "step_t1_r1", "step_t2_r2", "step_t4_r2", "kv_init"}       # plain buckets
+            "step_t1_r1", "step_t2_r2", "step_t4_r2", "sample_s1", "sample_s2",
+            "kv_init"}                                                   # plain buckets
     before = compile_counter.count()
     core = build_core(path, cfg, precompiled_artifacts=[art], compile_cache=False)
     assert compile_counter.count() == before

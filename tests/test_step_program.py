@@ -10,7 +10,7 @@ import pytest
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import layers, sampling
 from maxjax.graphs.decoder import init_kv
-from maxjax.graphs.program import step_program
+from maxjax.graphs.program import sampled_step
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
@@ -28,7 +28,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(model):
     """run(kv, rows, T, S, params) -> (SampleOutput as numpy, kv): one greedy step of one row."""
-    fn = jax.jit(partial(step_program, model.arch, model.config, 5), donate_argnums=(1,))
+    fn = jax.jit(partial(sampled_step, model.arch, model.config, 5), donate_argnums=(1,))
     V = model.config.vocab_size
 
     def go(kv, rows, T, S, params=None):

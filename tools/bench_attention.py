@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_step import ARCH, SMOLLM2  # noqa: E402
 
 from maxjax.graphs import sampling  # noqa: E402
-from maxjax.graphs.program import step_program  # noqa: E402
+from maxjax.graphs.program import sampled_step  # noqa: E402
 from maxjax.engine.types import SamplingParams  # noqa: E402
 from maxjax.graphs import attention, cpu_attention, cpu_kernels, decoder  # noqa: E402
 from maxjax.graphs.step import RowSlice, build_step_inputs  # noqa: E402
@@ -104,7 +104,7 @@ def int8_steps(rows_list, kv_formats, iters: int) -> None:
                 sa = sampling.build_sampling_arrays(
                     [(SamplingParams(temperature=0.0), [1], [], 0)] * r, r, 64,
                     vocab_size=model.config.vocab_size)
-                fn = jax.jit(lambda p, kv, st, sa: step_program(model.arch, model.config, 20, p,
+                fn = jax.jit(lambda p, kv, st, sa: sampled_step(model.arch, model.config, 20, p,
                                                                 kv, st, sa), donate_argnums=(1,))
                 cases[name] = [fn.lower(params, kv, st, sa).compile(), kv, st, sa, None]
             times = {k: [] for k in cases}
@@ -151,7 +151,7 @@ def main():
     for name, (backend, fn) in impls.items():
         if fn is not None:      # read when the step is traced
             attention.BACKENDS[backend.name] = dataclasses.replace(backend, attend=fn)
-        step = jax.jit(lambda p, kv, st, sa: step_program(ARCH, cfg, 20, p, kv, st, sa),
+        step = jax.jit(lambda p, kv, st, sa: sampled_step(ARCH, cfg, 20, p, kv, st, sa),
                        donate_argnums=(1,))
         for case, (rows, T, R) in CASES.items():
             inputs[name, case] = (build_step_inputs(rows, T, R, MAX_PAGES, PAGE, backend=backend),

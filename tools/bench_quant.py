@@ -22,7 +22,7 @@ import numpy as np
 
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import decoder, quant, sampling
-from maxjax.graphs.program import step_program
+from maxjax.graphs.program import sampled_step
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from maxjax.engine.memory import weight_bytes   # SmolLM2 ties its embedding: read whole as the LM head
 from maxjax.models.loader import load_model
@@ -66,7 +66,7 @@ def read_bytes(params) -> int:
 
 def decode_case(model, params, r: int, context: int, page: int, kv_fmt, prefill: int = 0,
                 backend=None):
-    """(compiled step_program, KV pool, step inputs, sampling arrays) of a decode step of `r`
+    """(compiled sampled_step, KV pool, step inputs, sampling arrays) of a decode step of `r`
     rows with `context` tokens cached each, greedy, on `params` (`model`'s, or a variant); with
     `prefill`, one more row prefilling that many prompt tokens (a mixed step, as serving has).
     `backend`: the attention backend (None: this platform's)."""
@@ -85,7 +85,7 @@ def decode_case(model, params, r: int, context: int, page: int, kv_fmt, prefill:
     st = build_step_inputs(rows, tokens, num_rows, 4096 // page, page, backend=backend)
     sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * num_rows,
                                         num_rows, 4096, vocab_size=cfg.vocab_size)
-    fn = jax.jit(lambda p, kv, s, a: step_program(model.arch, cfg, 20, p, kv, s, a),
+    fn = jax.jit(lambda p, kv, s, a: sampled_step(model.arch, cfg, 20, p, kv, s, a),
                  donate_argnums=(1,))
     return fn.lower(params, kv, st, sa).compile(), kv, st, sa
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs import sampling
-from maxjax.graphs.program import step_program
+from maxjax.graphs.program import sampled_step
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import decoder
 from maxjax.graphs.step import RowSlice, build_step_inputs
@@ -45,7 +45,7 @@ def main():
     max_pages = 4096 // page
     rows_list = [int(r) for r in args.rows.split(",")]
     kv = decoder.init_kv(cfg, 1 + per_row * max(rows_list), page, jnp.float32)
-    fn = jax.jit(lambda p, kv, st, sa: step_program(ARCH, cfg, 20, p, kv, st, sa),
+    fn = jax.jit(lambda p, kv, st, sa: sampled_step(ARCH, cfg, 20, p, kv, st, sa),
                  donate_argnums=(1,))
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  backend={jax.default_backend()}")
     print("| step | tokens | compile s | step ms (median) | tok/s |")

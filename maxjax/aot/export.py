@@ -30,6 +30,7 @@ from maxjax.aot import weights as aot_weights
 from maxjax.aot import manifest as mf
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
+from maxjax.graphs.program import graph_count
 
 log = logging.getLogger("maxjax.aot")
 TARGETS = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "tpu": "tpu"}
@@ -76,9 +77,11 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool,
                        f"{group.executable_suffix()}.xlaexe", exe_blob)
     b = spec.bucket
     entry = {"name": spec.name, "bucket": b and [b.num_tokens, b.num_rows, b.num_samples],
+             "args": list(spec.arg_names[:len(spec.args)]),
              "donate_argnums": list(spec.donate_argnums), "sample_outputs": n_out,
              "output_structure": structure,
-             "signature": mf.signature(spec.args, (exp.out_avals[:n_out], exp.out_avals[n_out:])),
+             "signature": mf.signature(spec.args, (exp.out_avals[:n_out], exp.out_avals[n_out:]),
+                                       spec.arg_names),
              "files": files,
              "seconds": {"export": round(t1 - t0, 3), "compile": round(time.perf_counter() - t1, 3)}}
     if reused:
@@ -179,7 +182,7 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
     tmp = group.temp_dir(parent, directory)
     try:
-        with tqdm(total=len(plan.layout.buckets) + 1, desc="warm-cache", unit="graph",
+        with tqdm(total=graph_count(plan.layout.buckets), desc="warm-cache", unit="graph",
                   disable=not progress) as bar:
             def on_graph(i, n, name):
                 bar.set_postfix_str(name)
@@ -295,5 +298,5 @@ def export_engine(directory: str, core) -> None:
     platforms = [jax.export.default_export_platform()]
     t0 = time.perf_counter()
     write_artifacts(os.path.abspath(directory), core.model, core.plan, platforms, progress=False)
-    log.info("exported %d graphs to %s in %.1f s", len(core.layout.buckets) + 1, directory,
+    log.info("exported %d graphs to %s in %.1f s", graph_count(core.layout.buckets), directory,
              time.perf_counter() - t0)

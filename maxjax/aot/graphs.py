@@ -1,12 +1,13 @@
 """The graphs an artifact directory holds, and their flat calling convention: what decides the
 bytes of an exported or compiled graph, shared by maxjax/aot/export.py and maxjax/aot/load.py.
 
-The graphs are one step graph per bucket (graphs/program.py's step_graph_specs) and the KV pool's
-initializer (graphs/program.py kv_init_spec, which ModelRunner runs), so a server
-started from artifacts compiles nothing. Every graph is exported with the same flat convention,
-`(*arg_leaves) -> (output_leaves, kv_leaves)`, tuples of arrays only, so the files do not depend on
-pytree registrations: a step graph takes `(params, kv, step, sampling)` leaves and returns its
-step output's and the donated pool's; the KV initializer takes nothing and returns no outputs
+The graphs are one step graph per bucket (graphs/program.py's step_graph_specs), one sampler per
+number of sample slots (sampler_specs) and the KV pool's initializer (graphs/program.py
+kv_init_spec, which ModelRunner runs), so a server started from artifacts compiles nothing. Every
+graph is exported with the same flat convention, `(*arg_leaves) -> (output_leaves, kv_leaves)`,
+tuples of arrays only, so the files do not depend on pytree registrations: a step graph takes
+`(params, kv, step)` leaves and returns its step output's and the donated pool's; a sampler takes
+`(logits, sampling)` and returns no pool; the KV initializer takes nothing and returns no outputs
 and the pool's leaves. The output's pytree is recorded as JSON (`tree_spec`) while exporting and
 rebuilt around the flat leaves (`rebuild`) without tracing anything.
 
@@ -30,7 +31,8 @@ from maxjax.graphs import cpu_kernels
 from maxjax.graphs.attention import backend_named, custom_calls
 from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.lora import lora_specs
-from maxjax.graphs.program import KV_INIT, GraphSpec, kv_init_spec, step_graph_specs
+from maxjax.graphs.program import (KV_INIT, GraphSpec, SampledStep, kv_init_spec, sampler_name,
+                                   sampler_specs, step_graph_specs)
 from maxjax.graphs.sharding import abstract
 from maxjax.graphs.vision import vision_graph_specs
 
@@ -43,7 +45,7 @@ EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c)
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:
-    """The step graphs of `layout`'s buckets, then the KV initializer, sharded over the layout's
+    """The step graphs of `layout`'s buckets, their samplers, then the KV initializer, sharded over the layout's
     mesh when it has one; nothing is allocated (the pool may be sized for another machine). With
     LoRA the step graphs take the adapter slot stacks as params["lora"] (graphs/lora.py), whose
     shapes the layout pins."""
@@ -57,8 +59,10 @@ def graph_specs(model, layout) -> list[GraphSpec]:
                              layout.buckets, layout.max_pages_per_row, layout.max_length,
                              MAX_TOP_LOGPROBS, backend_named(layout.attention),
                              mesh=layout.mesh)
+    samplers = sampler_specs(cfg, layout.buckets, layout.max_length, MAX_TOP_LOGPROBS,
+                             mesh=layout.mesh)
     vision = vision_graph_specs(model.vision) if model.vision else []
-    return steps + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype, layout.mesh,
+    return steps + samplers + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype, layout.mesh,
                                  layout.attention)] + vision
 
 
@@ -157,40 +161,42 @@ def executable_trees(args, num_outputs: int, num_kv: int):
 
 
 class StepCallable:
-    """What ModelRunner calls: (params, kv, step, sampling) -> (outputs, kv), kv donated."""
+    """A step graph as SampledStep calls it: (params, kv, step) -> (outputs, kv), kv donated."""
 
     def __init__(self, compiled, source: str, out_spec):
         self.compiled = compiled
         self.source = source        # "executable", "export" or "compiled" (here, just now)
         self.out_spec = out_spec
 
-    def __call__(self, params, kv, step, samp):
+    def __call__(self, params, kv, step):
         kv_leaves, kv_def = jax.tree.flatten(kv)
         out, new_kv = self.compiled(tuple(jax.tree.leaves(params)), tuple(kv_leaves),
-                                    tuple(jax.tree.leaves(step)), tuple(jax.tree.leaves(samp)))
+                                    tuple(jax.tree.leaves(step)))
         return rebuild(self.out_spec, iter(out)), kv_def.unflatten(new_kv)
+
+
+class OutputCallable(StepCallable):
+    """A graph without a KV pool (a sampler, an image encoder): (*args) -> (outputs, ())."""
+
+    def __call__(self, *args):
+        out, _ = self.compiled(*(tuple(jax.tree.leaves(a)) for a in args))
+        return rebuild(self.out_spec, iter(out)), ()
 
 
 def engine_graphs(compiled: dict, model, layout) -> tuple:
     """{graph name: (executable, source, output_structure)} -> what EngineCore takes after the
-    layout: ({Bucket: StepCallable}, the KV initializer), and for a model that reads images
-    {graph name: EncoderCallable}."""
+    layout: ({Bucket: SampledStep}, the KV initializer), and for a model that reads images
+    {graph name: OutputCallable}."""
     specs = graph_specs(model, layout)
     init = compiled[KV_INIT][0]
-    steps = {s.bucket: StepCallable(*compiled[s.name]) for s in specs if s.bucket is not None}
+    steps = {s.bucket: SampledStep(StepCallable(*compiled[s.name]),
+                                   OutputCallable(*compiled[sampler_name(s.bucket.num_samples)]))
+             for s in specs if s.bucket is not None}
     out = (steps, kv_initializer(init, pool_specs(model, layout)))
     if model.vision:
-        out += ({s.name: EncoderCallable(*compiled[s.name]) for s in specs
-                 if not s.returns_kv},)
+        out += ({s.name: OutputCallable(*compiled[s.name])
+                 for s in vision_graph_specs(model.vision)},)
     return out
-
-
-class EncoderCallable(StepCallable):
-    """What ImageEncoder calls: (params, inputs) -> (embeddings, ())."""
-
-    def __call__(self, params, inputs):
-        out, _ = self.compiled(tuple(jax.tree.leaves(params)), tuple(jax.tree.leaves(inputs)))
-        return rebuild(self.out_spec, iter(out)), ()
 
 
 def kv_initializer(compiled, kv) -> Callable:

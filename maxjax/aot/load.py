@@ -192,7 +192,7 @@ def load_planned(dirs, model, flags: EngineConfig, require_compiled: bool = Fals
 
 def load_for_engine(arts: Artifacts, model, plan, require_compiled: bool = False,
                     preloaded: dict | None = None):
-    """({Bucket: StepCallable}, KV initializer) from opened artifacts, after checking that they
+    """({Bucket: SampledStep}, KV initializer) from opened artifacts, after checking that they
     hold `plan`'s engine (maxjax/engine/plan.py) and every graph's signature: what EngineCore(
     model, plan, executables, kv_init) takes. `preloaded`: {graph name: (sha256, executable)}
     deserialized already (prefetch.py), used for the graphs whose file has that sha256."""
@@ -238,7 +238,7 @@ def _check_graphs(m: mf.Manifest, specs, kv, fix: str) -> None:
         if g is None:
             raise UserError(f"{m.path}: graph {spec.name} is missing; recreate with: {fix}")
         sig = g.get("signature", {})
-        if sig.get("in") != mf.signature(spec.args, ((), ()))["in"] or \
+        if sig.get("in") != mf.signature(spec.args, ((), ()), spec.arg_names)["in"] or \
                 sig.get("out", {}).get("kv") != (mf.avals(kv) if spec.returns_kv else []):
             raise UserError(f"{m.path}: graph {spec.name}: signature differs from this run's; "
                             f"recreate the artifacts with: {fix}")
@@ -323,7 +323,7 @@ def _compile_export(m: mf.Manifest, g: dict, spec, local: dict, why: str):
         raise UserError(f"{m.path}: graph {name} was exported for {', '.join(exp.platforms)}, "
                         f"not {local['platform']}")
     sig = g["signature"]
-    if mf.avals(exp.in_avals) != mf.flat_in(sig) or \
+    if mf.avals(exp.in_avals) != mf.flat_in(sig, spec.arg_names) or \
             mf.avals(exp.out_avals) != sig["out"]["sample"] + sig["out"]["kv"]:
         raise UserError(f"{m.path}: graph {name}: the export's signature differs from its "
                         "manifest")

@@ -30,7 +30,7 @@ from maxjax.graphs.attention import backend_named
 log = logging.getLogger("maxjax.aot")
 
 FORMAT_NAME = "maxjax-artifacts"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 
 
@@ -310,19 +310,17 @@ def avals(tree) -> list:
     return [[list(a.shape), str(np.dtype(a.dtype))] for a in jax.tree.leaves(tree)]
 
 
-ARG_NAMES = ("params", "kv", "step", "sampling")
+def flat_in(sig: dict, names: tuple) -> list:
+    """The input avals of a signature in calling order, the graph's `arg_names` (JSON objects
+    do not keep order)."""
+    return [x for n in names for x in sig["in"].get(n, [])]
 
 
-def flat_in(sig: dict) -> list:
-    """The input avals of a signature in calling order (JSON objects do not keep order)."""
-    return [x for n in ARG_NAMES for x in sig["in"].get(n, [])]
-
-
-def signature(args, out_leaves) -> dict:
-    """In: per step argument (params, kv, step, sampling), its flat leaves; out: (sample, kv)."""
-    sig = {"in": {n: avals(a) for n, a in zip(ARG_NAMES, args)},
-           "out": {"sample": avals(out_leaves[0]), "kv": avals(out_leaves[1])}}
-    return sig
+def signature(args, out_leaves, names: tuple) -> dict:
+    """In: per argument (named by the graph's `arg_names`: params, kv, step; logits, sampling;
+    params, images), its flat leaves; out: (sample, kv)."""
+    return {"in": {n: avals(a) for n, a in zip(names, args)},
+            "out": {"sample": avals(out_leaves[0]), "kv": avals(out_leaves[1])}}
 
 
 # ---- manifest I/O and checks ---------------------------------------------------------------------

@@ -113,8 +113,7 @@ def _deserialize(path: str) -> dict:
         if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
             return None
         sig = g.get("signature", {})
-        groups = [len(sig["in"][k]) for k in ("params", "kv", "step", "sampling")] \
-            if sig.get("in") else []
+        groups = [len(sig["in"][k]) for k in g.get("args", [])]
         in_tree = jax.tree.structure((tuple(tuple(0 for _ in range(n)) for n in groups), {}))
         out_tree = jax.tree.structure((tuple(0 for _ in range(g["sample_outputs"])),
                                        tuple(0 for _ in sig["out"]["kv"])))

@@ -314,9 +314,7 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
 
 def run_follower(model_opts, engine_cfg, opts: DistributedOptions) -> int:
     """Process I > 0 of `maxjax serve`: build the same engine, then make process 0's calls."""
-    import jax
     follower = Follower(opts)
     core = build_group_core(model_opts, engine_cfg, follower)
     log.info("process %d of %d ready: following process 0", opts.process_id, opts.num_processes)
-    structures = [jax.tree.structure(spec.args[2:]) for spec in core.runner.graph_specs()]
-    return follow(follower, core.runner.executor, structures)
+    return follow(follower, core.runner.executor, core.runner.input_structures())

@@ -1,8 +1,8 @@
 """ModelRunner: owns the KV pool and one executable per bucket; turns scheduled rows into tokens.
 
-Each bucket's executable is graphs/program.py's step_program (the model step fused with on-device
-sampling of the step's sample slots), so logits never leave the device: only token ids and
-logprobs come back, in one transfer (and, in a step with an embedding row, the rows' pooled
+Each bucket's executable is graphs/program.py's SampledStep (its step graph, then the sampler
+graph of its number of sample slots, on the step's logits on the device), so logits never leave
+the device: only token ids and logprobs come back, in one transfer (and, in a step with an embedding row, the rows' pooled
 hidden states, f32[R, hidden] x 2). The KV pool is donated to
 every call and updated in place; it is made by the program's KV initializer graph. Executables
 (steps and initializer) come from precompiled artifacts (maxjax/aot/) given to the constructor,
@@ -25,8 +25,8 @@ from maxjax.engine.executor import LocalExecutor, StepExecutor
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for, backend_named
-from maxjax.graphs.program import (GraphSpec, image_embeds, jit_kwargs, kv_init_spec,
-                                   step_graph_specs)
+from maxjax.graphs.program import (GraphSpec, SampledStep, image_embeds, jit_kwargs,
+                                   kv_init_spec, sampler_name, sampler_specs, step_graph_specs)
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
 log = logging.getLogger("maxjax.runner")
@@ -133,21 +133,31 @@ class ModelRunner:
         return {**self.model.params, "lora": self.lora.device}
 
     def graph_specs(self) -> list[GraphSpec]:
+        """The step graphs of the buckets, then their samplers."""
         return step_graph_specs(self.model.arch, self.cfg, self.params, self.kv, self.buckets,
                                 self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention,
-                                self.mesh)
+                                self.mesh) + \
+            sampler_specs(self.cfg, self.buckets, self.history_len, MAX_TOP_LOGPROBS, self.mesh)
+
+    def input_structures(self) -> list:
+        """Per bucket, in order, the tree of the (step, samp) inputs `run` gives the executor."""
+        args = {s.name: s.args for s in self.graph_specs()}
+        return [jax.tree.structure((args[b.name][2], args[sampler_name(b.num_samples)][1]))
+                for b in self.buckets]
 
     def compile_all(self, progress: Callable[[int, int, str], None] | None = None) -> None:
-        specs = self.graph_specs()
+        missing = [b for b in self.buckets if b not in self.executables]
+        names = {b.name for b in missing} | {sampler_name(b.num_samples) for b in missing}
+        specs = [s for s in self.graph_specs() if s.name in names]
+        built = {}
         for i, spec in enumerate(specs):
-            if spec.bucket in self.executables:
-                continue
             t0 = time.perf_counter()
-            self.executables[spec.bucket] = jax.jit(
-                spec.fn, **jit_kwargs(spec)).lower(*spec.args).compile()
+            built[spec.name] = jax.jit(spec.fn, **jit_kwargs(spec)).lower(*spec.args).compile()
             log.debug("compiled %s in %.2fs", spec.name, time.perf_counter() - t0)
             if progress:
                 progress(i + 1, len(specs), spec.name)
+        for b in missing:
+            self.executables[b] = SampledStep(built[b.name], built[sampler_name(b.num_samples)])
 
     def reset_kv(self) -> None:
         """A new zero pool (the old one was lost in a failed call)."""
