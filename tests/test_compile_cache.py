@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 
 import pytest
 
@@ -108,9 +109,11 @@ def test_graph_shaping_flag_misses_and_the_cap_evicts(model, filled, tmp_path):
 
 def test_a_new_entry_takes_the_graphs_another_entry_compiled(model, filled, tmp_path,
                                                              monkeypatch):
-    """A bucket set that adds one bucket compiles that graph alone: the buckets and the KV
-    initializer it shares with the filled entry are byte-identical exports, whose executables
-    are copied from there (cache.Donors). Under other XLA flags nothing is taken."""
+    """A bucket set that adds one bucket compiles that graph alone: the buckets, samplers and
+    KV initializer it shares with the filled entry are byte-identical exports, whose executables
+    are copied from there or from this process's memory (cache.Donors). Under other XLA flags
+    nothing is taken."""
+    monkeypatch.setattr(cache.Donors, "_memory", OrderedDict())    # this test's compiles alone
     root, entry = copy_of(filled, tmp_path)
     old = {g["name"] for g in mf.read_manifest(entry, "").data["graphs"]}
     llm, compiles, _ = start(model, root, max_batch_input_tokens=4)
@@ -124,6 +127,9 @@ def test_a_new_entry_takes_the_graphs_another_entry_compiled(model, filled, tmp_
     cache.remove(entry)
     again, compiles, sources = start(model, root, max_batch_input_tokens=4)
     assert compiles == 0 and sources == {"executable"}
+    # an empty cache in this process: every graph was compiled (or taken) here before
+    _, compiles, sources = start(model, tmp_path / "fresh", max_batch_input_tokens=4)
+    assert compiles == 0 and sources == {"compiled"}
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX2")
     root, entry = copy_of(filled, tmp_path / "isa")
     start(model, root)

@@ -28,7 +28,9 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from maxjax.aot import group
@@ -146,21 +148,29 @@ def fill(path: str, model, plan, platforms: list[str], jobs: int,
 
 
 class Donors:
-    """The executables the cache's other entries hold, by the sha256 of the export they were
-    compiled from: a graph whose export is byte-identical to one compiled before (another
-    model of the same shapes, another engine sharing a bucket or a sampler) is loaded from there
-    instead of compiled. Only entries built by this maxjax, jax and graph code, for this device
-    under these XLA flags, whose executables load onto any one CPU device (graphs.movable); a
-    donor's manifest seal and file sha256 are checked as for any entry."""
+    """Executables compiled before, by the sha256 of the export they were compiled from: a graph
+    whose export is byte-identical to one compiled before (another model of the same shapes,
+    another engine sharing a bucket or a sampler, a draft model's sampler) is loaded instead of
+    compiled. They come from this process's recent compiles (`remember`, kept in memory up to
+    MEMORY_BYTES) and from the cache's other entries built by this maxjax, jax and graph code,
+    for this device under these XLA flags. Only for executables that load onto any one CPU
+    device (graphs.movable), in a single process; a donor entry's manifest seal and file sha256
+    are checked as for any entry."""
+
+    MEMORY_BYTES = 256 << 20
+    _memory: OrderedDict = OrderedDict()      # (context, export sha256) -> executable bytes
+    _lock = threading.Lock()
 
     def __init__(self, root: str, devices: list):
         from maxjax.aot import graphs
         self.devices = devices
         self.by_export: dict[str, tuple[str, dict]] = {}
+        self.context = None
         if not graphs.movable(devices) or group.size() > 1:
             return
         want = {"versions": mf.versions(), "code_digest": mf.code_digest(),
                 "compiled_for": mf.local_device(), "xla_flags": mf.codegen_flags()}
+        self.context = mf.digest(want)
         for e in entries(root, kind="graphs"):
             try:
                 m = mf.read_manifest(e.path, "")
@@ -176,21 +186,36 @@ class Donors:
                                               (m.file(files["executable"]["path"]),
                                                files["executable"]))
 
+    def remember(self, export_sha256: str, blob: bytes) -> None:
+        """Keep an executable this process compiled from that export (the oldest go first)."""
+        if self.context is None:
+            return
+        with self._lock:
+            self._memory[(self.context, export_sha256)] = blob
+            total = sum(len(b) for b in self._memory.values())
+            while total > self.MEMORY_BYTES and self._memory:
+                total -= len(self._memory.popitem(last=False)[1])
+
+    def _bytes(self, export_sha256: str) -> bytes | None:
+        with self._lock:
+            blob = self._memory.get((self.context, export_sha256))
+        if blob is not None or export_sha256 not in self.by_export:
+            return blob
+        path, entry = self.by_export[export_sha256]
+        with open(path, "rb") as f:
+            blob = f.read()
+        return blob if hashlib.sha256(blob).hexdigest() == entry["sha256"] else None
+
     def load(self, export_sha256: str, trees) -> tuple[bytes, object] | None:
         """(serialized executable, loaded) compiled from that export, or None."""
         from maxjax.aot import graphs
-        found = self.by_export.get(export_sha256)
-        if found is None:
+        if self.context is None:
             return None
-        path, entry = found
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
-            if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-                return None
-            return blob, graphs.load_executable(blob, *trees, self.devices)
+            blob = self._bytes(export_sha256)
+            return blob and (blob, graphs.load_executable(blob, *trees, self.devices))
         except Exception as e:      # a donor that does not load is only a missed shortcut
-            log.warning("compile cache: reusing %s failed (%s); compiling", path, e)
+            log.warning("compile cache: reusing an executable failed (%s); compiling", e)
             return None
 
 

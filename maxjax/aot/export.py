@@ -71,6 +71,8 @@ def build_graph(spec, platforms: list[str], directory: str, compile_local: bool,
                 raise RuntimeError(f"{spec.name}: unexpected executable pytrees {in_tree} "
                                    f"{out_tree}")
     if exe_blob is not None:
+        if donors:
+            donors.remember(files["export"]["sha256"], exe_blob)
         dev = mf.local_device()
         files[group.executable_key()] = _write(
             directory, f"{spec.name}.{_safe(dev['platform'])}-{_safe(dev['device_kind'])}"
