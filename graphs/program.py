@@ -151,7 +151,7 @@ def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int, history_len: int,
+def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int,
                      num_top_logprobs: int, backend: AttentionBackend | None = None,
                      mesh=None) -> list[GraphSpec]:
     """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones (params

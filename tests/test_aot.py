@@ -440,6 +440,10 @@ def test_loaded_executables_adopt_pinned_values_and_donate_the_pool(warmed, mode
     assert flags.num_kv_pages is None                     # the user's flags stay as given
     assert {e.source for e in exes.values()} == {"executable"} and len(exes) == 3
     assert calls == ["executable"] * 6      # the step graphs, their samplers, the KV initializer
+    by_slots = {}
+    for b, exe in exes.items():       # the buckets with 2 sample slots run one sampler
+        assert by_slots.setdefault(b.num_samples, exe.sample) is exe.sample
+    assert len(by_slots) == 2
     before = compile_counter.count()
     core = EngineCore(model, plan, exes, kv_init)
     core.warmup()

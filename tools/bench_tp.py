@@ -76,7 +76,7 @@ def engine(cfg, tp: int, num_pages: int, page: int, buckets, max_pages: int, enc
         cfg, params = sharding.tensor_parallel_layout(cfg, params, tp)
         params = sharding.place(jax.tree.map(np.asarray, params), specs, mesh, rules)
         kv = sharding.place(kv, decoder.kv_pool_specs(cfg, num_pages, page), mesh, rules)
-    specs = step_graph_specs(ARCH, cfg, params, kv, buckets, max_pages, 4096, 20, mesh=mesh)
+    specs = step_graph_specs(ARCH, cfg, params, kv, buckets, max_pages, 20, mesh=mesh)
     compiled = {s.bucket: jax.jit(s.fn, **jit_kwargs(s)).lower(*s.args).compile() for s in specs}
     return [params, kv, compiled]
 

@@ -56,7 +56,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
         params = {**params, "lora": abstract(lora_specs(cfg, layout.lora_slots,
                                                         layout.max_lora_rank), model.compute_dtype)}
     steps = step_graph_specs(model.arch, cfg, params, pool_specs(model, layout),
-                             layout.buckets, layout.max_pages_per_row, layout.max_length,
+                             layout.buckets, layout.max_pages_per_row,
                              MAX_TOP_LOGPROBS, backend_named(layout.attention),
                              mesh=layout.mesh)
     samplers = sampler_specs(cfg, layout.buckets, layout.max_length, MAX_TOP_LOGPROBS,
@@ -189,9 +189,11 @@ def engine_graphs(compiled: dict, model, layout) -> tuple:
     {graph name: OutputCallable}."""
     specs = graph_specs(model, layout)
     init = compiled[KV_INIT][0]
-    steps = {s.bucket: SampledStep(StepCallable(*compiled[s.name]),
-                                   OutputCallable(*compiled[sampler_name(s.bucket.num_samples)]))
-             for s in specs if s.bucket is not None}
+    buckets = [s.bucket for s in specs if s.bucket is not None]
+    samplers = {n: OutputCallable(*compiled[n]) for n in
+                {sampler_name(b.num_samples) for b in buckets}}
+    steps = {b: SampledStep(StepCallable(*compiled[b.name]), samplers[sampler_name(b.num_samples)])
+             for b in buckets}
     out = (steps, kv_initializer(init, pool_specs(model, layout)))
     if model.vision:
         out += ({s.name: OutputCallable(*compiled[s.name])

@@ -135,8 +135,7 @@ class ModelRunner:
     def graph_specs(self) -> list[GraphSpec]:
         """The step graphs of the buckets, then their samplers."""
         return step_graph_specs(self.model.arch, self.cfg, self.params, self.kv, self.buckets,
-                                self.max_pages, self.history_len, MAX_TOP_LOGPROBS, self.attention,
-                                self.mesh) + \
+                                self.max_pages, MAX_TOP_LOGPROBS, self.attention, self.mesh) + \
             sampler_specs(self.cfg, self.buckets, self.history_len, MAX_TOP_LOGPROBS, self.mesh)
 
     def input_structures(self) -> list:
