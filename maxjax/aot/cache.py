@@ -157,7 +157,7 @@ class Donors:
     device (graphs.movable), in a single process; a donor entry's manifest seal and file sha256
     are checked as for any entry."""
 
-    MEMORY_BYTES = 256 << 20
+    MEMORY_BYTES = 64 << 20
     _memory: OrderedDict = OrderedDict()      # (context, export sha256) -> executable bytes
     _lock = threading.Lock()
 
