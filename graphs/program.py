@@ -124,9 +124,14 @@ def sampler_name(num_samples: int) -> str:
     return f"sample_s{num_samples}"
 
 
-def graph_count(buckets: Sequence) -> int:
-    """The step graphs of `buckets`, their samplers and the KV initializer (no image encoder)."""
-    return len(buckets) + len({b.num_samples for b in buckets}) + 1
+def sampled_steps(buckets: Sequence, graphs: dict, wrap_step=None, wrap_sampler=None) -> dict:
+    """{Bucket: SampledStep} from {graph name: executable} holding each bucket's step graph and
+    sampler; `wrap_step`/`wrap_sampler` make the callables (applied once per graph, so the
+    buckets with one number of sample slots share one sampler)."""
+    names = {sampler_name(b.num_samples) for b in buckets}
+    samplers = {n: wrap_sampler(graphs[n]) if wrap_sampler else graphs[n] for n in names}
+    return {b: SampledStep(wrap_step(graphs[b.name]) if wrap_step else graphs[b.name],
+                           samplers[sampler_name(b.num_samples)]) for b in buckets}
 
 
 def pool_rows(h, step) -> PooledHidden:

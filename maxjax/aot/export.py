@@ -30,7 +30,6 @@ from maxjax.aot import weights as aot_weights
 from maxjax.aot import manifest as mf
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
-from maxjax.graphs.program import graph_count
 
 log = logging.getLogger("maxjax.aot")
 TARGETS = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "tpu": "tpu"}
@@ -184,9 +183,9 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
     tmp = group.temp_dir(parent, directory)
     try:
-        with tqdm(total=graph_count(plan.layout.buckets), desc="warm-cache", unit="graph",
-                  disable=not progress) as bar:
+        with tqdm(desc="warm-cache", unit="graph", disable=not progress) as bar:
             def on_graph(i, n, name):
+                bar.total = n
                 bar.set_postfix_str(name)
                 bar.update()
             data, _ = build_entry(tmp, model, plan, platforms, jobs, on_graph,
@@ -299,6 +298,7 @@ def export_engine(directory: str, core) -> None:
     """Write artifacts for every graph of a running core (same format as warm-cache)."""
     platforms = [jax.export.default_export_platform()]
     t0 = time.perf_counter()
-    write_artifacts(os.path.abspath(directory), core.model, core.plan, platforms, progress=False)
-    log.info("exported %d graphs to %s in %.1f s", graph_count(core.layout.buckets), directory,
+    data = write_artifacts(os.path.abspath(directory), core.model, core.plan, platforms,
+                           progress=False)
+    log.info("exported %d graphs to %s in %.1f s", len(data["graphs"]), directory,
              time.perf_counter() - t0)

@@ -31,7 +31,7 @@ from maxjax.graphs import cpu_kernels
 from maxjax.graphs.attention import backend_named, custom_calls
 from maxjax.graphs.decoder import kv_specs
 from maxjax.graphs.lora import lora_specs
-from maxjax.graphs.program import (KV_INIT, GraphSpec, SampledStep, kv_init_spec, sampler_name,
+from maxjax.graphs.program import (KV_INIT, GraphSpec, kv_init_spec, sampled_steps,
                                    sampler_specs, step_graph_specs)
 from maxjax.graphs.sharding import abstract
 from maxjax.graphs.vision import vision_graph_specs
@@ -45,8 +45,9 @@ EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c)
 
 
 def graph_specs(model, layout) -> list[GraphSpec]:
-    """The step graphs of `layout`'s buckets, their samplers, then the KV initializer, sharded over the layout's
-    mesh when it has one; nothing is allocated (the pool may be sized for another machine). With
+    """The step graphs of `layout`'s buckets, their samplers, then the KV initializer, sharded
+    over the layout's mesh when it has one; nothing is allocated (the pool may be sized for
+    another machine). With
     LoRA the step graphs take the adapter slot stacks as params["lora"] (graphs/lora.py), whose
     shapes the layout pins."""
     from maxjax.engine.types import MAX_TOP_LOGPROBS
@@ -62,8 +63,8 @@ def graph_specs(model, layout) -> list[GraphSpec]:
     samplers = sampler_specs(cfg, layout.buckets, layout.max_length, MAX_TOP_LOGPROBS,
                              mesh=layout.mesh)
     vision = vision_graph_specs(model.vision) if model.vision else []
-    return steps + samplers + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype, layout.mesh,
-                                 layout.attention)] + vision
+    return steps + samplers + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype,
+                                            layout.mesh, layout.attention)] + vision
 
 
 def execution_devices(layout) -> list:
@@ -189,11 +190,8 @@ def engine_graphs(compiled: dict, model, layout) -> tuple:
     {graph name: OutputCallable}."""
     specs = graph_specs(model, layout)
     init = compiled[KV_INIT][0]
-    buckets = [s.bucket for s in specs if s.bucket is not None]
-    samplers = {n: OutputCallable(*compiled[n]) for n in
-                {sampler_name(b.num_samples) for b in buckets}}
-    steps = {b: SampledStep(StepCallable(*compiled[b.name]), samplers[sampler_name(b.num_samples)])
-             for b in buckets}
+    steps = sampled_steps([s.bucket for s in specs if s.bucket is not None], compiled,
+                          lambda c: StepCallable(*c), lambda c: OutputCallable(*c))
     out = (steps, kv_initializer(init, pool_specs(model, layout)))
     if model.vision:
         out += ({s.name: OutputCallable(*compiled[s.name])

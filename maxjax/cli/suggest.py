@@ -298,9 +298,9 @@ def model_notes(ckpt, model, cfg, layout, report) -> list[str]:
         if not a["matches"]:
             notes.append(f"--precompiled-artifacts {a['path']}: {a['why']}")
     if cache["enabled"] and not cache["entry"]:
-        from maxjax.graphs.program import graph_count
+        from maxjax.aot.graphs import graph_specs
         notes.append(f"not in the compile cache: the first start compiles "
-                     f"{graph_count(layout.buckets)} graphs (`maxjax warm-cache` with the same "
+                     f"{len(graph_specs(model, layout))} graphs (`maxjax warm-cache` with the same "
                      "flags compiles them ahead)")
     if cfg.data_parallel_degree > 1:
         notes.append(f"the plan is replica 0's of {cfg.data_parallel_degree}")

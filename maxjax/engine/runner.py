@@ -2,8 +2,8 @@
 
 Each bucket's executable is graphs/program.py's SampledStep (its step graph, then the sampler
 graph of its number of sample slots, on the step's logits on the device), so logits never leave
-the device: only token ids and logprobs come back, in one transfer (and, in a step with an embedding row, the rows' pooled
-hidden states, f32[R, hidden] x 2). The KV pool is donated to
+the device: only token ids and logprobs come back, in one transfer (and, in a step with an
+embedding row, the rows' pooled hidden states, f32[R, hidden] x 2). The KV pool is donated to
 every call and updated in place; it is made by the program's KV initializer graph. Executables
 (steps and initializer) come from precompiled artifacts (maxjax/aot/) given to the constructor,
 or are compiled here (`compile_all`, and the initializer at construction); `run` never compiles.
@@ -25,8 +25,8 @@ from maxjax.engine.executor import LocalExecutor, StepExecutor
 from maxjax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from maxjax.graphs import sampling
 from maxjax.graphs.attention import backend_for, backend_named
-from maxjax.graphs.program import (GraphSpec, SampledStep, image_embeds, jit_kwargs,
-                                   kv_init_spec, sampler_name, sampler_specs, step_graph_specs)
+from maxjax.graphs.program import (GraphSpec, image_embeds, jit_kwargs, kv_init_spec,
+                                   sampled_steps, sampler_name, sampler_specs, step_graph_specs)
 from maxjax.graphs.step import SCRATCH_PAGE, RowSlice, build_step_inputs
 
 log = logging.getLogger("maxjax.runner")
@@ -155,8 +155,7 @@ class ModelRunner:
             log.debug("compiled %s in %.2fs", spec.name, time.perf_counter() - t0)
             if progress:
                 progress(i + 1, len(specs), spec.name)
-        for b in missing:
-            self.executables[b] = SampledStep(built[b.name], built[sampler_name(b.num_samples)])
+        self.executables.update(sampled_steps(missing, built))
 
     def reset_kv(self) -> None:
         """A new zero pool (the old one was lost in a failed call)."""
