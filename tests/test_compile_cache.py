@@ -18,7 +18,7 @@ from collections import OrderedDict
 import pytest
 
 import maxjax
-from maxjax.aot import cache, prefetch, weight_cache
+from maxjax.aot import cache, export, prefetch, weight_cache
 from maxjax.aot import manifest as mf
 from maxjax.aot.manifest import MANIFEST
 from maxjax.cli.main import build_parser, main
@@ -112,7 +112,7 @@ def test_a_new_entry_takes_the_graphs_another_entry_compiled(model, filled, tmp_
     """A bucket set that adds one bucket compiles that graph alone: the buckets, samplers and
     KV initializer it shares with the filled entry are byte-identical exports, whose executables
     are copied from there or from this process's memory (cache.Donors). Under other XLA flags
-    nothing is taken."""
+    nothing is taken. Artifacts exported from an engine take every graph the same way."""
     monkeypatch.setattr(cache.Donors, "_memory", OrderedDict())    # this test's compiles alone
     root, entry = copy_of(filled, tmp_path)
     old = {g["name"] for g in mf.read_manifest(entry, "").data["graphs"]}
@@ -127,6 +127,18 @@ def test_a_new_entry_takes_the_graphs_another_entry_compiled(model, filled, tmp_
     cache.remove(entry)
     again, compiles, sources = start(model, root, max_batch_input_tokens=4)
     assert compiles == 0 and sources == {"executable"}
+    # artifacts of that engine take every graph from the cache (or memory): nothing compiled
+    with monkeypatch.context() as mp:
+        mp.setenv("MAXJAX_CACHE_DIR", str(root))
+        before = compile_counter.count()
+        export.export_engine(str(tmp_path / "artifacts"), again.core)
+        assert compile_counter.count() == before
+    arts = mf.read_manifest(str(tmp_path / "artifacts"), "").data["graphs"]
+    assert all(g.get("reused") for g in arts) and len(arts) == len(graphs)
+    served, compiles, sources = start(model, tmp_path / "none", max_batch_input_tokens=4,
+                                      precompiled_artifacts=[str(tmp_path / "artifacts")])
+    assert compiles == 0 and sources == {"executable"}
+    assert [o.token_ids for o in served.generate(PROMPTS, GREEDY)] == filled[2]
     # an empty cache in this process: every graph was compiled (or taken) here before
     _, compiles, sources = start(model, tmp_path / "fresh", max_batch_input_tokens=4)
     assert compiles == 0 and sources == {"compiled"}

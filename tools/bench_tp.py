@@ -1,7 +1,7 @@
 """Tensor-parallel overhead on one CPU: the SmolLM2-135M step graph (random weights in
---encoding: float32, or quantized as a checkpoint is, maxjax/models/quantize.py; fused with
-sampling, exactly as the engine compiles it: graphs/program.py step_graph_specs) at TP=1 and
-TP=N on N forced host devices, which add no cores, so what the figures show is the cost of the
+--encoding: float32, or quantized as a checkpoint is, maxjax/models/quantize.py; then its
+sampler graph, as the engine compiles them: graphs/program.py step_graph_specs, sampler_specs)
+at TP=1 and TP=N on N forced host devices, which add no cores, so what the figures show is the cost of the
 sharding: the collectives GSPMD inserts and the smaller per-device matmuls. Runs interleave
 the two engines in one process; a profile of the TP=N steps gives the time in collectives.
 
@@ -25,7 +25,7 @@ import numpy as np
 from maxjax.engine.buckets import Bucket
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import decoder, quant, sampling, sharding
-from maxjax.graphs.program import jit_kwargs, step_graph_specs
+from maxjax.graphs.program import jit_kwargs, sampled_steps, sampler_specs, step_graph_specs
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from maxjax.models import quantize
 from maxjax.models.registry import get_architecture
@@ -36,6 +36,7 @@ SMOLLM2 = ARCH.config_from_hf({
     "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
     "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True})
+HISTORY = 4096
 COLLECTIVES = re.compile(r"all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute")
 
 
@@ -76,8 +77,10 @@ def engine(cfg, tp: int, num_pages: int, page: int, buckets, max_pages: int, enc
         cfg, params = sharding.tensor_parallel_layout(cfg, params, tp)
         params = sharding.place(jax.tree.map(np.asarray, params), specs, mesh, rules)
         kv = sharding.place(kv, decoder.kv_pool_specs(cfg, num_pages, page), mesh, rules)
-    specs = step_graph_specs(ARCH, cfg, params, kv, buckets, max_pages, 20, mesh=mesh)
-    compiled = {s.bucket: jax.jit(s.fn, **jit_kwargs(s)).lower(*s.args).compile() for s in specs}
+    specs = (step_graph_specs(ARCH, cfg, params, kv, buckets, max_pages, 20, mesh=mesh)
+             + sampler_specs(cfg, buckets, HISTORY, 20, mesh=mesh))
+    graphs = {s.name: jax.jit(s.fn, **jit_kwargs(s)).lower(*s.args).compile() for s in specs}
+    compiled = sampled_steps(buckets, graphs)
     return [params, kv, compiled]
 
 
@@ -163,7 +166,7 @@ def main():
         b = Bucket(T, R)
         st = build_step_inputs(rows, T, R, max_pages, page)
         sa = sampling.build_sampling_arrays([(SamplingParams(temperature=0), [], [], 0)] * len(rows),
-                                            R, 4096, vocab_size=cfg.vocab_size)
+                                            R, HISTORY, vocab_size=cfg.vocab_size)
         inputs.append((name, b, st, sa, sum(len(r.token_ids) for r in rows)))
     buckets = sorted({b for _, b, *_ in inputs})
     t0 = time.perf_counter()
@@ -187,7 +190,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name, b, st, sa, ntok in inputs:
         one, tp = (float(np.median(times[(name, k)])) for k in (1, args.tp))
-        ops = collective_ops(engines[args.tp][2][b])
+        ops = collective_ops(engines[args.tp][2][b].step)
         coll, total = profile_collectives(engines[args.tp], b, st, sa, args.iters)
         print(f"| {name} | {ntok} | {one:.1f} | {tp:.1f} | {tp / one:.2f}x | "
               f"{', '.join(f'{v} {k}' for k, v in sorted(ops.items()))} | "

@@ -153,15 +153,15 @@ class Donors:
     another engine sharing a bucket or a sampler, a draft model's sampler) is loaded instead of
     compiled. They come from this process's recent compiles (`remember`, kept in memory up to
     MEMORY_BYTES) and from the cache's other entries built by this maxjax, jax and graph code,
-    for this device under these XLA flags. Only for executables that load onto any one CPU
-    device (graphs.movable), in a single process; a donor entry's manifest seal and file sha256
-    are checked as for any entry."""
+    for this device under these XLA flags (`root` None: this process's alone). Only for
+    executables that load onto any one CPU device (graphs.movable), in a single process; a donor
+    entry's manifest seal and file sha256 are checked as for any entry."""
 
     MEMORY_BYTES = 64 << 20
     _memory: OrderedDict = OrderedDict()      # (context, export sha256) -> executable bytes
     _lock = threading.Lock()
 
-    def __init__(self, root: str, devices: list):
+    def __init__(self, root: str | None, devices: list):
         from maxjax.aot import graphs
         self.devices = devices
         self.by_export: dict[str, tuple[str, dict]] = {}
@@ -171,7 +171,7 @@ class Donors:
         want = {"versions": mf.versions(), "code_digest": mf.code_digest(),
                 "compiled_for": mf.local_device(), "xla_flags": mf.codegen_flags()}
         self.context = mf.digest(want)
-        for e in entries(root, kind="graphs"):
+        for e in entries(root, kind="graphs") if root else []:
             try:
                 m = mf.read_manifest(e.path, "")
             except UserError:

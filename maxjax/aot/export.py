@@ -173,7 +173,8 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
                     archs: dict | None = None) -> dict:
     """Every graph of `plan` into `directory`, built in a temp dir and renamed into place
     (replacing an artifact directory that is there); `store_weights` None: weights.stored's
-    default (on)."""
+    default (on). A graph compiled before (cache.Donors: by this process, or in the compile
+    cache unless it is off) is copied, not compiled again."""
     from tqdm import tqdm
     parent = os.path.dirname(os.path.abspath(directory)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -182,6 +183,9 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
             os.path.isdir(directory) and not os.listdir(directory)):
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
     tmp = group.temp_dir(parent, directory)
+    from maxjax.aot import cache      # graphs compiled before, here or in the compile cache
+    donors = cache.Donors(cache.directory() if cache.enabled() else None,
+                          graphs.execution_devices(plan.layout))
     try:
         with tqdm(desc="warm-cache", unit="graph", disable=not progress) as bar:
             def on_graph(i, n, name):
@@ -189,7 +193,8 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
                 bar.set_postfix_str(name)
                 bar.update()
             data, _ = build_entry(tmp, model, plan, platforms, jobs, on_graph,
-                                  aot_weights.stored(store_weights), shared=True, archs=archs)
+                                  aot_weights.stored(store_weights), shared=True, archs=archs,
+                                  donors=donors)
         if group.is_leader():
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
