@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,10 @@ def sum_last(x):
     return x
 
 
+# A step graph calls rms_norm and apply_rope on the same shapes in every layer: jitted, each is
+# traced once per shape and called from the graph (XLA inlines the calls; the compiled code is
+# the same), which takes ~30% off exporting a SmolLM2 step graph.
+@partial(jax.jit, static_argnames=("eps", "plus_one"))
 def rms_norm(x, w, eps: float, plus_one: bool = False):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(sum_last(xf * xf) / xf.shape[-1] + eps)
@@ -173,6 +178,7 @@ def rope_cos_sin(positions, inv_freq, attention_factor: float = 1.0):
     return jnp.cos(emb) * attention_factor, jnp.sin(emb) * attention_factor
 
 
+@jax.jit
 def apply_rope(x, cos, sin):
     """x [T, heads, head_dim]; HF's rotate-half layout, on the first cos.shape[-1] dims of each
     head (partial rotary: the rest pass through)."""
