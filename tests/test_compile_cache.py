@@ -135,6 +135,12 @@ def test_a_new_entry_takes_the_graphs_another_entry_compiled(model, filled, tmp_
         assert compile_counter.count() == before
     arts = mf.read_manifest(str(tmp_path / "artifacts"), "").data["graphs"]
     assert all(g.get("reused") for g in arts) and len(arts) == len(graphs)
+    with monkeypatch.context() as mp:       # --no-compile-cache: the cache is not read
+        mp.setenv("MAXJAX_CACHE_DIR", str(root))
+        mp.setattr(cache.Donors, "_memory", OrderedDict())
+        before = compile_counter.count()
+        export.export_engine(str(tmp_path / "uncached"), again.core, compile_cache=False)
+        assert compile_counter.count() - before == len(graphs)
     served, compiles, sources = start(model, tmp_path / "none", max_batch_input_tokens=4,
                                       precompiled_artifacts=[str(tmp_path / "artifacts")])
     assert compiles == 0 and sources == {"executable"}

@@ -170,11 +170,12 @@ def build_entry(directory: str, model, plan, platforms: list[str],
 
 def write_artifacts(directory: str, model, plan, platforms: list[str],
                     jobs: int = 1, progress: bool = True, store_weights: bool | None = None,
-                    archs: dict | None = None) -> dict:
+                    archs: dict | None = None, compile_cache: bool | None = None) -> dict:
     """Every graph of `plan` into `directory`, built in a temp dir and renamed into place
     (replacing an artifact directory that is there); `store_weights` None: weights.stored's
     default (on). A graph compiled before (cache.Donors: by this process, or in the compile
-    cache unless it is off) is copied, not compiled again."""
+    cache unless `compile_cache`, cache.enabled's flag, turns it off) is copied, not compiled
+    again."""
     from tqdm import tqdm
     parent = os.path.dirname(os.path.abspath(directory)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -184,7 +185,7 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
     tmp = group.temp_dir(parent, directory)
     from maxjax.aot import cache      # graphs compiled before, here or in the compile cache
-    donors = cache.Donors(cache.directory() if cache.enabled() else None,
+    donors = cache.Donors(cache.directory() if cache.enabled(compile_cache) else None,
                           graphs.execution_devices(plan.layout))
     try:
         with tqdm(desc="warm-cache", unit="graph", disable=not progress) as bar:
@@ -299,11 +300,11 @@ def default_jobs() -> int:
 
 
 # ---- --export-artifacts --------------------------------------------------------------------------
-def export_engine(directory: str, core) -> None:
+def export_engine(directory: str, core, compile_cache: bool | None = None) -> None:
     """Write artifacts for every graph of a running core (same format as warm-cache)."""
     platforms = [jax.export.default_export_platform()]
     t0 = time.perf_counter()
     data = write_artifacts(os.path.abspath(directory), core.model, core.plan, platforms,
-                           progress=False)
+                           progress=False, compile_cache=compile_cache)
     log.info("exported %d graphs to %s in %.1f s", len(data["graphs"]), directory,
              time.perf_counter() - t0)

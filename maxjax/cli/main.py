@@ -155,7 +155,8 @@ def cmd_generate(args) -> int:
         raise UserError(str(e)) from e
     if model_opts.export_artifacts:
         from maxjax.aot import export as aot_export
-        aot_export.export_engine(model_opts.export_artifacts, llm.core)
+        aot_export.export_engine(model_opts.export_artifacts, llm.core,
+                                  model_opts.compile_cache)
     if gen.profile:
         print(llm.profile_report(), file=sys.stderr)
     stats = llm.stats()

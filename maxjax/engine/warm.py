@@ -64,10 +64,10 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
         directory = os.path.abspath(artifacts_dir)
         data = write_artifacts(directory, model, plan, platforms, jobs,
                                progress=group.is_leader(), store_weights=store_weights,
-                               archs=archs)
+                               archs=archs, compile_cache=model_opts.compile_cache)
     if plan.config.speculative_method == "draft":
         _draft_graphs(model, plan, artifacts_dir and os.path.join(directory, DRAFT_DIR), platforms,
-                      jobs, archs, model_opts.compile_cache_max_size)
+                      jobs, archs, model_opts.compile_cache_max_size, model_opts.compile_cache)
     took = time.perf_counter() - t0
     kinds = "exports + executables" if data["compiled_for"] else "exports"
     print(f"wrote {len(data['graphs'])} graphs ({kinds} for {', '.join(platforms)}) in {took:.1f} s")
@@ -84,7 +84,8 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
     return 0
 
 
-def _draft_graphs(model, plan, directory: str | None, platforms, jobs, archs, cache_size) -> None:
+def _draft_graphs(model, plan, directory: str | None, platforms, jobs, archs, cache_size,
+                  compile_cache: bool | None = None) -> None:
     """The draft model's graphs (maxjax/engine/draft.py draft_plan) into `directory` (inside
     the target's artifacts), or into the compile cache (None)."""
     from maxjax.engine import draft
@@ -96,5 +97,6 @@ def _draft_graphs(model, plan, directory: str | None, platforms, jobs, archs, ca
         cache.evict(cache.max_bytes(cache_size), keep=path)
     else:
         data = write_artifacts(directory, dmodel, dplan, platforms, jobs,
-                               progress=group.is_leader(), store_weights=False, archs=archs)
+                               progress=group.is_leader(), store_weights=False, archs=archs,
+                               compile_cache=compile_cache)
     print(f"draft model: {len(data['graphs'])} graphs in {directory or path}")
