@@ -69,7 +69,7 @@ def sum_last(x):
 
 # A step graph calls rms_norm and apply_rope on the same shapes in every layer: jitted, each is
 # traced once per shape and called from the graph (XLA inlines the calls; the compiled code is
-# the same), which takes ~30% off exporting a SmolLM2 step graph.
+# the same), which halves the time to export a SmolLM2 step graph (BENCHMARKS.md).
 @partial(jax.jit, static_argnames=("eps", "plus_one"))
 def rms_norm(x, w, eps: float, plus_one: bool = False):
     xf = x.astype(jnp.float32)

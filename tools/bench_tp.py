@@ -1,9 +1,10 @@
 """Tensor-parallel overhead on one CPU: the SmolLM2-135M step graph (random weights in
 --encoding: float32, or quantized as a checkpoint is, maxjax/models/quantize.py; then its
 sampler graph, as the engine compiles them: graphs/program.py step_graph_specs, sampler_specs)
-at TP=1 and TP=N on N forced host devices, which add no cores, so what the figures show is the cost of the
-sharding: the collectives GSPMD inserts and the smaller per-device matmuls. Runs interleave
-the two engines in one process; a profile of the TP=N steps gives the time in collectives.
+at TP=1 and TP=N on N forced host devices, which add no cores, so what the figures show is the
+cost of the sharding: the collectives GSPMD inserts and the smaller per-device matmuls. Runs
+interleave the two engines in one process; a profile of the TP=N steps gives the time in
+collectives.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 .venv/bin/python tools/bench_tp.py \
         [--tp 2] [--rows 1,8,32] [--prefill 128] [--rounds 3] [--encoding int8]

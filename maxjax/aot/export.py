@@ -183,10 +183,10 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
             os.path.join(directory, mf.MANIFEST)) and not (
             os.path.isdir(directory) and not os.listdir(directory)):
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
-    tmp = group.temp_dir(parent, directory)
     from maxjax.aot import cache      # graphs compiled before, here or in the compile cache
     donors = cache.Donors(cache.directory() if cache.enabled(compile_cache) else None,
                           graphs.execution_devices(plan.layout))
+    tmp = group.temp_dir(parent, directory)
     try:
         with tqdm(desc="warm-cache", unit="graph", disable=not progress) as bar:
             def on_graph(i, n, name):
