@@ -127,12 +127,11 @@ def fill(path: str, model, plan, platforms: list[str], jobs: int,
     """Build the entry at `path` (export + compile every graph, in a temp directory renamed into
     place): build_entry's (manifest, compiled executables). `replace`: an entry already there
     goes (warm-cache refreshes it); else the first one renamed into place stays."""
-    from maxjax.aot import export, graphs
+    from maxjax.aot import export
     tmp = new_tmp(os.path.dirname(path))
     try:
-        donors = Donors(os.path.dirname(path), graphs.execution_devices(plan.layout))
         data, compiled = export.build_entry(tmp, model, plan, platforms, jobs, on_graph,
-                                            donors=donors)
+                                            donor_root=os.path.dirname(path))
         served = [g["name"] for g in data["graphs"] if group.executable_key() not in g["files"]]
         if served:      # see export.py: such executables do not serialize again
             log.warning("compile cache: not stored: %d graphs came from JAX's persistent "

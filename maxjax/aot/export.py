@@ -125,17 +125,20 @@ def compile_order(specs: list) -> list:
 def build_entry(directory: str, model, plan, platforms: list[str],
                 jobs: int = 1, on_graph: Callable[[int, int, str], None] | None = None,
                 store_weights: bool = False, shared: bool = False,
-                archs: dict | None = None, donors=None) -> tuple[dict, dict]:
+                archs: dict | None = None, donor_root: str | None = None) -> tuple[dict, dict]:
     """Export (and compile locally) every graph of `plan` (maxjax/engine/plan.py's EnginePlan)
     into the existing, empty `directory`,
     with `store_weights` the converted weights (maxjax/aot/weights.py), manifest last. `shared`:
     every process of a group writes into this one directory (group.py); else each process
     writes a whole directory of its own (a compile cache entry). Returns the manifest and
     {name: (compiled, "compiled", output_structure)} of the executables compiled for this
-    machine (empty when it is not a target). `donors`: build_graph's."""
+    machine (empty when it is not a target). A graph compiled before, by this process or in an
+    entry of the compile cache at `donor_root` (None: none read), is copied (cache.Donors)."""
+    from maxjax.aot import cache
     local = jax.export.default_export_platform()
     compile_local = local in platforms
     layout = plan.layout
+    donors = cache.Donors(donor_root, graphs.execution_devices(layout)) if compile_local else None
     specs = graphs.graph_specs(model, layout)
     entries, compiled = {}, {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -184,8 +187,7 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
             os.path.isdir(directory) and not os.listdir(directory)):
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
     from maxjax.aot import cache      # graphs compiled before, here or in the compile cache
-    donors = cache.Donors(cache.directory() if cache.enabled(compile_cache) else None,
-                          graphs.execution_devices(plan.layout))
+    donor_root = cache.directory() if cache.enabled(compile_cache) else None
     tmp = group.temp_dir(parent, directory)
     try:
         with tqdm(desc="warm-cache", unit="graph", disable=not progress) as bar:
@@ -195,7 +197,7 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
                 bar.update()
             data, _ = build_entry(tmp, model, plan, platforms, jobs, on_graph,
                                   aot_weights.stored(store_weights), shared=True, archs=archs,
-                                  donors=donors)
+                                  donor_root=donor_root)
         if group.is_leader():
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
