@@ -77,11 +77,17 @@ def test_files_that_reach_no_graph_leave_it(src):
 
 
 def test_imports_anywhere_join_it(src):
-    """A new module of maxjax.graphs, and the imports in its functions, relative ones included."""
+    """A new module of maxjax.graphs, and the imports in its functions, relative ones included,
+    in every form a statement takes."""
     with open(source_file(src, "maxjax.graphs.extra"), "w") as f:
-        f.write("def f():\n    from ..engine import scheduler\n    import maxjax.cli.main\n")
+        f.write("def f():\n    from ..engine import scheduler\n    import maxjax.cli.main\n"
+                "    from maxjax.server import (\n        app,  # a comment\n"
+                "        metrics as m,\n    )\n"
+                "import os, maxjax.engine.plan as plan; import maxjax.aot.load\n")
     code = mf.graph_code(src)
-    assert {"maxjax.graphs.extra", "maxjax.engine.scheduler", "maxjax.cli.main"} <= set(code)
+    assert {"maxjax.graphs.extra", "maxjax.engine.scheduler", "maxjax.cli.main",
+            "maxjax.server.app", "maxjax.server.metrics", "maxjax.engine.plan",
+            "maxjax.aot.load"} <= set(code)
     assert "maxjax.engine.block_manager" in code     # imported by the scheduler
 
 
