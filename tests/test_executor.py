@@ -117,3 +117,18 @@ def test_a_follower_makes_the_leaders_calls_with_the_same_outputs():
         assert fb == lb
         np.testing.assert_array_equal(fids, lids)
     assert local.kv == leader.kv == (1,)
+
+
+def test_the_pool_is_made_before_the_executor_exists():
+    """An engine is ready when its pool is: on a mesh XLA:CPU makes a pool asynchronously (GiBs
+    for seconds), and a start that did not wait said ready while its first step still waited
+    (maxjax/engine/executor.py). Here 256 MiB on each of two devices, ~0.1 s."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    make = jax.jit(lambda: (jax.numpy.zeros(1 << 26, np.float32),), out_shardings=(whole,))
+    jax.block_until_ready(make())               # compiled before
+    local = LocalExecutor(BUCKETS, {}, make, lambda: {})
+    assert all(a.is_ready() for a in local.kv)
+    local.init_kv()
+    assert all(a.is_ready() for a in local.kv)
