@@ -83,11 +83,12 @@ def test_imports_anywhere_join_it(src):
         f.write("def f():\n    from ..engine import scheduler\n    import maxjax.cli.main\n"
                 "    from maxjax.server import (\n        app,  # a comment\n"
                 "        metrics as m,\n    )\n"
-                "import os, maxjax.engine.plan as plan; import maxjax.aot.load\n")
+                "import os, maxjax.engine.plan as plan; import maxjax.aot.load\n"
+                "from maxjax import errors, \\\n    bench\nimport os, \\\n    maxjax.cli.__main__\n")
     code = mf.graph_code(src)
     assert {"maxjax.graphs.extra", "maxjax.engine.scheduler", "maxjax.cli.main",
             "maxjax.server.app", "maxjax.server.metrics", "maxjax.engine.plan",
-            "maxjax.aot.load"} <= set(code)
+            "maxjax.aot.load", "maxjax.bench", "maxjax.cli.__main__"} <= set(code)
     assert "maxjax.engine.block_manager" in code     # imported by the scheduler
 
 

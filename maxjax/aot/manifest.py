@@ -143,10 +143,12 @@ def _package_modules(root: str, name: str) -> list[str]:
 
 
 # An import statement anywhere in a file (in functions, after `;` or `:`): `import a.b, c as d`,
-# `from .x import (y, z)` over several lines. Read by pattern, not parsed (ast.parse of the graph
-# code cost a warm start ~0.1 s): text that only looks like an import can add a file, not drop one.
-_IMPORT = re.compile(r"(?:^|[;:])[ \t]*(?:from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#;]*)"
-                     r"|import[ \t]+([^\n#;]*))", re.M)
+# `from .x import (y, z)` over several lines or continued by a backslash. Read by pattern, not
+# parsed (ast.parse of the graph code cost a warm start ~0.1 s): text that only looks like an
+# import can add a file, not drop one.
+_REST = r"(?:\\\n|[^\n#;\\])*"      # the rest of a statement, over backslash continuations
+_IMPORT = re.compile(rf"(?:^|[;:])[ \t]*(?:from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+"
+                     rf"(\([^)]*\)|{_REST})|import[ \t]+({_REST}))", re.M)
 
 
 def _imports(root: str, name: str, path: str) -> set[str]:
@@ -159,7 +161,7 @@ def _imports(root: str, name: str, path: str) -> set[str]:
     for m in _IMPORT.finditer(text):
         base, names, plain = m.groups()
         if plain is not None:
-            found.update(n.split()[0] for n in plain.split(",") if n.strip())
+            found.update(n.split()[0] for n in plain.replace("\\", " ").split(",") if n.split())
             continue
         dots = len(base) - len(base.lstrip("."))
         if dots:
