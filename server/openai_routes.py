@@ -16,9 +16,9 @@ from maxjax.engine.types import TokenLogprob
 from .chat_run import ChatTurn
 from .generation import Generation
 from .openapi import describe
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_choice,
-                       chat_chunk, chat_chunk_choice, chat_response, completion_choice,
-                       completion_response, error_body, now, usage)
+from .protocol import (COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
+                       chat_choice, chat_chunk, chat_chunk_choice, chat_response,
+                       completion_choice, completion_response, error_body, now, usage)
 from .responses import ChatCompletion, ChatCompletionChunk, Completion
 from .sampling_request import (COMPLETION_ERROR_NAMES, default_max_tokens, per_choice,
                                sampling_params)
@@ -198,7 +198,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo and not st.cfg.enable_echo:
         raise APIError(400, "echo: echo is off on this server (--no-enable-echo)", param="echo")
     prompts, texts = await completion_prompts(st, req.prompt)
-    max_new = default_max_tokens(st, prompts, req.max_tokens)
+    max_new = default_max_tokens(st, prompts, req.max_tokens, COMPLETION_MAX_TOKENS)
     want_lp = req.logprobs is not None
     top_n = req.logprobs or 0
     params = sampling_params(st.cfg, req, max_new, want_lp, top_n,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from maxjax.engine.types import MAX_TOP_LOGPROBS
 
@@ -40,7 +40,19 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 class _Strict(BaseModel):
+    """A request body: an unknown field is refused, and an explicit null takes the field's
+    default (the spec's "integer or null, default 1": clients send null for what they leave
+    unset)."""
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields
+                or fields[k].is_required() or fields[k].default is None}
 
 
 class StreamOptions(BaseModel):
@@ -133,18 +145,17 @@ class ChatCompletionRequest(_SamplingFields):
         return None
 
 
+COMPLETION_MAX_TOKENS = 16     # OpenAI's default max_tokens for /v1/completions
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)    # null is the default too (OpenAI's: 16)
+    # None: COMPLETION_MAX_TOKENS, or what the longest prompt leaves of the maximum length
+    max_tokens: int | None = Field(None, ge=1)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _null_is_default(cls, v):
-        return 16 if v is None else v
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
@@ -154,8 +165,7 @@ class CompletionRequest(_SamplingFields):
         return None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

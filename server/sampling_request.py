@@ -12,12 +12,14 @@ from .state import ServerState
 from .structured import grammar_spec
 
 
-def default_max_tokens(st: ServerState, prompts: list[list[int]], max_tokens: int | None) -> int:
-    """max_tokens, or what the longest prompt leaves of the maximum length (at least 1, so a
-    prompt that does not fit is the error the engine reports)."""
+def default_max_tokens(st: ServerState, prompts: list[list[int]], max_tokens: int | None,
+                       most: int | None = None) -> int:
+    """max_tokens, or what the longest prompt leaves of the maximum length, up to `most` (at
+    least 1, so a prompt that does not fit is the error the engine reports)."""
     if max_tokens is not None:
         return max_tokens
-    return max(st.engine.max_length - max(map(len, prompts)), 1)
+    left = max(st.engine.max_length - max(map(len, prompts)), 1)
+    return left if most is None else min(left, most)
 
 
 def sampling_params(cfg: ServeConfig, req, max_new: int, logprobs: bool, top_logprobs: int,

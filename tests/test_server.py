@@ -231,6 +231,36 @@ def test_completions_echo(client):
     assert "".join(ch.choices[0].text for ch in chunks) == "hiThe"
 
 
+def test_null_takes_the_default(server):
+    """The spec's "integer or null, default 1": a field sent as null is the field left out."""
+    r = post(server, "/v1/chat/completions", {"model": "mock-model", "messages": MSGS,
+                                              "max_tokens": 2, "n": None, "min_tokens": None,
+                                              "ignore_eos": None, "skip_special_tokens": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    r = post(server, "/v1/completions", {"model": "mock-model", "prompt": "hi", "n": None,
+                                         "max_tokens": 2, "echo": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Th", r.text
+    r = post(server, "/tokenize", {"model": "mock-model", "prompt": "hi",
+                                   "return_token_strs": None})
+    assert r.status_code == 200 and r.json()["tokens"] == [104, 105], r.text
+    r = post(server, "/v1/chat/completions", {"model": "mock-model", "messages": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_completions_default_max_tokens_is_what_the_prompt_leaves(server):
+    """OpenAI's default of 16, cut to what the prompt leaves of the maximum length (vLLM's):
+    a long prompt without max_tokens is not a 400 about a field the client never sent."""
+    most = server.engine.max_length
+    r = post(server, "/v1/completions", {"model": "mock-model", "prompt": [104] * (most - 3)})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = post(server, "/v1/completions", {"model": "mock-model", "prompt": [104] * (most - 3),
+                                         "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = post(server, "/v1/completions", {"model": "mock-model", "prompt": [104] * most})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_completions_prompt_forms(server, client):
     r = client.completions.create(model="mock-model", prompt=["ab", "cde"], max_tokens=2, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]

@@ -95,6 +95,23 @@ def test_regex_choice_and_lark(llm):
                                       ast.Mult, ast.Div)) for n in ast.walk(tree)), out.text
 
 
+def test_regex_classes_are_ascii(llm):
+    """`\\d` and `\\w` read as a JSON schema's pattern reads them: under the Rust regex crate's
+    Unicode classes this prompt's greedy answer was '🯸🯸🯸-🯸🯸🯸🯸' (U+1FBF8 is a Unicode digit)."""
+    p = llm.apply_chat_template([{"role": "user", "content": "What is your phone number?"}])
+    regex = r"\d{3}-\d{4} \w{2,6}"
+    outs = llm.generate([p] * 4, [params(GrammarSpec.regex(regex), s > 0, seed=s, max_new=40)
+                                  for s in range(4)])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        assert re.fullmatch(regex, out.text, re.ASCII), out.text
+    backend = llm.core.grammars
+    spec = GrammarSpec.regex(r"[\d]\w")
+    for text, ok in (("7a", True), ("٣a", False), ("7é", False)):
+        state = backend.new_state(backend.compiled(spec), spec)
+        assert state.accept(llm.tokenizer.encode(text, add_special_tokens=False)) == ok, text
+
+
 def test_unconstrained_rows_are_untouched(llm):
     plain = [llm.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
                                      "Once upon a time")]

@@ -194,7 +194,10 @@ class GrammarBackend:
                   {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"})
             return llg.LLMatcher.grammar_from_json_schema(spec.source, defaults=ws)
         if spec.kind == "regex":
-            return llg.grammar_from("regex", spec.source)
+            # read as a JSON schema's `pattern` is: \d and \w ASCII (the Rust regex crate's
+            # are Unicode, and `\d` took U+1FBF8 SEGMENTED DIGIT EIGHT for a digit)
+            return llg.LLMatcher.grammar_from_lark(
+                f"start: /{llg.regex_to_lark(spec.source, use_ascii='dw')}/")
         if spec.kind == "choice":
             return llg.grammar_from("choice", spec.source)
         if spec.kind == "lark":
