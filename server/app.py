@@ -27,9 +27,9 @@ from .protocol import (APIError, DetokenizeRequest, LoadLoraRequest, TokenizeReq
                        UnloadLoraRequest, error_body, model_card, now)
 from .responses import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
 from .state import COMPLETED, STATE, ServerState, log, parse_request, read_json
-from .webui import OPEN_PREFIXES, add_routes as add_webui_routes
+from .webui import OPEN_PREFIXES, PAGES, add_routes as add_webui_routes
 
-_OPEN_PATHS = ("/health", "/v1/health", "/")     # and the web UI's static files (OPEN_PREFIXES)
+_OPEN_PATHS = ("/health", "/v1/health", *PAGES)   # and the web UI's files (OPEN_PREFIXES)
 
 
 def _json_error(status: int, message: str, param=None, code=None, headers=None):
@@ -257,7 +257,7 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = []
-    t0 = time.perf_counter()
+    t0, served = time.perf_counter(), False
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
@@ -279,15 +279,18 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
         while not engine.is_ready and not stop.is_set():
             await asyncio.wait([waiter], timeout=0.05)
         if not stop.is_set():
+            served = True
             print(f"Server ready on http://{cfg.host}:{port}", flush=True)
             if on_ready is not None:
                 on_ready(port)
         await waiter
-        log.info("shutting down: draining in-flight requests (up to %.0f s)",
-                 cfg.shutdown_grace_period)
+        if served:      # else a failed start, whose one error line is the last
+            log.info("shutting down: draining in-flight requests (up to %.0f s)",
+                     cfg.shutdown_grace_period)
         t0 = time.perf_counter()
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
-    log.info("server stopped after %.1f s of draining", time.perf_counter() - t0)
+    if served:
+        log.info("server stopped after %.1f s of draining", time.perf_counter() - t0)

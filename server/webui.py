@@ -15,7 +15,8 @@ from .protocol import APIError
 from .state import STATE, ServerState
 
 STATIC_DIR = Path(__file__).parent / "webui"
-OPEN_PREFIXES = ("/ui/",)      # the page itself needs no API key; every API call does
+PAGES = ("/", "/ui", "/ui/")   # the page (the static route alone answers /ui/ with a 403)
+OPEN_PREFIXES = ("/ui/",)      # the page and its files need no API key; every API call does
 _SHUTDOWN = web.AppKey("webui_shutdown", asyncio.Event)
 
 
@@ -71,5 +72,6 @@ def add_routes(app: web.Application, webui: bool) -> None:
     app.router.add_get("/stats", stats_json)
     app.router.add_get("/stats/stream", stats_stream)
     if webui:
-        app.router.add_get("/", index)
+        for path in PAGES:
+            app.router.add_get(path, index)
         app.router.add_static("/ui/", STATIC_DIR)

@@ -55,9 +55,23 @@ def test_bad_flags_exit_2(capsys, tmp_path):
     bad_pkg.mkdir()
     (bad_pkg / "__init__.py").write_text("X = 1\n")
     one_line_error(capsys, "ARCHITECTURES", "list", "--custom-architectures", str(bad_pkg))
-    with pytest.raises(SystemExit) as e:      # argparse: an unknown flag is an error, not ignored
-        cli.main(["serve", "--no-such-flag"])
-    assert e.value.code == 2
+    for argv in (["serve", "--no-such-flag"], ["--no-such-flag"]):
+        with pytest.raises(SystemExit) as e:  # argparse: an unknown flag is an error, not ignored
+            cli.main(argv)
+        assert e.value.code == 2
+        assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_prompts_file_errors_name_the_cause(capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "Yo"}]}\n')
+    one_line_error(capsys, "line 2: 'messages' is a chat: add --chat", "generate",
+                   "--prompts-file", str(f))
+    f.write_text('{"text": "a"}\n')
+    one_line_error(capsys, "line 1: needs a 'prompt'", "generate", "--prompts-file", str(f))
+    f.write_text('{"prompt": \n')
+    one_line_error(capsys, "line 1: not JSON", "generate", "--prompts-file", str(f))
+    one_line_error(capsys, "--prompts-file", "generate", "--prompts-file", str(tmp_path / "no"))
 
 
 def test_list(capsys):
@@ -81,6 +95,18 @@ def test_no_traceback_from_a_real_process(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "maxjax: error:" in proc.stderr
+
+
+def test_a_failed_serve_says_nothing_of_a_server_it_never_ran(tmp_path):
+    """`serve` binds its port before loading (/health answers 503 meanwhile); a start that
+    fails ends on its one error line, with no drain or stop lines of a server that never ran."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "maxjax.cli", "serve", "--port", "0",
+                           "--model", str(tmp_path / "missing.gguf")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "cannot be found" in lines[-1], proc.stderr
+    assert "draining" not in proc.stderr and "stopped" not in proc.stderr, proc.stderr
 
 
 def test_chat_template_file_forms(tmp_path):

@@ -40,9 +40,10 @@ def tab(browser):  # noqa: F811
 
 # ---- over HTTP ------------------------------------------------------------------------------
 def test_page_and_static_files_are_served(server):
-    r = http("GET", server.url + "/")
-    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html")
-    assert '<script src="/ui/app.js">' in r.text
+    for page in ("/", "/ui", "/ui/"):
+        r = http("GET", server.url + page)
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html"), page
+        assert '<script src="/ui/app.js">' in r.text
     for name, kind in (("app.js", "javascript"), ("style.css", "text/css")):
         r = http("GET", server.url + "/ui/" + name)
         assert r.status_code == 200 and kind in r.headers["Content-Type"], name
@@ -55,6 +56,7 @@ def test_no_webui_is_a_404_and_keeps_stats():
         r = http("GET", s.url + "/")
         assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET /"
         assert http("GET", s.url + "/ui/app.js").status_code == 404
+        assert http("GET", s.url + "/ui/").status_code == 404
         assert http("GET", s.url + "/stats").status_code == 200
     finally:
         s.close()
@@ -69,7 +71,7 @@ def test_webui_flag():
 
 
 def test_api_key_guards_stats_not_the_page(keyed):
-    for path in ("/", "/ui/app.js", "/ui/style.css"):
+    for path in ("/", "/ui", "/ui/", "/ui/app.js", "/ui/style.css"):
         assert http("GET", keyed.url + path).status_code == 200, path
     for path in ("/stats", "/stats/stream"):
         r = http("GET", keyed.url + path)

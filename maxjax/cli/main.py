@@ -113,8 +113,11 @@ def _read_prompts(gen: GenerateOptions) -> list:
                 raise UserError(f"--prompts-file line {i}: not JSON ({e})") from e
             item = obj.get("messages") if gen.chat and isinstance(obj, dict) else None
             item = item or (obj.get("prompt") if isinstance(obj, dict) else obj)
+            if item is None and not gen.chat and isinstance(obj, dict) and "messages" in obj:
+                raise UserError(f"--prompts-file line {i}: 'messages' is a chat: add --chat")
             if item is None:
-                raise UserError(f"--prompts-file line {i}: needs a 'prompt' (or 'messages') field")
+                raise UserError(f"--prompts-file line {i}: needs a 'prompt' (or, with --chat, "
+                                f"'messages') field")
             prompts.append(item)
     if not prompts:
         raise UserError("generate needs --prompt TEXT or --prompts-file FILE")
@@ -334,6 +337,10 @@ def main(argv=None) -> int:
     # transformers' "PyTorch was not found" advice: maxjax needs only its tokenizers
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        parser.error(f"unrecognized argument {argv[0]}: the command comes first "
+                     f"(maxjax COMMAND [flags], e.g. maxjax serve {argv[0]} ...)")
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.exit(2, failure_line(args.command, f"unrecognized arguments: {' '.join(extra)} "
