@@ -17,16 +17,17 @@ from .config import ServeConfig
 from .engine_client import EngineClient
 from .generation import AdmissionState
 from .metrics import ServerMetrics
-from .chat_prompt import render_chat, template_ignores_tools, template_messages
+from .chat_prompt import chat_prompt
 from .embeddings_api import embeddings
 from .openai_routes import chat_completions, completions
 from .anthropic_api import count_tokens, is_anthropic, json_error as anthropic_json_error
 from .anthropic_api import messages as anthropic_messages
 from .openapi import describe, openapi_json
-from .protocol import (APIError, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
-                       UnloadLoraRequest, error_body, model_card, now)
+from .protocol import (APIError, ChatCompletionRequest, DetokenizeRequest, LoadLoraRequest,
+                       TokenizeRequest, UnloadLoraRequest, error_body, model_card, now)
 from .responses import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
 from .state import COMPLETED, STATE, ServerState, log, parse_request, read_json
+from .tools import tool_setup
 from .webui import OPEN_PREFIXES, PAGES, add_routes as add_webui_routes
 
 _OPEN_PATHS = ("/health", "/v1/health", *PAGES)   # and the web UI's files (OPEN_PREFIXES)
@@ -164,16 +165,12 @@ async def tokenize(request: web.Request) -> web.Response:
     tok = st.engine.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if req.messages is not None:
-        if st.engine.chat_template is None:
-            raise APIError(400, "this model has no chat template", param="messages")
-        ignores = await st.in_tokenizer_thread(template_ignores_tools, tok,
-                                               st.engine.chat_template)
-        ids = await st.in_tokenizer_thread(render_chat, tok, st.engine.chat_template,
-                                           template_messages(req.messages, st.tool_parser
-                                                             if ignores else None),
-                                           req.add_generation_prompt, None, None, False,
-                                           st.check_fits)
+    if req.messages is not None:    # the prompt a chat request of these fields gets
+        chat = ChatCompletionRequest(messages=req.messages, tools=req.tools,
+                                     tool_choice=req.tool_choice,
+                                     chat_template_kwargs=req.chat_template_kwargs,
+                                     add_generation_prompt=req.add_generation_prompt)
+        ids = (await chat_prompt(st, chat, tool_setup(chat, st.tool_parser)))[0]
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         st.check_fits(req.prompt, "prompt")

@@ -170,7 +170,11 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
+    # with messages, what shapes a chat request's prompt
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

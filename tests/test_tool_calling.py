@@ -109,11 +109,14 @@ def test_tool_result_renders_in_the_next_turn(client, server):
     turn = MSGS + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                    {"role": "tool", "tool_call_id": call.id, "content": "RESULT-1234"}]
     tok = http("POST", server.url + "/tokenize", {"messages": turn, "return_token_strs": True})
-    text = "".join(tok.json()["token_strs"])
+    text, bare = "".join(tok.json()["token_strs"]), tok.json()["count"]
     assert "RESULT-1234" in text and call.function.name in text
     r = client.chat.completions.create(model="smollm2", messages=turn, tools=TOOLS,
                                        max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # /tokenize with the tools counts the prompt the chat request got (tools prompt included)
+    tok = http("POST", server.url + "/tokenize", {"messages": turn, "tools": TOOLS})
+    assert tok.json()["count"] == r.usage.prompt_tokens > bare, tok.text
 
 
 def test_response_format_json_schema(client):
