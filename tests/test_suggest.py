@@ -230,3 +230,10 @@ def test_unregistered_architecture_exits_1_with_a_note(capsys, tmp_path):
     assert code == 1 and r["command"] is None
     assert r["architecture"] == {"name": "FooForCausalLM", "registered": False, "source": None}
     assert any("unsupported architecture 'FooForCausalLM'" in n for n in r["notes"])
+
+
+def test_a_refused_flag_is_a_note_before_the_checkpoint_is_read(capsys, tiny):
+    code = cli.main(["suggest", "--model", tiny, "--max-batch-size", "0"])
+    out = capsys.readouterr().out
+    assert code == 1 and "--max-batch-size" in out and "serve would refuse" in out, out
+    assert "architecture" not in out, out       # not read, so not called unregistered

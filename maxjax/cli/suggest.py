@@ -341,9 +341,11 @@ def render(r: dict) -> str:
     """The report as text: one line a field, the notes, the command."""
     arch = r["architecture"] or {}
     lines = [f"model          {r['model'] or 'the embedded SmolLM2-135M-Instruct'} "
-             f"({r['path']}, {r['format'].upper()})",
-             f"architecture   {arch.get('name')} "
-             f"({arch.get('source') or ('registered' if arch.get('registered') else 'not registered')})"]
+             f"({r['path']}, {r['format'].upper()})"]
+    if arch.get("name"):        # else a flag was refused before the checkpoint was read
+        source = arch.get("source") or ("registered" if arch.get("registered") else
+                                        "not registered")
+        lines.append(f"architecture   {arch['name']} ({source})")
     if r["parameters"]:
         lines.append(f"parameters     {r['parameters'] / 1e6:,.1f} M")
     if r["encodings"]:
