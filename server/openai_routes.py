@@ -198,7 +198,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo and not st.cfg.enable_echo:
         raise APIError(400, "echo: echo is off on this server (--no-enable-echo)", param="echo")
     prompts, texts = await completion_prompts(st, req.prompt)
-    max_new = default_max_tokens(st, prompts, req.max_tokens, COMPLETION_MAX_TOKENS)
+    # max_tokens 0 (with echo): one token is generated, and dropped (vLLM's way)
+    score_only = req.max_tokens == 0
+    max_new = default_max_tokens(st, prompts, req.max_tokens or None, COMPLETION_MAX_TOKENS)
+    max_new = 1 if score_only else max_new
     want_lp = req.logprobs is not None
     top_n = req.logprobs or 0
     params = sampling_params(st.cfg, req, max_new, want_lp, top_n,
@@ -217,6 +220,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         lp_builders = {c.index: CompletionLogprobs(st, top_n) for c in gen.choices}
 
+        def counts(gen):
+            prompt, completion, cached = gen.usage_counts()
+            return prompt, 0 if score_only else completion, cached
+
         def echo_logprobs(c):
             plps = c.prompt_logprobs or [None] * c.prompt_len
             built = lp_builders[c.index].build(prompts[c.prompt_index], plps)
@@ -228,18 +235,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 pass
             choices = []
             for c in gen.choices:
-                text = "".join(c.text)
+                text, ids = ("", []) if score_only else ("".join(c.text), c.token_ids)
                 lp = None
                 if want_lp:
                     head = echo_logprobs(c) if req.echo else None
-                    lp = lp_builders[c.index].build(c.token_ids, c.logprobs or
-                                                    [None] * len(c.token_ids))
+                    lp = lp_builders[c.index].build(ids, (c.logprobs or [None] * len(ids))
+                                                    [:len(ids)])
                     lp = _concat_lp(head, lp) if head else lp
                 if req.echo:
                     text = echo_texts[c.prompt_index] + text
-                choices.append(completion_choice(c.index, text, c.finish_reason, lp))
+                choices.append(completion_choice(c.index, text, "length" if score_only else
+                                                 c.finish_reason, lp))
             return web.json_response(completion_response(rid, st.model_id, created, choices,
-                                                         usage(*gen.usage_counts())),
+                                                         usage(*counts(gen))),
                                      headers=headers)
         sse = await SSE(request, headers).start()
 
@@ -249,23 +257,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
         try:
             async for c, out in gen.events():
                 text, lp, head = out.new_text, None, None
+                ids = [] if score_only else out.new_token_ids
+                text = "" if score_only else text
                 if req.echo and c.index not in echoed:
                     echoed.add(c.index)
                     text = echo_texts[c.prompt_index] + text
                     head = echo_logprobs(c) if want_lp else None
                 if want_lp:
-                    lp = lp_builders[c.index].build(out.new_token_ids, out.new_logprobs or
-                                                    [None] * len(out.new_token_ids))
+                    lp = lp_builders[c.index].build(ids, (out.new_logprobs or
+                                                          [None] * len(ids))[:len(ids)])
                     lp = _concat_lp(head, lp) if head else lp
                 if not (text or out.finished or lp and lp["tokens"]):
                     continue
-                await sse.send(chunk(completion_choice(
-                    c.index, text, c.finish_reason if out.finished else None, lp)))
+                finish = ("length" if score_only else c.finish_reason) if out.finished else None
+                await sse.send(chunk(completion_choice(c.index, text, finish, lp)))
         except APIError as e:
             return await sse.error(e)
         if include_usage:
             await sse.send(completion_response(rid, st.model_id, created, [],
-                                                     usage(*gen.usage_counts())))
+                                                     usage(*counts(gen))))
         return await sse.done()
 
 

@@ -150,14 +150,17 @@ COMPLETION_MAX_TOKENS = 16     # OpenAI's default max_tokens for /v1/completions
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    # None: COMPLETION_MAX_TOKENS, or what the longest prompt leaves of the maximum length
-    max_tokens: int | None = Field(None, ge=1)
+    # None: COMPLETION_MAX_TOKENS, or what the longest prompt leaves of the maximum length;
+    # 0 with echo: the prompt scored, nothing generated
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "0 only with echo (the prompt scored, nothing generated)"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported by this server"
         if self.best_of is not None and self.best_of > self.n:

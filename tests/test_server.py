@@ -261,6 +261,24 @@ def test_completions_default_max_tokens_is_what_the_prompt_leaves(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
+def test_completions_echo_with_max_tokens_0_scores_the_prompt(server, client):
+    """The legacy API's prompt scoring (lm-evaluation-harness's loglikelihood request): the
+    prompt and its logprobs, nothing generated."""
+    r = client.completions.create(model="mock-model", prompt="hi", max_tokens=0, echo=True,
+                                  logprobs=1)
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, r.usage.completion_tokens) == ("hi", "length", 0)
+    assert c.logprobs.tokens == ["h", "i"] and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1] == pytest.approx(token_logprob(ord("i")))
+    chunks = list(client.completions.create(model="mock-model", prompt="hi", max_tokens=0,
+                                            echo=True, logprobs=1, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == "hi"
+    assert [t for ch in chunks for t in ch.choices[0].logprobs.tokens] == ["h", "i"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    r = post(server, "/v1/completions", {"model": "mock-model", "prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_completions_prompt_forms(server, client):
     r = client.completions.create(model="mock-model", prompt=["ab", "cde"], max_tokens=2, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
