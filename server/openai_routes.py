@@ -200,8 +200,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts, texts = await completion_prompts(st, req.prompt)
     # max_tokens 0 (with echo): one token is generated, and dropped (vLLM's way)
     score_only = req.max_tokens == 0
-    max_new = default_max_tokens(st, prompts, req.max_tokens or None, COMPLETION_MAX_TOKENS)
-    max_new = 1 if score_only else max_new
+    max_new = 1 if score_only else default_max_tokens(st, prompts, req.max_tokens,
+                                                      COMPLETION_MAX_TOKENS)
     want_lp = req.logprobs is not None
     top_n = req.logprobs or 0
     params = sampling_params(st.cfg, req, max_new, want_lp, top_n,
@@ -235,12 +235,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 pass
             choices = []
             for c in gen.choices:
-                text, ids = ("", []) if score_only else ("".join(c.text), c.token_ids)
+                text, ids, lps = ("", [], []) if score_only else \
+                    ("".join(c.text), c.token_ids, c.logprobs or [None] * len(c.token_ids))
                 lp = None
                 if want_lp:
                     head = echo_logprobs(c) if req.echo else None
-                    lp = lp_builders[c.index].build(ids, (c.logprobs or [None] * len(ids))
-                                                    [:len(ids)])
+                    lp = lp_builders[c.index].build(ids, lps)
                     lp = _concat_lp(head, lp) if head else lp
                 if req.echo:
                     text = echo_texts[c.prompt_index] + text
@@ -256,16 +256,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echoed = set()
         try:
             async for c, out in gen.events():
-                text, lp, head = out.new_text, None, None
-                ids = [] if score_only else out.new_token_ids
-                text = "" if score_only else text
+                text, ids, lps = ("", [], []) if score_only else \
+                    (out.new_text, out.new_token_ids,
+                     out.new_logprobs or [None] * len(out.new_token_ids))
+                lp = head = None
                 if req.echo and c.index not in echoed:
                     echoed.add(c.index)
                     text = echo_texts[c.prompt_index] + text
                     head = echo_logprobs(c) if want_lp else None
                 if want_lp:
-                    lp = lp_builders[c.index].build(ids, (out.new_logprobs or
-                                                          [None] * len(ids))[:len(ids)])
+                    lp = lp_builders[c.index].build(ids, lps)
                     lp = _concat_lp(head, lp) if head else lp
                 if not (text or out.finished or lp and lp["tokens"]):
                     continue
