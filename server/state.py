@@ -126,13 +126,18 @@ async def read_json(request: web.Request) -> dict:
     except RequestPayloadError as e:
         raise APIError(400, f"the request body could not be read: {_first_line(e)}") from None
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"the request body is not valid JSON: {_first_line(e)}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_values(body)
     return body
+
+
+def _not_json(name: str):
+    """Python's json reads NaN and Infinity; JSON has no such numbers."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 MAX_JSON_DEPTH = 64

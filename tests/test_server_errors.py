@@ -115,6 +115,9 @@ def test_unknown_model_is_404(server):
 def test_bad_bodies(server):
     error(http("POST", server.url + CHAT, raw=b"{not json"), 400, None, "json")
     error(http("POST", server.url + CHAT, raw=b"[1, 2]"), 400, None, "object")
+    for number in (b"NaN", b"Infinity", b"-Infinity"):    # Python's json reads them; JSON has none
+        error(http("POST", server.url + CHAT, raw=b'{"messages": [{"role": "user", "content": '
+                   b'"x"}], "temperature": ' + number + b"}"), 400, None, "not a JSON number")
     error(http("POST", server.url + CHAT, raw=json.dumps(
         {"messages": [{"role": "user", "content": "x" * 5000}]}).encode()), 413)
     error(http("GET", server.url + "/v1/nothing"), 404)
