@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 from jax.interpreters import mlir
 import jax.extend
 
@@ -89,6 +88,7 @@ def _pow2(n: int) -> int:
 
 def _kernel(lo_ref, hi_ref, pages_ref, q_ref, qpos_ref, k_ref, v_ref, o_ref, *, layer: int,
             page_size: int, window: int, softcap):
+    from jax.experimental import pallas as pl
     blk, head = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]                                      # [M, hd], already scaled
     # float32 dots in Triton default to TF32; float32 means float32 here
@@ -136,6 +136,7 @@ def _compiler_params():
 def paged_attention(q, k_pool, v_pool, layer: int, page_table, meta: QueryBlocks, window: int,
                     scale: float, softcap=None, interpret: bool = False):
     """q [T, H, hd] over its rows' pages; pools [L, N, KV, page, hd]; page_table [R, P]."""
+    from jax.experimental import pallas as pl     # here: a CPU start need not import it (30 ms)
     T, H, hd = q.shape
     KV, page_size = k_pool.shape[2], k_pool.shape[3]
     G = H // KV
