@@ -124,6 +124,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     st = request.app[STATE]
     req = parse_request(LoadLoraRequest, await read_json(request), False)
     st.check_ready()
+    if st.is_base(req.lora_name):      # requests for that name would reach the base model
+        raise APIError(400, f"lora_name: {req.lora_name!r} names the base model",
+                       param="lora_name")
     await _lora_call(st.engine.load_lora(req.lora_name, req.lora_path))
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 

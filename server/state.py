@@ -82,12 +82,15 @@ class ServerState:
     async def in_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
+    def is_base(self, model: str | None) -> bool:
+        """Whether `model` names the base model: None, its id, or an alias the engine accepts
+        (the name maxjax served it by before)."""
+        return model is None or model == self.model_id or (
+            not self.cfg.served_model_name and model in getattr(self.engine, "model_aliases", ()))
+
     def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter `model` names (None: the base model, by its id or an alias the
-        engine accepts: the name maxjax served it by before); 404 for an unknown one."""
-        if model is None or model == self.model_id:
-            return None
-        if not self.cfg.served_model_name and model in getattr(self.engine, "model_aliases", ()):
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown one."""
+        if self.is_base(model):
             return None
         if model in self.engine.lora_adapters():
             return model

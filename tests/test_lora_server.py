@@ -31,6 +31,7 @@ def served(tmp_path_factory):
     (a, peft_a), (b, peft_b) = (write_peft_adapter(model_dir, d / "a", seed=1),
                                 write_peft_adapter(model_dir, d / "b", seed=2, r=8, alpha=16))
     big, _ = write_peft_adapter(model_dir, d / "big", seed=3, r=16)
+    nan = nan_adapter(a, d / "nan")
     refs = {"tiny": hf_greedy(hf_model(model_dir), PROMPT, NEW)[1],
             "a": hf_greedy(peft_a, PROMPT, NEW)[1], "b": hf_greedy(peft_b, PROMPT, NEW)[1]}
     core = tiny_core(d / "model", enable_lora=True, max_num_loras=1, max_lora_rank=8,
@@ -42,9 +43,24 @@ def served(tmp_path_factory):
         assert time.monotonic() < end, "priming"
         time.sleep(0.01)
     server = ServerThread(engine, ServeConfig(api_key=KEY))
-    yield server, core, refs, {"a": a, "b": b, "big": big}
+    yield server, core, refs, {"a": a, "b": b, "big": big, "nan": nan}
     server.close()
     engine.shutdown()
+
+
+def nan_adapter(src: str, out) -> str:
+    """A copy of adapter `src` with one NaN in a lora_A."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, out)
+    f = out / "adapter_model.safetensors"
+    tensors = load_file(f)
+    name = next(k for k in tensors if "lora_A" in k)
+    tensors[name] = tensors[name].copy()
+    tensors[name].flat[0] = float("nan")
+    save_file(tensors, f)
+    return str(out)
 
 
 def complete(server, model):
@@ -96,14 +112,19 @@ def test_load_use_unload_then_404(served):
     ({"lora_name": "x", "lora_path": "/nonexistent"}, "lora_path", "no adapter_config.json"),
     ({"lora_path": "/nonexistent"}, "lora_name", "required"),
     ({"lora_name": "a", "lora_path": "A"}, "lora_name", "already loaded"),
+    ({"lora_name": "tiny", "lora_path": "A"}, "lora_name", "names the base model"),
+    # a NaN in one slot's stacks would reach every request (graphs/lora.py sums over slots)
+    ({"lora_name": "x", "lora_path": "NAN"}, "lora_path", "NaN or infinite"),
 ])
 def test_bad_adapters_are_a_400_naming_the_field(served, body, param, message):
-    server, _, _, paths = served
-    body = {k: {"BIG": paths["big"], "A": paths["a"]}.get(v, v) for k, v in body.items()}
+    server, core, refs, paths = served
+    body = {k: {"BIG": paths["big"], "A": paths["a"], "NAN": paths["nan"]}.get(v, v)
+            for k, v in body.items()}
     r = http("POST", server.url + "/v1/load_lora_adapter", body, headers=AUTH)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"]
+    assert tokens(core, complete(server, "tiny")) == refs["tiny"]
 
 
 def _slow_steps(core, monkeypatch, seconds=0.05):

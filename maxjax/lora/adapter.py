@@ -44,6 +44,11 @@ def read_adapter(name: str, path: str, cfg, max_rank: int, dtype=np.float32,
         if conf.get(key, default) not in (default, None, [], {}):
             raise RequestError(field, f"{path}: {key}={conf[key]!r} is not supported")
     tensors = _read_tensors(path, field)
+    # every slot's stacks go through each step's matmuls (graphs/lora.py): a NaN in one
+    # adapter would reach every request, base model included
+    bad = next((k for k, t in tensors.items() if not np.isfinite(t).all()), None)
+    if bad is not None:
+        raise RequestError(field, f"{path}: tensor {bad} holds NaN or infinite values")
     shapes = module_shapes(cfg)
     alpha, rslora = float(conf.get("lora_alpha", conf.get("r", 8))), bool(conf.get("use_rslora"))
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
