@@ -165,3 +165,25 @@ def test_mismatched_or_damaged_stores(tiny_path, int8_one, tmp_path):
     with pytest.raises(UserError, match=f"weights/{biggest} fails its sha256 check") as e:
         hook(arch, cfg, "int8", tiny_path)
     assert "\n" not in str(e.value)
+
+
+def test_a_damaged_store_is_one_line_from_a_real_process(tiny_path, int8_one, tmp_path):
+    """orbax's reads that were still running when another failed report into a closed event
+    loop: hundreds of tracebacks around the error line, before the restore quieted them."""
+    import subprocess
+    import sys
+    d = tmp_path / "damaged"
+    shutil.copytree(int8_one[0], d)
+    with open(d / weights.WEIGHTS_DIR / "manifest.ocdbt", "r+b") as f:
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 1]))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MAXJAX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "maxjax.cli", "generate", "--model", tiny_path,
+                           "--precompiled-artifacts", str(d), "--prompt", "hi"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "weights/manifest.ocdbt fails its sha256 check" in proc.stderr.splitlines()[-1]
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, \
+        proc.stderr[-3000:]

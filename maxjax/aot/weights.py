@@ -28,7 +28,9 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -217,6 +219,28 @@ def _hash_all(path: str, names) -> tuple[dict, float]:
     return {n: mf.file_sha256(os.path.join(path, n)) for n in names}, time.perf_counter() - t0
 
 
+def _quiet_failed_restore() -> None:
+    """A failed orbax restore leaves its other reads running against the event loop it closed:
+    each reports "Event loop is closed" (sys.unraisablehook), its task's error ("Task
+    exception was never retrieved", asyncio's logger) or a coroutine never awaited: hundreds of
+    tracebacks around the one line that names the damaged file. Those are dropped from here on;
+    nothing else."""
+    if getattr(sys.unraisablehook, "maxjax_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) ==
+                "Event loop is closed"):
+            previous(u)
+    hook.maxjax_quiet = True
+    sys.unraisablehook = hook
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+    logging.getLogger("asyncio").addFilter(
+        lambda r: not (r.msg.startswith("Task exception was never retrieved") and
+                       "orbax" in r.getMessage()) if isinstance(r.msg, str) else True)
+
+
 def restore(m: mf.Manifest, entry: dict, cfg, mesh):
     """(config laid out as stored, params on `mesh`) from the store `entry` of manifest `m`."""
     import orbax.checkpoint as ocp
@@ -242,6 +266,7 @@ def restore(m: mf.Manifest, entry: dict, cfg, mesh):
             error = None
         except Exception as e:      # whatever orbax / tensorstore found wrong in the files
             params, error = None, e
+            _quiet_failed_restore()
         digests, hash_seconds = hashed.result()
     for name, want in listed.items():       # a damaged file is named, whatever orbax made of it
         if digests[name] != want.get("sha256"):
