@@ -53,7 +53,8 @@ class LLM:
             registry.register_custom(spec)
         self.flags = EngineConfig(quantization_encoding=quantization_encoding, **engine_options)
         if precompiled_artifacts and not isinstance(model, LoadedModel):
-            from maxjax.aot.load import adopt_flags
+            from maxjax.aot.load import adopt_chat_template, adopt_flags
+            chat_template = adopt_chat_template(precompiled_artifacts, chat_template)
             if isinstance(model, ModelSource):
                 path, self.flags = adopt_flags(precompiled_artifacts, model.model_path, self.flags)
                 model = dataclasses.replace(model, model_path=path)

@@ -392,6 +392,23 @@ def test_serving_flags_come_from_the_manifest(warmed, model_dir):
         str(model_dir)
 
 
+def test_the_chat_template_file_comes_from_the_manifest(warmed, model, tmp_path):
+    """Artifacts built with --chat-template serve with the command warm-cache prints (their
+    tokenizer digest holds the template, so without it they were refused)."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert aot_export.serve_flags(model, EngineConfig(), str(template))["chat_template"] == \
+        str(template)
+    assert aot_load.adopt_chat_template([warmed], None) is None
+    d = _copy(warmed, tmp_path)
+    _edit_manifest(d, lambda m: m["serve"].update(chat_template=str(template)))
+    assert aot_load.adopt_chat_template([d], None) == str(template)
+    assert aot_load.adopt_chat_template([d], "other.jinja") == "other.jinja"
+    template.unlink()
+    with pytest.raises(UserError, match="built with --chat-template .* cannot be found"):
+        aot_load.adopt_chat_template([d], None)
+
+
 def test_replicas_and_platform_defaults_come_from_the_manifest(warmed, model, tmp_path):
     """Artifacts warm-cache built for replicas serve as replicas; the engine sizes pinned
     replace the platform's defaults a start fills in (build_core's for_platform)."""

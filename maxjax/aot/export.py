@@ -125,7 +125,8 @@ def compile_order(specs: list) -> list:
 def build_entry(directory: str, model, plan, platforms: list[str],
                 jobs: int = 1, on_graph: Callable[[int, int, str], None] | None = None,
                 store_weights: bool = False, shared: bool = False,
-                archs: dict | None = None, donor_root: str | None = None) -> tuple[dict, dict]:
+                archs: dict | None = None, donor_root: str | None = None,
+                chat_template: str | None = None) -> tuple[dict, dict]:
     """Export (and compile locally) every graph of `plan` (maxjax/engine/plan.py's EnginePlan)
     into the existing, empty `directory`,
     with `store_weights` the converted weights (maxjax/aot/weights.py), manifest last. `shared`:
@@ -158,7 +159,8 @@ def build_entry(directory: str, model, plan, platforms: list[str],
             "engine": mf.engine_fingerprint(layout, plan.config, model.dtype),
             "targets": list(platforms), "compiled_for": mf.local_device() if compile_local else None,
             "xla_flags": mf.codegen_flags(),
-            "graphs": [entries[s.name] for s in specs], "serve": serve_flags(model, plan.config)}
+            "graphs": [entries[s.name] for s in specs],
+            "serve": serve_flags(model, plan.config, chat_template)}
     if archs:
         data["target_archs"] = dict(archs)
     if store_weights:
@@ -173,7 +175,8 @@ def build_entry(directory: str, model, plan, platforms: list[str],
 
 def write_artifacts(directory: str, model, plan, platforms: list[str],
                     jobs: int = 1, progress: bool = True, store_weights: bool | None = None,
-                    archs: dict | None = None, compile_cache: bool | None = None) -> dict:
+                    archs: dict | None = None, compile_cache: bool | None = None,
+                    chat_template: str | None = None) -> dict:
     """Every graph of `plan` into `directory`, built in a temp dir and renamed into place
     (replacing an artifact directory that is there); `store_weights` None: weights.stored's
     default (on). A graph compiled before (cache.Donors: by this process, or in the compile
@@ -197,7 +200,7 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
                 bar.update()
             data, _ = build_entry(tmp, model, plan, platforms, jobs, on_graph,
                                   aot_weights.stored(store_weights), shared=True, archs=archs,
-                                  donor_root=donor_root)
+                                  donor_root=donor_root, chat_template=chat_template)
         if group.is_leader():
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
@@ -242,10 +245,12 @@ SERVE_FLAGS = ("quantization_encoding", "devices", "data_parallel_degree", "spec
                "num_speculative_tokens", "draft_model_path", "enable_lora")
 
 
-def serve_flags(model, engine_cfg: EngineConfig) -> dict:
-    """The manifest's `serve`: the model (None: the embedded one) and SERVE_FLAGS' values."""
+def serve_flags(model, engine_cfg: EngineConfig, chat_template: str | None = None) -> dict:
+    """The manifest's `serve`: the model (None: the embedded one), its --chat-template file if
+    one was given, and SERVE_FLAGS' values."""
     flag = _model_flag(model)
     return {"model_path": os.path.abspath(flag[-1]) if flag else None,
+            "chat_template": os.path.abspath(chat_template) if chat_template else None,
             **{k: getattr(engine_cfg, k) for k in SERVE_FLAGS},
             "quantization_encoding": model.dtype}
 
@@ -302,11 +307,13 @@ def default_jobs() -> int:
 
 
 # ---- --export-artifacts --------------------------------------------------------------------------
-def export_engine(directory: str, core, compile_cache: bool | None = None) -> None:
+def export_engine(directory: str, core, compile_cache: bool | None = None,
+                  chat_template: str | None = None) -> None:
     """Write artifacts for every graph of a running core (same format as warm-cache)."""
     platforms = [jax.export.default_export_platform()]
     t0 = time.perf_counter()
     data = write_artifacts(os.path.abspath(directory), core.model, core.plan, platforms,
-                           progress=False, compile_cache=compile_cache)
+                           progress=False, compile_cache=compile_cache,
+                           chat_template=chat_template)
     log.info("exported %d graphs to %s in %.1f s", len(data["graphs"]), directory,
              time.perf_counter() - t0)

@@ -118,6 +118,23 @@ def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, Engi
     return model_path, flags.replace(**adopted)
 
 
+def adopt_chat_template(dirs, chat_template: str | None) -> str | None:
+    """--chat-template for a run from artifact directories `dirs`: the one given, else the file
+    the artifacts were built with (their tokenizer digest holds its text)."""
+    d = os.path.abspath(([dirs] if isinstance(dirs, str) else list(dirs))[0])
+    if chat_template is not None:
+        return chat_template
+    try:
+        pinned = (mf.read_manifest(d, "maxjax warm-cache").data.get("serve") or {}).get(
+            "chat_template")
+    except UserError:
+        return None     # open_artifacts reports it
+    if pinned and not os.path.exists(pinned):
+        raise UserError(f"--precompiled-artifacts {d}: built with --chat-template {pinned}, "
+                        "which cannot be found on this machine: pass --chat-template where it is")
+    return pinned
+
+
 def pinned_kernels(dirs) -> bool:
     """Whether the first artifact directory's graphs take the CPU kernels (packed weights or
     their attention); False where it has no readable manifest (open_artifacts says why)."""

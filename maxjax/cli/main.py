@@ -38,9 +38,11 @@ def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
     _quiet_libraries(level)
     engine_cfg = build(EngineConfig, args, base)
     if model_opts.precompiled_artifacts and args.command != "warm-cache":
-        from maxjax.aot.load import adopt_flags
+        from maxjax.aot.load import adopt_chat_template, adopt_flags
         model_opts.model_path, engine_cfg = adopt_flags(model_opts.precompiled_artifacts,
                                                         model_opts.model_path, engine_cfg)
+        model_opts.chat_template = adopt_chat_template(model_opts.precompiled_artifacts,
+                                                       model_opts.chat_template)
     from maxjax.engine import devices, distributed
     group = build(distributed.DistributedOptions, args, base).resolved()
     if group is not None and args.command not in ("serve", "warm-cache"):
@@ -159,7 +161,7 @@ def cmd_generate(args) -> int:
     if model_opts.export_artifacts:
         from maxjax.aot import export as aot_export
         aot_export.export_engine(model_opts.export_artifacts, llm.core,
-                                  model_opts.compile_cache)
+                                  model_opts.compile_cache, model_opts.chat_template)
     if gen.profile:
         print(llm.profile_report(), file=sys.stderr)
     stats = llm.stats()

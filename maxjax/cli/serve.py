@@ -71,7 +71,8 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
             pins = pins or core.plan.pins
         if model_opts.export_artifacts and replica == 0:
             from maxjax.aot import export as aot_export
-            aot_export.export_engine(model_opts.export_artifacts, core, model_opts.compile_cache)
+            aot_export.export_engine(model_opts.export_artifacts, core, model_opts.compile_cache,
+                                     model_opts.chat_template)
         name, aliases = served_names(core.model, serve_cfg.served_model_name)
         engines.append(AsyncEngine(core, core.model.tokenizer, name, core.model.chat_template,
                                    serve_cfg.max_pending_requests, model_aliases=aliases))

@@ -64,7 +64,8 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
         directory = os.path.abspath(artifacts_dir)
         data = write_artifacts(directory, model, plan, platforms, jobs,
                                progress=group.is_leader(), store_weights=store_weights,
-                               archs=archs, compile_cache=model_opts.compile_cache)
+                               archs=archs, compile_cache=model_opts.compile_cache,
+                               chat_template=model_opts.chat_template)
     if plan.config.speculative_method == "draft":
         _draft_graphs(model, plan, artifacts_dir and os.path.join(directory, DRAFT_DIR), platforms,
                       jobs, archs, model_opts.compile_cache_max_size, model_opts.compile_cache)
