@@ -55,7 +55,8 @@ class EngineStats:
     kv: KVCacheStats = KVCacheStats()
     spec: SpecStats = SpecStats()
     steps: int = 0                       # engine steps run (priming runs are not steps)
-    xla_compiles: int = 0                # since start
+    # since start, in this process: replicas in one process share it (total() takes it once)
+    xla_compiles: int = field(default=0, metadata={"per_process": True})
     xla_compiles_since_ready: int = 0    # inside serving steps (must stay 0)
     step_seconds: Mapping[str, float] = field(default_factory=dict)   # phase -> seconds
     replicas: tuple[ReplicaStats, ...] = ()   # --data-parallel-degree: each replica's
@@ -82,7 +83,9 @@ class ReplicaStats:
 
 def _add(a, b):
     if dataclasses.is_dataclass(a):
-        return type(a)(**{f.name: _add(getattr(a, f.name), getattr(b, f.name))
+        return type(a)(**{f.name: max(getattr(a, f.name), getattr(b, f.name))
+                          if f.metadata.get("per_process") else
+                          _add(getattr(a, f.name), getattr(b, f.name))
                           for f in dataclasses.fields(a)})
     if isinstance(a, tuple):
         return tuple(x + y for x, y in zip_longest(a, b, fillvalue=0))
