@@ -140,7 +140,7 @@ def test_a_flipped_byte_is_refused_and_the_entry_rebuilt(llama, root, caplog, da
     assert "read the converted weights" in text and "WARNING" not in text
 
 
-def test_the_key_follows_the_checkpoint_encoding_and_kernels(llama):
+def test_the_key_follows_the_checkpoint_encoding_and_kernels(llama, tmp_path, monkeypatch):
     key = weight_cache.key(llama, {}, None, "float32", False)
     assert key == weight_cache.key(llama, {}, None, "float32", False)
     assert key != weight_cache.key(llama, {}, None, "int8", False)
@@ -153,6 +153,11 @@ def test_the_key_follows_the_checkpoint_encoding_and_kernels(llama):
         assert key != weight_cache.key(llama, {}, None, "float32", False)
     finally:
         os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # a --chat-template file is one entry however its path was typed
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    monkeypatch.chdir(tmp_path)
+    assert weight_cache.key(llama, {}, "t.jinja", "float32", False) == \
+        weight_cache.key(llama, {}, str(tmp_path / "t.jinja"), "float32", False) != key
 
 
 def test_another_engine_flag_reads_the_same_weights(llama, root, caplog):

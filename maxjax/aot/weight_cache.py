@@ -55,6 +55,7 @@ def key(model_path: str, source: dict, chat_template: str | None, encoding: str 
     """The entry's key: what the conversion's output depends on, known before it runs."""
     from maxjax.aot import prefetch
     from maxjax.graphs import cpu_kernels
+    chat_template = chat_template and os.path.realpath(chat_template)   # however it was typed
     return mf.digest({"model": [model_path, prefetch.file_stats(model_path), source],
                       "chat_template": [chat_template, chat_template and
                                         prefetch.file_stats(chat_template)], "encoding": encoding, "kernels": kernels,
