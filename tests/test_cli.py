@@ -170,3 +170,12 @@ def test_serve_turns_the_collector_back_on_when_its_start_fails(capsys):
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`maxjax list | head -1`: the pipe closes before the output is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "maxjax.cli", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
