@@ -228,8 +228,10 @@ def test_a_bad_entry_is_refused_and_rebuilt(model, filled, tmp_path, caplog, dam
     with caplog.at_level(logging.WARNING, logger="maxjax.cache"):
         llm, _, sources = start(model, root)
     assert sources == {"compiled"}
-    assert any("refused" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records), caplog.text
+    refused = [r.getMessage() for r in caplog.records
+               if "refused" in r.getMessage() and r.levelno == logging.WARNING]
+    assert refused and refused[0].endswith("; removing it and compiling again"), caplog.text
+    assert "warm-cache" not in refused[0], refused     # the artifacts' advice is not the cache's
     assert tokens(llm) == filled[2]
     assert entries_in(root) == [os.path.basename(entry)]      # rebuilt, and whole again
     again, compiles, sources = start(model, root)

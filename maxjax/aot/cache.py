@@ -107,8 +107,12 @@ def load(path: str, model, plan, preloaded: dict | None = None):
         loaded = aot_load.load_for_engine(arts, model, plan, require_compiled=True,
                                           preloaded=preloaded)
     except Exception as e:     # a bad entry is rebuilt, whatever broke in it
+        # the artifacts' own advice ("; recreate them with: maxjax warm-cache ...") is what
+        # happens next here
+        why = re.sub(r"[;(,]?\s*(?:re)?create\b[^;]*?\bmaxjax warm-cache.*$", "",
+                     str(e).split("\n")[0])
         log.warning("compile cache: entry %s refused (%s); removing it and compiling again",
-                    os.path.basename(path), str(e).split("\n")[0][:300])
+                    os.path.basename(path), why.rstrip(" :")[:300])
         remove(path)
         return None
     touch(path)
