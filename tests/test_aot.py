@@ -431,6 +431,11 @@ def test_cli_exits_2_with_one_line(warmed, model_dir, capsys):
     assert code == 2
     assert err.startswith("maxjax: error: --num-kv-pages 100 differs from the 16") and "\n" not in err
     assert "Traceback" not in err
+    code = cli.main(["generate", "--model-path", model_dir, "--precompiled-artifacts", warmed,
+                     "--chat", "--prompt", "w5", "--log-level", "ERROR", "--json"])
+    err = capsys.readouterr().err.strip()     # the tiny model has no chat template: the flag
+    assert code == 2 and err == "maxjax: error: --chat: this model has no chat template; pass " \
+                                "--chat-template FILE", err
 
 
 # ---- loading: pinned values, donation, export fallback -------------------------------------------

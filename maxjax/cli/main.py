@@ -145,6 +145,8 @@ def cmd_generate(args) -> int:
               compile_cache_max_size=model_opts.compile_cache_max_size,
               progress=not gen.json, **dataclasses.asdict(engine_cfg))
     if gen.chat:
+        if not llm.model.chat_template:
+            raise UserError("--chat: this model has no chat template; pass --chat-template FILE")
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         try:
             token_prompts = [llm.apply_chat_template(p) for p in prompts]
