@@ -48,6 +48,14 @@ def test_smollm2_gguf_text_and_json(capsys):
     plan = r["plan"]
     assert plan["max_length"] <= 8192 and plan["buckets"][0] == "step_t1_r1"
     assert plan["num_kv_pages"] >= 2 and plan["kv_pool_bytes"] > 0
+    assert not any("chat template" in n for n in r["notes"])     # its GGUF holds one
+
+
+def test_a_gguf_without_a_chat_template_is_a_note(capsys, tmp_path):
+    from gguf import GGMLQuantizationType as T
+    _, r = suggest(capsys, "--model", write_tiny_gguf(tmp_path / "t.gguf", T.Q4_0))
+    assert "no chat template: /v1/chat/completions is refused unless --chat-template" in \
+        r["notes"], r["notes"]
 
 
 def test_hf_dir_json_fields(capsys, tiny):

@@ -291,7 +291,8 @@ def model_notes(ckpt, model, cfg, layout, report) -> list[str]:
     if (layout.num_pages - 1) < layout.max_pages_per_row:
         notes.append(f"the KV pool holds {(layout.num_pages - 1) * layout.page_size} tokens, "
                      f"less than one request at max length {layout.max_length}")
-    if not model.chat_template and not ckpt.types and not _hf_has_template(ckpt.path):
+    if not model.chat_template and (report["format"] == "gguf" or   # a GGUF's is in its metadata
+                                    not _hf_has_template(ckpt.path)):
         notes.append("no chat template: /v1/chat/completions is refused unless --chat-template")
     cache, arts = report["compile_cache"], report["precompiled_artifacts"] or []
     for a in arts:
