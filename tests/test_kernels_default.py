@@ -40,11 +40,13 @@ def want(tiny):
     return [ref.greedy(tiny.config, tiny.params, p, NEW_TOKENS)[1] for p in PROMPTS]
 
 
-def test_default_resolves_to_where_they_run():
+def test_default_resolves_to_where_they_run(caplog):
     cfg = EngineConfig()
     assert cfg.use_experimental_kernels is None
     assert choose_kernels(cfg) is (cpu_kernels.unavailable() is None)
-    assert choose_kernels(EngineConfig(use_experimental_kernels=False)) is False
+    with caplog.at_level(logging.INFO, logger="maxjax.engine"):
+        assert choose_kernels(EngineConfig(use_experimental_kernels=False)) is False
+    assert "CPU kernels off: --no-use-experimental-kernels; XLA's path runs" in caplog.text
     assert choose_kernels(cfg, pinned=False) is False     # artifacts built without them
 
 

@@ -147,6 +147,8 @@ def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
     says why not (`quiet`: no line). `platforms`: where the graphs run (None: this machine)."""
     flag = cfg.use_experimental_kernels
     if flag is False:
+        if not quiet:
+            log.info("CPU kernels off: --no-use-experimental-kernels; XLA's path runs")
         return False
     source = "--use-experimental-kernels"
     if flag is None and pinned is not None:
