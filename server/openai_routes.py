@@ -164,13 +164,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             choices = [chat_choice(f.index, f.message, f.finish_reason,
                                    chat_logprobs(st, f.logprobs, top_n) if req.logprobs else None)
                        for f in await turn.collect()]
-            return web.json_response(chat_response(rid, st.model_id, turn.created, choices,
+            return web.json_response(chat_response(rid, lora or st.model_id, turn.created, choices,
                                                    usage(*turn.usage_counts())),
                                      headers=turn.headers)
         sse = await SSE(request, turn.headers).start()
 
         def chunk(choices, use=None):
-            return chat_chunk(rid, st.model_id, turn.created, choices, use, include_usage)
+            return chat_chunk(rid, lora or st.model_id, turn.created, choices, use, include_usage)
         for c in turn.choices:
             await sse.send(chunk([chat_chunk_choice(
                 c.index, {"role": "assistant", "content": ""})]))
@@ -246,13 +246,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     text = echo_texts[c.prompt_index] + text
                 choices.append(completion_choice(c.index, text, "length" if score_only else
                                                  c.finish_reason, lp))
-            return web.json_response(completion_response(rid, st.model_id, created, choices,
+            return web.json_response(completion_response(rid, lora or st.model_id, created, choices,
                                                          usage(*counts(gen))),
                                      headers=headers)
         sse = await SSE(request, headers).start()
 
         def chunk(choice):
-            return completion_response(rid, st.model_id, created, [choice], None, False)
+            return completion_response(rid, lora or st.model_id, created, [choice], None, False)
         echoed = set()
         try:
             async for c, out in gen.events():
@@ -274,7 +274,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         except APIError as e:
             return await sse.error(e)
         if include_usage:
-            await sse.send(completion_response(rid, st.model_id, created, [],
+            await sse.send(completion_response(rid, lora or st.model_id, created, [],
                                                      usage(*counts(gen))))
         return await sse.done()
 

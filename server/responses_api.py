@@ -113,8 +113,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise renamed(e) from None
 
         def response(status: str, items: list[dict], usage: dict | None = None) -> dict:
-            return _drop_none_user(response_object(req, rid, turn.created, st.model_id, status,
-                                                   items, usage))
+            return _drop_none_user(response_object(req, rid, turn.created, lora or st.model_id,
+                                                   status, items, usage))
 
         def done(finish: FinishReason, out: OutputItems) -> dict:
             status = "incomplete" if finish == FinishReason.LENGTH else "completed"
