@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -206,6 +207,13 @@ def test_mismatched_adapters_are_refused(setup):
         json.dump({**conf, "use_dora": True}, f)
     with pytest.raises(RequestError, match="use_dora"):
         core.load_lora("bad", str(dora))
+    ranked = d / "ranked"                   # its tensors are rank 4
+    os.makedirs(ranked)
+    shutil.copy(os.path.join(setup.paths["a"], "adapter_model.safetensors"), ranked)
+    with open(ranked / "adapter_config.json", "w") as f:
+        json.dump({**conf, "r": 8}, f)
+    with pytest.raises(RequestError, match="rank 4, but adapter_config.json says r=8"):
+        core.load_lora("bad", str(ranked))
     assert core.lora_names() == ["a", "b"]
     with pytest.raises(RequestError, match="already loaded"):
         core.load_lora("a", setup.paths["a"])

@@ -83,6 +83,9 @@ def read_adapter(name: str, path: str, cfg, max_rank: int, dtype=np.float32,
                                       f"[r, {d_in}] and [{d_out}, r] (another base model?)")
         if r > max_rank:
             raise RequestError(field, f"{path}: rank {r} is above --max-lora-rank {max_rank}")
+        if not conf.get("rank_pattern") and conf.get("r") not in (None, r):
+            raise RequestError(field, f"{path}: layer {layer} {module}: rank {r}, but "
+                                      f"{CONFIG} says r={conf['r']} (PEFT refuses it too)")
         rank = max(rank, r)
         scale = alpha / (math.sqrt(r) if rslora else r)
         target = next(k for k, (mods, _) in TARGETS.items() if module in mods)
