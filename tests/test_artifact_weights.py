@@ -187,3 +187,12 @@ def test_a_damaged_store_is_one_line_from_a_real_process(tiny_path, int8_one, tm
     assert "weights/manifest.ocdbt fails its sha256 check" in proc.stderr.splitlines()[-1]
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, \
         proc.stderr[-3000:]
+
+
+def test_an_artifact_directory_takes_the_umask_not_mkdtemps_0700(int8_one):
+    """Artifacts are built to be copied to and served by others (another machine, a service
+    account): the directory is as open as the user's umask makes new ones."""
+    import stat
+    from maxjax.aot import group
+    assert stat.S_IMODE(os.stat(int8_one[0]).st_mode) == 0o777 & ~group._umask()
+    assert group._umask() == os.umask(group._umask())

@@ -58,11 +58,22 @@ def from_leader(values: list[int]) -> list[int]:
     return [int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int64))]
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(ln for ln in f if ln.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        return 0o022
+
+
 def temp_dir(parent: str, directory: str) -> str:
     """Where the artifact directory is built: a fresh temp directory alone; in a group the one
     every process names alike, made empty by process 0 before any process writes."""
     if size() == 1:
-        return tempfile.mkdtemp(prefix=".warm-cache-", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=".warm-cache-", dir=parent)
+        os.chmod(tmp, 0o777 & ~_umask())   # mkdtemp's 0700 would keep them from other users
+        return tmp
     tmp = os.path.join(parent, f".warm-cache-{os.path.basename(directory)}.group")
     if is_leader():
         shutil.rmtree(tmp, ignore_errors=True)
