@@ -113,8 +113,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)      # 0: refused below (completions' echo)
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
@@ -140,6 +140,10 @@ class ChatCompletionRequest(_SamplingFields):
             return "modalities", "only the 'text' modality is supported"
         if self.audio is not None:
             return "audio", "audio output is not supported"
+        zero = next((f for f in ("max_completion_tokens", "max_tokens")
+                     if getattr(self, f) == 0), None)
+        if zero:
+            return zero, "must be at least 1 (0 scores a prompt: /v1/completions with echo)"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs: true"
         return None

@@ -277,6 +277,10 @@ def test_completions_echo_with_max_tokens_0_scores_the_prompt(server, client):
     assert chunks[-1].choices[0].finish_reason == "length"
     r = post(server, "/v1/completions", {"model": "mock-model", "prompt": "hi", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    for field in ("max_tokens", "max_completion_tokens"):     # chat has no prompt to echo
+        r = post(server, "/v1/chat/completions", {"model": "mock-model", "messages": MSGS,
+                                                  field: 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_completions_prompt_forms(server, client):

@@ -74,7 +74,8 @@ def param(default, help: str, *, flag=_NO_FLAG, **spec):
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = param(256, "Tokens to generate at most", ge=1,
+    # api_off 0: /v1/completions with echo scores the prompt, nothing generated
+    max_new_tokens: int = param(256, "Tokens to generate at most", ge=1, api_off=0,
                                 chat=("max_tokens", "max_completion_tokens"),
                                 completions=("max_tokens",), flag=64)
     temperature: float = param(1.0, "Sampling temperature (0: greedy)", ge=0, api_le=2,
