@@ -238,10 +238,24 @@ def runner_options(cfg: ServeConfig) -> dict:
     rest of a body is read for at most 2 s; header sizes are aiohttp's defaults, stated here so
     the limits live in one place."""
     return {"handle_signals": False, "handler_cancellation": True, "access_log": None,
-            "shutdown_timeout": cfg.shutdown_grace_period,
+            # past the grace period run_server aborts what still runs; its handlers then answer
+            # (a 503, or a stream's error event) within this margin
+            "shutdown_timeout": cfg.shutdown_grace_period + DRAIN_MARGIN,
             "keepalive_timeout": cfg.http_idle_timeout, "lingering_time": 2.0,
             "max_line_size": 8190,
             "max_field_size": 8190, "max_headers": 128}
+
+
+DRAIN_MARGIN = 5.0     # seconds past the grace period for the aborted requests' answers
+
+
+def _end_the_drain(app: web.Application, cfg: ServeConfig) -> None:
+    """The grace period is over: abort what still runs (aiohttp alone would cut the connections,
+    only after waiting the period a second time)."""
+    n = app[STATE].admission.abort_all()
+    if n:
+        log.warning("the %.0f s grace period is over: aborted what still ran (%d engine "
+                    "requests)", cfg.shutdown_grace_period, n)
 
 
 async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
@@ -257,7 +271,7 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = []
-    t0, served = time.perf_counter(), False
+    t0, served, deadline = time.perf_counter(), False, None
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
@@ -287,10 +301,13 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
         if served:      # else a failed start, whose one error line is the last
             log.info("shutting down: draining in-flight requests (up to %.0f s)",
                      cfg.shutdown_grace_period)
+            deadline = loop.call_later(cfg.shutdown_grace_period, _end_the_drain, app, cfg)
         t0 = time.perf_counter()
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+        if deadline is not None:
+            deadline.cancel()
     if served:
         log.info("server stopped after %.1f s of draining", time.perf_counter() - t0)

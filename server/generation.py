@@ -44,6 +44,12 @@ class AdmissionState:
         self.max_queue_size = max_queue_size
         self.waiting = 0
         self.metrics = metrics
+        self.live: set[Generation] = set()     # started, not closed
+
+    def abort_all(self) -> int:
+        """Abort every unfinished choice of every live request (a drain's deadline): each ends
+        with finish_reason abort, so its handler answers and the server can stop. How many."""
+        return sum(g.abort_unfinished() for g in list(self.live))
 
     def add(self, k: int) -> None:
         if self.max_queue_size is not None and self.waiting + k > self.max_queue_size:
@@ -92,6 +98,7 @@ class Generation:
     async def start(self) -> None:
         self.admission.add(len(self.choices))
         self._admitted = len(self.choices)
+        self.admission.live.add(self)
         # __aexit__ does not run when __aenter__ fails, so a failure or a cancellation (client
         # gone) while waiting for the first outputs must clean up here.
         try:
@@ -181,16 +188,22 @@ class Generation:
                                else FinishReason.STOP)
             self.metrics.e2e.observe(now - self.t_arrival)
 
+    def abort_unfinished(self) -> int:
+        """Abort every choice that has not finished in the engine; how many."""
+        unfinished = [c for c in self.choices if c.finish_reason is None]
+        for c in unfinished:
+            try:
+                self.engine.abort(c.request_id)
+            except Exception:
+                log.exception("engine.abort(%s) failed", c.request_id)
+        return len(unfinished)
+
     async def close(self) -> None:
         """Cancel the pumps and abort every choice that has not finished; idempotent."""
+        self.admission.live.discard(self)
         for t in self.tasks:
             t.cancel()
-        for c in self.choices:
-            if c.finish_reason is None:
-                try:
-                    self.engine.abort(c.request_id)
-                except Exception:
-                    log.exception("engine.abort(%s) failed", c.request_id)
+        self.abort_unfinished()
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             self.tasks = []

@@ -197,7 +197,11 @@ class MockEngine:
                     await asyncio.sleep(self.delay)
                 else:
                     await asyncio.sleep(0)
-                if rid not in self.running:
+                if rid not in self.running:     # aborted: its last output, as the engine's
+                    yield RequestOutput(request_id=rid, new_token_ids=[], new_text="",
+                                        finished=True, finish_reason=FinishReason.ABORT,
+                                        prompt_tokens=len(prompt), completion_tokens=i,
+                                        cached_tokens=0)
                     return
                 self.pages[rid] = math.ceil((len(prompt) + i + 1) / PAGE_SIZE)
                 last = i == len(ids) - 1

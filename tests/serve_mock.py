@@ -1,5 +1,5 @@
 """Runs the real `run_server` with the mock engine, for the SIGTERM drain test:
-    python tests/serve_mock.py [DELAY_SECONDS_PER_TOKEN]
+    python tests/serve_mock.py [DELAY_SECONDS_PER_TOKEN [GRACE_SECONDS]]
 prints `Server ready on http://127.0.0.1:PORT` (a random port), serves until SIGTERM/SIGINT,
 drains, prints `drained: N finished, M aborted` and exits 0."""
 import asyncio
@@ -16,7 +16,8 @@ from maxjax.server.config import ServeConfig  # noqa: E402
 
 def main() -> int:
     engine = MockEngine(delay=float(sys.argv[1]) if len(sys.argv) > 1 else 0.0)
-    asyncio.run(run_server(engine, ServeConfig(port=0, shutdown_grace_period=20)))
+    grace = float(sys.argv[2]) if len(sys.argv) > 2 else 20.0
+    asyncio.run(run_server(engine, ServeConfig(port=0, shutdown_grace_period=grace)))
     print(f"drained: {len(engine.finished)} finished, {len(engine.aborted)} aborted", flush=True)
     return 0
 

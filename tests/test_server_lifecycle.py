@@ -232,23 +232,32 @@ def test_clients_that_hang_up_after_the_last_event_count_200():
         s.close()
 
 
-def test_sigterm_drains_in_flight_requests():
+def _serve_mock(*argv) -> tuple[subprocess.Popen, str]:
     script = os.path.join(os.path.dirname(__file__), "serve_mock.py")
-    proc = subprocess.Popen([sys.executable, script, "0.02"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("Server ready on http://127.0.0.1:"), line
-        url = line.split()[-1]
-        assert http("GET", url + "/health").status_code == 200
-        result = {}
+    line = proc.stdout.readline()
+    assert line.startswith("Server ready on http://127.0.0.1:"), line
+    return proc, line.split()[-1]
 
-        def request():
-            result["r"] = http("POST", url + "/v1/completions",
-                               {"prompt": "x", "max_tokens": 150, "stream": True})
-        t = threading.Thread(target=request)
-        t.start()
-        time.sleep(0.3)     # let the request start streaming (150 tokens take ~3 s)
+
+def _stream_in_flight(url: str, tokens: int) -> tuple[threading.Thread, dict]:
+    result = {}
+
+    def request():
+        result["r"] = http("POST", url + "/v1/completions",
+                           {"prompt": "x", "max_tokens": tokens, "stream": True})
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.3)     # let the request start streaming
+    return t, result
+
+
+def test_sigterm_drains_in_flight_requests():
+    proc, url = _serve_mock("0.02")
+    try:
+        assert http("GET", url + "/health").status_code == 200
+        t, result = _stream_in_flight(url, 150)      # 150 tokens take ~3 s
         proc.send_signal(signal.SIGTERM)
 
         def refused():
@@ -269,6 +278,32 @@ def test_sigterm_drains_in_flight_requests():
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         assert "drained: 1 finished, 0 aborted" in out
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_what_outlasts_the_grace_period_is_aborted_and_answered():
+    """--shutdown-grace-period 1 with a request of ~30 s: after 1 s it is aborted, its stream
+    ends with an error event and [DONE], and the server stops (aiohttp alone waited the period
+    a second time, then cut the connection without an answer)."""
+    proc, url = _serve_mock("0.1", "1")
+    try:
+        t, result = _stream_in_flight(url, 300)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        r = result["r"]
+        events = [ln[6:] for ln in r.text.split("\n\n") if ln]
+        assert r.status_code == 200 and events[-1] == "[DONE]", r.text[-500:]
+        assert "aborted" in json.loads(events[-2])["error"]["message"], events[-2]
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15, "the request ran to its end"
+        assert proc.returncode == 0 and "drained: 0 finished, 1 aborted" in out, (out, err)
+        assert "the 1 s grace period is over: aborted what still ran (1 engine requests)" in err, \
+            err
         assert "Traceback" not in err
     finally:
         if proc.poll() is None:
