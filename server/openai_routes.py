@@ -155,7 +155,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completions (streamed as SSE with stream: true)."""
     t0 = time.perf_counter()
     st, req, lora = await _accept(request, ChatCompletionRequest)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid, model = f"chatcmpl-{uuid.uuid4().hex}", lora or st.model_id
     top_n = req.top_logprobs or 0
     turn = await ChatTurn.prepare(st, req, rid, t0, lora)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -164,13 +164,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             choices = [chat_choice(f.index, f.message, f.finish_reason,
                                    chat_logprobs(st, f.logprobs, top_n) if req.logprobs else None)
                        for f in await turn.collect()]
-            return web.json_response(chat_response(rid, lora or st.model_id, turn.created, choices,
+            return web.json_response(chat_response(rid, model, turn.created, choices,
                                                    usage(*turn.usage_counts())),
                                      headers=turn.headers)
         sse = await SSE(request, turn.headers).start()
 
         def chunk(choices, use=None):
-            return chat_chunk(rid, lora or st.model_id, turn.created, choices, use, include_usage)
+            return chat_chunk(rid, model, turn.created, choices, use, include_usage)
         for c in turn.choices:
             await sse.send(chunk([chat_chunk_choice(
                 c.index, {"role": "assistant", "content": ""})]))
@@ -206,7 +206,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     top_n = req.logprobs or 0
     params = sampling_params(st.cfg, req, max_new, want_lp, top_n,
                              prompt_logprobs=bool(req.echo and want_lp))
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid, model = f"cmpl-{uuid.uuid4().hex}", lora or st.model_id
     created = now()
     n = req.n
     headers = warning_headers(unenforced_notes(params.structured_output))
@@ -220,7 +220,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         lp_builders = {c.index: CompletionLogprobs(st, top_n) for c in gen.choices}
 
-        def counts(gen):
+        def counts():
             prompt, completion, cached = gen.usage_counts()
             return prompt, 0 if score_only else completion, cached
 
@@ -246,13 +246,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     text = echo_texts[c.prompt_index] + text
                 choices.append(completion_choice(c.index, text, "length" if score_only else
                                                  c.finish_reason, lp))
-            return web.json_response(completion_response(rid, lora or st.model_id, created, choices,
-                                                         usage(*counts(gen))),
+            return web.json_response(completion_response(rid, model, created, choices,
+                                                         usage(*counts())),
                                      headers=headers)
         sse = await SSE(request, headers).start()
 
         def chunk(choice):
-            return completion_response(rid, lora or st.model_id, created, [choice], None, False)
+            return completion_response(rid, model, created, [choice], None, False)
         echoed = set()
         try:
             async for c, out in gen.events():
@@ -274,8 +274,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         except APIError as e:
             return await sse.error(e)
         if include_usage:
-            await sse.send(completion_response(rid, lora or st.model_id, created, [],
-                                                     usage(*counts(gen))))
+            await sse.send(completion_response(rid, model, created, [],
+                                                     usage(*counts())))
         return await sse.done()
 
 

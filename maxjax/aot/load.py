@@ -121,9 +121,9 @@ def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, Engi
 def adopt_chat_template(dirs, chat_template: str | None) -> str | None:
     """--chat-template for a run from artifact directories `dirs`: the one given, else the file
     the artifacts were built with (their tokenizer digest holds its text)."""
-    d = os.path.abspath(([dirs] if isinstance(dirs, str) else list(dirs))[0])
     if chat_template is not None:
         return chat_template
+    d = os.path.abspath(([dirs] if isinstance(dirs, str) else list(dirs))[0])
     try:
         pinned = (mf.read_manifest(d, "maxjax warm-cache").data.get("serve") or {}).get(
             "chat_template")
