@@ -48,7 +48,9 @@ class LLM:
                  precompiled_artifacts=(), require_compiled_artifacts: bool = False,
                  compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
                  **engine_options):
+        from maxjax import transformers_index
         from maxjax.models import registry
+        transformers_index.install(compile_cache)
         for spec in custom_architectures:
             registry.register_custom(spec)
         self.flags = EngineConfig(quantization_encoding=quantization_encoding, **engine_options)

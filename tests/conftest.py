@@ -1,3 +1,4 @@
+import atexit
 import os
 import shutil
 import sys
@@ -17,8 +18,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # own persistent cache stays off in this process: an executable it served cannot be stored in
 # maxjax's cache (see maxjax/aot/export.py), so the cache tests would not see their entries.
 _cache = os.environ.get("MAXJAX_TEST_JAX_CACHE")
-os.environ.setdefault("MAXJAX_CACHE_DIR", _cache.rstrip("/") + ".maxjax" if _cache else
-                      tempfile.mkdtemp(prefix="maxjax-compile-cache-"))
+if "MAXJAX_CACHE_DIR" not in os.environ:
+    if _cache:
+        os.environ["MAXJAX_CACHE_DIR"] = _cache.rstrip("/") + ".maxjax"
+    else:   # made here, so removed here (pytest-xdist's workers inherit it and outlive nothing)
+        os.environ["MAXJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="maxjax-compile-cache-")
+        atexit.register(shutil.rmtree, os.environ["MAXJAX_CACHE_DIR"], True)
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 # pytest-xdist's workers share the cores: torch's OpenMP threads (the transformers references)
 # spin while they wait for each other, and beside a busy worker that doubled a reference's time

@@ -318,9 +318,12 @@ def test_cache_list_and_clear(filled, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"compile cache: {root} (1 entries" in out
     assert os.path.basename(entry) in out and "5 graphs" in out
+    index = os.path.join(root, ".transformers-index-0.pickle")     # transformers_index.py's
+    with open(index, "wb") as f:
+        f.write(b"index")
     assert main(["cache", "clear"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
-    assert entries_in(root) == []
+    assert entries_in(root) == [] and not os.path.exists(index)
 
 
 def test_pool_sized_from_memory_is_stable_across_starts(model, monkeypatch):

@@ -10,6 +10,7 @@ A tiny random Llama (HF directory, float32) and a tiny q4_1 GGUF packed for the 
 from __future__ import annotations
 
 import logging
+import json
 import os
 
 import jax
@@ -86,6 +87,11 @@ def test_the_second_start_reads_what_the_first_converted(llama, root, caplog, mo
     assert type(b.tokenizer) is type(a.tokenizer)
     assert b.tokenizer.get_vocab() == a.tokenizer.get_vocab()
     assert b.tokenizer("hello world")["input_ids"] == a.tokenizer("hello world")["input_ids"]
+    assert b.tokenizer.added_tokens_decoder == a.tokenizer.added_tokens_decoder
+    # stored beside the config, so that a load need not parse tokenizer.json for them in Python
+    with open(os.path.join(path, weight_cache.TOKENIZER, "tokenizer_config.json")) as f:
+        stored = json.load(f)["added_tokens_decoder"]
+    assert stored == {str(i): t.__getstate__() for i, t in a.tokenizer.added_tokens_decoder.items()}
     assert os.path.isdir(path)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from maxjax.aot import group
 from maxjax.aot import manifest as mf
+from maxjax.cache_home import directory, enabled  # noqa: F401 (this module's API)
 from maxjax.errors import UserError
 
 log = logging.getLogger("maxjax.cache")
@@ -42,22 +43,6 @@ DEFAULT_MAX_SIZE = "10G"
 _STALE_TMP_SECONDS = 24 * 3600
 WEIGHTS_KIND = "converted-weights"     # a manifest's kind: maxjax/aot/weight_cache.py
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def directory() -> str:
-    """$MAXJAX_CACHE_DIR, else $XDG_CACHE_HOME/maxjax, else ~/.cache/maxjax."""
-    explicit = os.environ.get("MAXJAX_CACHE_DIR")
-    if explicit:
-        return os.path.abspath(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "maxjax")
-
-
-def enabled(flag: bool | None = None) -> bool:
-    """The flag when given (False: --no-compile-cache), else not MAXJAX_NO_COMPILE_CACHE=1."""
-    if flag is not None and not flag:
-        return False
-    return os.environ.get("MAXJAX_NO_COMPILE_CACHE", "").lower() not in ("1", "true", "yes")
 
 
 def max_bytes(flag: str | None = None) -> int:
@@ -338,12 +323,16 @@ def evict(limit: int, keep: str | None = None, root: str | None = None) -> list[
 
 
 def clear(root: str | None = None) -> tuple[int, int]:
-    """Remove every entry and temp directory: (entries removed, bytes freed)."""
+    """Remove every entry, temp directory and hidden file (transformers' index,
+    maxjax/transformers_index.py): (entries removed, bytes freed)."""
     root = root or directory()
     found = entries(root)
     for e in found:
         remove(e.path)
     for name in os.listdir(root) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
         if name.startswith((".tmp-", ".trash-")):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+        if name.startswith(".") and os.path.isfile(path):
+            os.remove(path)
     return len(found), sum(e.bytes for e in found)

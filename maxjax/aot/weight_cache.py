@@ -94,7 +94,7 @@ def store(path: str, model, limit: int) -> bool:
     tmp = cache.new_tmp(os.path.dirname(path))
     try:
         if tok is not None:
-            tok.save_pretrained(os.path.join(tmp, TOKENIZER))
+            _save_tokenizer(tok, os.path.join(tmp, TOKENIZER))
         offsets, h = [], hashlib.sha256()
         with open(os.path.join(tmp, PARAMS), "wb") as f:
             for a in leaves:
@@ -131,6 +131,22 @@ def store(path: str, model, limit: int) -> bool:
     log.info("compile cache: stored the converted weights (%.0f MB) in %s in %.1f s",
              total / 1e6, path, time.perf_counter() - t0)
     return True
+
+
+def _save_tokenizer(tok, path: str) -> None:
+    """`save_pretrained`, and the added tokens in tokenizer_config.json: without them,
+    from_pretrained parses the whole tokenizer.json in Python for its added tokens before the
+    tokenizers library parses it again (0.06 s of a 0.14 s load on SmolLM2's 3.5 MB)."""
+    tok.save_pretrained(path)
+    config = os.path.join(path, "tokenizer_config.json")
+    added = getattr(tok, "added_tokens_decoder", None)
+    if not added or not os.path.isfile(config):
+        return
+    with open(config, encoding="utf-8") as f:
+        data = json.load(f)
+    data.setdefault("added_tokens_decoder", {str(i): t.__getstate__() for i, t in added.items()})
+    with open(config, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
 
 
 def _tokenizer_files(root: str) -> list[str]:

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from maxjax import transformers_index
 from maxjax.cli import reference_flags
 from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_dataclass_args,
                              build, check_config_keys, grammar_spec, read_config_file,
@@ -349,6 +350,7 @@ def main(argv=None) -> int:
     if extra:
         parser.exit(2, failure_line(args.command, f"unrecognized arguments: {' '.join(extra)} "
                                     f"(see maxjax {args.command} --help)") + "\n")
+    transformers_index.install(getattr(args, "compile_cache", None))
     try:
         return args.func(args)
     except UserError as e:
