@@ -64,7 +64,7 @@ def _cached(real):
         try:
             with open(path, "rb") as f:
                 return pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError):
+        except Exception:   # noqa: BLE001: missing or damaged, it is scanned and written again
             pass
         index = real(module_path, prefix)
         _store(path, index)
@@ -88,15 +88,18 @@ def _entry(module_path, prefix) -> str | None:
     except OSError:
         return None
     key = hashlib.sha256(repr((version, os.path.realpath(module_path), stamps)).encode())
-    return os.path.join(cache_home.directory(), f".transformers-index-{key.hexdigest()[:32]}.pickle")
+    name = f".transformers-index-{key.hexdigest()[:32]}.pickle"
+    return os.path.join(cache_home.directory(), name)
 
 
 def _store(path: str, index) -> None:
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-index-")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(index, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError:     # a read-only or full cache: the next start scans again
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
