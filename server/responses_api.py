@@ -24,8 +24,8 @@ from .openapi import describe
 from .protocol import APIError, validation_error
 from .response_store import ResponseStore
 from .responses_request import (OutputItems, ResponsesRequest, _id, input_items,
-                                message_deltas, renamed, response_object, response_usage,
-                                to_chat)
+                                listed_item, message_deltas, renamed, response_object,
+                                response_usage, to_chat)
 
 RESPONSES = web.AppKey("maxjax_responses", ResponseStore)
 
@@ -60,6 +60,19 @@ class ResponseStreamEvent(TypedDict):
     sequence_number: int
 
 
+class InputItemList(TypedDict):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class InputTokens(TypedDict):
+    object: Literal["response.input_tokens"]
+    input_tokens: int
+
+
 class ResponseDeleted(TypedDict):
     id: str
     object: Literal["response.deleted"]
@@ -69,8 +82,10 @@ class ResponseDeleted(TypedDict):
 def add_routes(app: web.Application, store: ResponseStore | None = None) -> None:
     app[RESPONSES] = store if store is not None else ResponseStore()
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/responses/input_tokens", count_input_tokens)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
 
 
 def _stored(request: web.Request, rid: str, param: str) -> tuple[dict, list[dict]]:
@@ -89,6 +104,38 @@ def _drop_none_user(resp: dict) -> dict:
     return resp
 
 
+async def _fitted_turn(st, req: ResponsesRequest, prior: list[dict], rid: str, t0: float,
+                       lora: str | None) -> ChatTurn:
+    """The request's chat turn. With truncation "auto", a conversation whose prompt leaves no
+    room for max_output_tokens (or one token) loses its oldest items, the fewest that make it
+    fit (found by bisection: each try renders and tokenizes the prompt); the instructions and
+    the last item stay. What cannot fit even then is the usual 400."""
+    images = getattr(st.engine, "vision", None) is not None
+
+    async def turn(drop: int) -> ChatTurn:
+        try:
+            chat = to_chat(req, prior, images, drop)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        return await ChatTurn.prepare(st, chat, rid, t0, lora)
+
+    def fits(t: ChatTurn) -> bool:
+        return len(t.prompt) + (req.max_output_tokens or 1) <= st.engine.max_length
+
+    whole = await turn(0)
+    if req.truncation != "auto" or fits(whole):
+        return whole
+    lo, hi, best = 1, len(prior) + len(input_items(req)) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        t = await turn(mid)
+        if fits(t):
+            best, hi = t, mid - 1
+        else:
+            lo = mid + 1
+    return best or await turn(len(prior) + len(input_items(req)) - 1)
+
+
 @describe(request=ResponsesRequest, response=ResponseObject, stream=ResponseStreamEvent)
 async def create_response(request: web.Request) -> web.StreamResponse:
     """OpenAI Responses API (streamed as typed SSE events with stream: true)."""
@@ -103,11 +150,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     rid = _id("resp")
     async with contextlib.AsyncExitStack() as stack:
         try:
-            try:
-                chat = to_chat(req, prior, getattr(st.engine, "vision", None) is not None)
-            except ValidationError as e:
-                raise validation_error(e) from None
-            turn = await ChatTurn.prepare(st, chat, rid, t0, lora)
+            turn = await _fitted_turn(st, req, prior, rid, t0, lora)
             await stack.enter_async_context(turn)
         except APIError as e:
             raise renamed(e) from None
@@ -168,7 +211,64 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def get_response(request: web.Request) -> web.Response:
     """A stored response (404 when unknown, not stored or evicted)."""
     rid = request.match_info["response_id"]
+    if request.query.get("stream", "false").lower() not in ("false", "0"):
+        raise APIError(400, "stream: a stored response is retrieved whole (streaming one back "
+                            "is for background responses, which this server does not run)",
+                       param="stream")
     return web.json_response(_stored(request, rid, "response_id")[0])
+
+
+@describe(response=InputItemList)
+async def list_input_items(request: web.Request) -> web.Response:
+    """The conversation a stored response answered (the items of its previous_response_id
+    chain, then its input), as the spec lists them: `order` desc (the default) or asc, `limit`
+    1-100 (20), `after` / `before` an item's id."""
+    rid = request.match_info["response_id"]
+    items = [listed_item(it, f"{rid.removeprefix('resp_')}_{i}") for i, it in
+             enumerate(_stored(request, rid, "response_id")[1])]
+    q = request.query
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: {order!r}: must be asc or desc", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit: {q.get('limit')!r}: must be an integer from 1 to 100",
+                       param="limit")
+    if order == "desc":
+        items.reverse()
+    ids = [it["id"] for it in items]
+    for name, cut in (("after", lambda i: items[i + 1:]), ("before", lambda i: items[:i])):
+        if name in q:
+            if q[name] not in ids:
+                raise APIError(404, f"{name}: no item {q[name]!r} in response {rid!r}",
+                               param=name, code="not_found")
+            items = cut(ids.index(q[name]))
+            ids = [it["id"] for it in items]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": page,
+                              "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None,
+                              "has_more": len(items) > limit})
+
+
+@describe(request=ResponsesRequest, response=InputTokens)
+async def count_input_tokens(request: web.Request) -> web.Response:
+    """How many tokens a Responses request's input is (its instructions, tools and
+    previous_response_id chain included), as POST /v1/responses would prompt the model."""
+    st, req, lora = await _accept(request, ResponsesRequest)
+    prior: list[dict] = []
+    if req.previous_response_id is not None:
+        prev, prev_items = _stored(request, req.previous_response_id, "previous_response_id")
+        prior = prev_items + prev["output"]
+    try:
+        turn = await _fitted_turn(st, req, prior, _id("resp"), time.perf_counter(), lora)
+    except APIError as e:
+        raise renamed(e) from None
+    return web.json_response({"object": "response.input_tokens",
+                              "input_tokens": len(turn.prompt)})
 
 
 @describe(response=ResponseDeleted)

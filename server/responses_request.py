@@ -38,7 +38,13 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
+    # What each names is absent here (no built-in tools, no encrypted reasoning), but for
+    # logprobs, which unsupported() refuses.
+    include: list[Literal["file_search_call.results", "web_search_call.results",
+                          "web_search_call.action.sources", "message.input_image.image_url",
+                          "computer_call_output.output.image_url",
+                          "code_interpreter_call.outputs", "reasoning.encrypted_content",
+                          "message.output_text.logprobs"]] | None = None
     # Accepted at their "off" value only (unsupported()).
     background: bool | None = None
     prompt: dict[str, Any] | None = None
@@ -77,6 +83,8 @@ class ResponsesRequest(_Strict):
             return "context_management", "context management is not supported"
         if self.top_logprobs:
             return "top_logprobs", "logprobs are not supported on /v1/responses"
+        if "message.output_text.logprobs" in (self.include or ()):
+            return "include", "logprobs are not supported on /v1/responses"
         return None
 
 
@@ -215,15 +223,20 @@ def _response_format(text: dict | None) -> dict | None:
     raise _bad("text.format.type", f"{kind!r} is not supported (text, json_object, json_schema)")
 
 
-def to_chat(req: ResponsesRequest, prior: list[dict], images: bool = False
+def to_chat(req: ResponsesRequest, prior: list[dict], images: bool = False, drop: int = 0
             ) -> ChatCompletionRequest:
     """The chat request this Responses request is: `prior` (the stored conversation of
     previous_response_id) then the input, after `instructions` as a system message. `images`:
-    the model reads images (input_image parts become image_url parts)."""
-    items = input_items(req)
+    the model reads images (input_image parts become image_url parts); `drop`: how many items
+    of the conversation to leave out from its start (truncation "auto"), with the tool outputs
+    that would then lead it."""
+    items = prior + input_items(req)
     n = len(prior)
-    msgs = item_messages(prior + items, lambda i: "previous_response_id" if i < n else
-                         (f"input[{i - n}]" if isinstance(req.input, list) else "input"),
+    while 0 < drop < len(items) - 1 and isinstance(items[drop], dict) and \
+            items[drop].get("type") == "function_call_output":
+        drop += 1
+    msgs = item_messages(items[drop:], lambda i: "previous_response_id" if i + drop < n else
+                         (f"input[{i + drop - n}]" if isinstance(req.input, list) else "input"),
                          images)
     if req.instructions:
         msgs.insert(0, {"role": "system", "content": req.instructions})
@@ -271,6 +284,21 @@ def renamed(e: APIError) -> APIError:
         return e
     return APIError(e.status, e.message.replace(p, new, 1), param=new, code=e.code,
                     headers=e.headers)
+
+
+def listed_item(it: dict, key: str) -> dict:
+    """A conversation item as GET .../input_items lists it: an id (its own, else one made of
+    `key`), a status, and a message's text as content parts."""
+    kind = it.get("type", "message" if "role" in it else None)
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}.get(kind, "item")
+    out = {**it, "id": it.get("id") or f"{prefix}_{key}", "type": kind,
+           "status": it.get("status", "completed")}
+    if kind == "message" and isinstance(it.get("content"), str):
+        part = "output_text" if it.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": it["content"]} |
+                          ({"annotations": []} if part == "output_text" else {})]
+    return out
 
 
 # ---- output ---------------------------------------------------------------------------------

@@ -409,6 +409,7 @@ def test_engine_failure(server, engine):
     ({"input": "hi", "truncation": "sometimes"}, "truncation"),
     ({"input": "hi", "n": 2}, "n"),
     ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({}, "input"),
     ({"input": []}, "input"),
