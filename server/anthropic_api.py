@@ -170,17 +170,25 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def _stream(request, st, req, turn, rid, stops) -> web.StreamResponse:
     sse = await SSE(request, turn.headers).start()
     blocks = BlockStream(sse)
-    await blocks.event("message_start", {"message": _message(
-        rid, req.model, [], None, None, {"input_tokens": len(turn.prompt), "output_tokens": 0,
-                                         "cache_read_input_tokens": 0,
-                                         "cache_creation_input_tokens": 0})})
-    await blocks.event("ping", {})
+    started = False
+
+    async def start() -> None:
+        """message_start once the engine's first output came: its usage then splits the
+        prompt into cache reads and the rest, as the final usage does."""
+        nonlocal started
+        if not started:
+            started = True
+            await blocks.event("message_start", {"message": _message(
+                rid, req.model, [], None, None, {**_usage(turn), "output_tokens": 0})})
+            await blocks.event("ping", {})
     finish = FinishReason.STOP
     try:
         async for ev in turn.events():
+            await start()
             for d in ev.deltas:
                 await blocks.feed(d)
             finish = ev.finish_reason or finish
+        await start()
     except APIError as e:
         e = anthropic_names(e)
         return await sse.finish(b"event: error\ndata: " + json.dumps(

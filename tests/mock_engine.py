@@ -98,6 +98,7 @@ class MockEngine:
         self.max_queue = max_queue
         self.fail_on: str | None = None     # prompt substring that makes the engine fail
         self.script = script                # ASCII text every request generates instead
+        self.cached_tokens = 0              # what each request reports read from the prefix cache
         self.pages: dict[str, int] = {}
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -215,7 +216,8 @@ class MockEngine:
                     new_logprobs=[TokenLogprob(t, token_logprob(t), self._top(t, p.top_logprobs))]
                     if p.logprobs else None,
                     finished=last, finish_reason=FinishReason(reason) if last else None,
-                    prompt_tokens=len(prompt), completion_tokens=i + 1, cached_tokens=0,
+                    prompt_tokens=len(prompt), completion_tokens=i + 1,
+                    cached_tokens=min(self.cached_tokens, len(prompt) - 1),
                     prompt_logprobs=plps if i == 0 else None)
         finally:
             # Closing the iteration early (client gone) is an abort.

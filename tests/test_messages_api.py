@@ -129,6 +129,18 @@ def test_stream_equals_the_whole_answer(client, server):
     assert evs[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
 
 
+def test_stream_start_splits_the_cache_reads_as_the_end_does(server, engine):
+    """A prefix-cache hit: message_start's usage already holds it, as message_delta's does."""
+    engine.cached_tokens = 8
+    try:
+        evs = events(server, dict(model=MODEL, max_tokens=4, messages=HI))
+    finally:
+        engine.cached_tokens = 0
+    start, end = evs[0][1]["message"]["usage"], evs[-2][1]["usage"]
+    assert start["cache_read_input_tokens"] == end["cache_read_input_tokens"] == 8
+    assert start["input_tokens"] == end["input_tokens"] and start["output_tokens"] == 0
+
+
 def test_stream_stop_sequence(client):
     with client.messages.stream(model=MODEL, max_tokens=40, messages=HI,
                                 stop_sequences=["brown"]) as s:
