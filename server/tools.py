@@ -80,6 +80,20 @@ def _check_schema(schema, param: str) -> None:
         raise _bad(f"{param}.required", "must be a list of property names")
 
 
+def _check_strict(schema: dict, param: str) -> None:
+    """A strict tool's parameters compile alone as they would inside the call grammar, so that
+    what cannot be enforced is refused naming the tool, not the whole grammar (`tools`)."""
+    import llguidance
+    try:
+        error, notes = llguidance.LLMatcher.validate_grammar_with_warnings(
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                          defaults=json_options(True)))
+    except ValueError as e:
+        error, notes = True, [str(e)]
+    if error:
+        raise _bad(param, f"strict: {' '.join(notes[0].split())} (drop the keyword, or strict)")
+
+
 def tool_setup(req, parser: str | None) -> ToolSetup | None:
     """The request's tool calling (None: none asked, or tool_choice "none"); APIError 400 naming
     the field for a malformed tool, an unknown tool in tool_choice, or a parser that is off."""
@@ -117,6 +131,8 @@ def tool_setup(req, parser: str | None) -> ToolSetup | None:
         names.append(name)
         if "parameters" in fn:
             _check_schema(fn["parameters"], f"tools[{i}].function.parameters")
+            if fn.get("strict"):
+                _check_strict(fn["parameters"], f"tools[{i}].function.parameters")
     if choice not in ("auto", "required") and choice not in names:
         raise _bad("tool_choice", f"names no tool of this request: {choice!r} (tools: "
                                   f"{', '.join(names)})")

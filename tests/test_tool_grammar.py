@@ -204,6 +204,15 @@ def test_non_strict_schemas_are_served_and_strict_ones_refused(serve):
     r = http("POST", s.url + "/v1/chat/completions", body)
     assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+    # a strict tool's parameters: refused naming the tool, in a line without the grammar
+    tool = {"type": "function", "function": {"name": "tag", "parameters": schema,
+                                             "strict": True}}
+    for choice in ("auto", "required"):
+        r = http("POST", s.url + "/v1/chat/completions", {
+            "messages": MSGS, "max_tokens": 40, "tools": [TOOLS[0], tool], "tool_choice": choice})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tools[1].function.parameters", err
+        assert "uniqueItems" in err["message"] and "%json" not in err["message"], err
 
 
 def test_completions_max_tokens_null_is_16(serve):
