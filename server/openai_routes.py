@@ -235,12 +235,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 pass
             choices = []
             for c in gen.choices:
-                text, ids, lps = ("", [], []) if score_only else \
-                    ("".join(c.text), c.token_ids, c.logprobs or [None] * len(c.token_ids))
+                text, lps = ("", []) if score_only else ("".join(c.text), c.logprobs or [])
                 lp = None
                 if want_lp:
                     head = echo_logprobs(c) if req.echo else None
-                    lp = lp_builders[c.index].build(ids, lps)
+                    lp = lp_builders[c.index].build([t.token_id for t in lps], lps)
                     lp = _concat_lp(head, lp) if head else lp
                 if req.echo:
                     text = echo_texts[c.prompt_index] + text
@@ -256,16 +255,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echoed = set()
         try:
             async for c, out in gen.events():
-                text, ids, lps = ("", [], []) if score_only else \
-                    (out.new_text, out.new_token_ids,
-                     out.new_logprobs or [None] * len(out.new_token_ids))
+                text, lps = ("", []) if score_only else (out.new_text, out.new_logprobs or [])
                 lp = head = None
                 if req.echo and c.index not in echoed:
                     echoed.add(c.index)
                     text = echo_texts[c.prompt_index] + text
                     head = echo_logprobs(c) if want_lp else None
                 if want_lp:
-                    lp = lp_builders[c.index].build(ids, lps)
+                    lp = lp_builders[c.index].build([t.token_id for t in lps], lps)
                     lp = _concat_lp(head, lp) if head else lp
                 if not (text or out.finished or lp and lp["tokens"]):
                     continue

@@ -55,6 +55,24 @@ def test_stop_token_ends_without_appearing_in_the_text(proc):
     assert out.new_text == "hi" and bytes(out.new_token_ids) == b"hi!"
 
 
+def test_logprobs_are_those_of_the_text_out(proc):
+    """A token's logprob comes out with its text: held while a stop string may be starting,
+    dropped with a matched stop string (the text and the logprobs' tokens join to the same)."""
+    req = request(stop=["5."], logprobs=True)
+    first = step(proc, req, "4\n5")                       # "5" might start "5."
+    assert first.new_text == "4\n" and bytes(t.token_id for t in first.new_logprobs) == b"4\n"
+    last = step(proc, req, ".6")
+    assert last.finished and last.new_text == "" and last.new_logprobs == []
+    assert bytes(last.new_token_ids) == b"." and last.completion_tokens == 4
+    req = request(stop=["5."], logprobs=True)                # no stop: all of them, in order
+    assert bytes(t.token_id for t in step(proc, req, "45").new_logprobs) == b"4"
+    out = step(proc, req, "6", finish="length")
+    assert out.new_text == "56" and bytes(t.token_id for t in out.new_logprobs) == b"56"
+    req = request(stop_token_ids=[ord("!")], logprobs=True)   # a stop token keeps its own, last
+    out = step(proc, req, "hi!", finish="stop")
+    assert out.new_text == "hi" and bytes(t.token_id for t in out.new_logprobs) == b"hi!"
+
+
 def test_logprobs_and_prompt_logprobs_with_the_first_output_only(proc):
     req = request(logprobs=True, top_logprobs=1, prompt_logprobs=True)
     keep_prompt_logprobs(req, 0, 2, (np.array([-1.0, -9.0]), np.array([[7, 8], [9, 9]]),

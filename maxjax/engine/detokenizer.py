@@ -112,14 +112,19 @@ class TextStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stop = StopChecker(params.stop)
         self.text = ""
+        self._held: list[tuple[int, object]] = []     # (token's text offset, its logprob)
+        self._ended = False
 
     @property
     def stopped(self) -> bool:
         return self.stop.stopped
 
-    def add(self, token_ids: Sequence[int]) -> str:
+    def add(self, token_ids: Sequence[int], logprobs: Sequence | None = None) -> str:
+        """`logprobs`: the tokens' own, held until their text is emitted (`take_logprobs`)."""
+        start = len(self.detokenizer.text)
         out = self.stop.feed(self.detokenizer.add(token_ids))
         self.text += out
+        self._held += [(start, lp) for lp in logprobs or ()]
         return out
 
     def finish(self) -> str:
@@ -128,4 +133,18 @@ class TextStream:
         if not self.stop.stopped:
             out += self.stop.flush()
         self.text += out
+        self._ended = True
+        return out
+
+    def take_logprobs(self) -> list:
+        """The held logprobs whose tokens' text has been emitted, in order: so the logprobs a
+        caller sees are those of the text it got. The tokens of a matched stop string (and of
+        what its cut leaves out) get none: their text is not in the output."""
+        emitted = len(self.text)
+        n = 0
+        while n < len(self._held) and (self._held[n][0] < emitted or
+                                       self._ended and not self.stopped):
+            n += 1
+        out = [lp for _, lp in self._held[:n]]
+        self._held = [] if self.stopped else self._held[n:]
         return out

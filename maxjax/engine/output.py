@@ -122,16 +122,17 @@ class OutputProcessor:
             out.prompt_logprobs = [None] + [got.get(i) for i in range(1, req.num_prompt_tokens)]
         text = self._text(req)
         last = len(token_ids) - 1
+        apart = []      # logprobs of tokens outside the text, after those the text holds
         for j, (token, smp) in enumerate(zip(token_ids, samples)):
             out.new_token_ids.append(token)
-            if sp.logprobs:
-                out.new_logprobs.append(token_logprob(token, smp.logprob, smp.top_ids,
-                                                      smp.top_logprobs, sp.top_logprobs))
+            lps = [token_logprob(token, smp.logprob, smp.top_ids, smp.top_logprobs,
+                                 sp.top_logprobs)] if sp.logprobs else None
             # A stop token id ends the request without appearing in its text (EOS is special
             # and skipped by the detokenizer anyway).
             if text is None or (j == last and req.is_finished and token in sp.stop_token_ids):
+                apart += lps or []
                 continue
-            out.new_text += text.add([token])
+            out.new_text += text.add([token], lps)
             if text.stopped:
                 break
         out.completion_tokens = n_before + len(out.new_token_ids)
@@ -143,4 +144,6 @@ class OutputProcessor:
                 out.error = f"the output broke its grammar: {req.grammar.error}"
         if out.finished and text is not None:
             out.new_text += text.finish()
+        if sp.logprobs:
+            out.new_logprobs = (text.take_logprobs() if text is not None else []) + apart
         return out
