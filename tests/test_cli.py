@@ -129,16 +129,41 @@ def test_config_file(capsys, tmp_path):
     import argparse
 
     from maxjax.cli.args import build, read_config_file
+    from maxjax.cli.main import build_parser
     from maxjax.engine.config import EngineConfig
+    parser = build_parser().parse_args(["serve"]).command_parser
     cfg = tmp_path / "c.yaml"
     cfg.write_text("max-batch-size: 4\nkv_cache_page_size: 16\n")
-    values = read_config_file(str(cfg))
+    values = read_config_file(str(cfg), parser)
     ns = argparse.Namespace(max_batch_size=8)            # the command line wins
     engine = build(EngineConfig, ns, values)
     assert engine.max_batch_size == 8 and engine.kv_cache_page_size == 16
     cfg.write_text("max-batch-sise: 4\n")
-    one_line_error(capsys, "unknown settings: max_batch_sise", "generate", "--config-file", str(cfg),
-                   "--prompt", "hi")
+    one_line_error(capsys, "unknown settings: max-batch-sise", "generate", "--config-file",
+                   str(cfg), "--prompt", "hi")
+
+
+def test_config_file_values_parse_as_the_flags_do(capsys, tmp_path):
+    """A value goes through its flag's parsing (the words, the types, the choices, one value
+    for a list) and a key may be any of the flag's names, the reference's included."""
+    from maxjax.cli.args import read_config_file
+    from maxjax.cli.main import build_parser
+    parser = build_parser().parse_args(["serve"]).command_parser
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("enable_prefix_caching: 'false'\nmax-length: '4096'\nmodel: m.gguf\n"
+                   "precompiled_mefs: /a\ncustom-architectures: /x\npretty-print-config: on\n"
+                   "port: 8100\ntemperature: 1\n")
+    assert read_config_file(str(cfg), parser) == {
+        "enable_prefix_caching": False, "max_length": 4096, "model_path": "m.gguf",
+        "precompiled_artifacts": ["/a"], "custom_architectures": ["/x"],
+        "pretty_print_config": True, "port": 8100, "temperature": 1.0}
+    for text, words in [("max_length: abc", "max_length: invalid int value"),
+                        ("max_batch_size: 16.5", "max_batch_size: invalid int value"),
+                        ("devices: [cpu]", "devices: expected one value"),
+                        ("task: pixel_generation", "task: invalid choice 'pixel_generation'"),
+                        ("enable_echo: maybe", "enable_echo: expected true or false")]:
+        cfg.write_text(text + "\n")
+        one_line_error(capsys, words, "serve", "--config-file", str(cfg))
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])

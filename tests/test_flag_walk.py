@@ -99,17 +99,15 @@ def test_refused_flags_at_their_defaults_are_accepted():
 
 def test_a_max_serve_config_file_loads(tmp_path):
     """Reference names (dashes), the refused ones at their defaults, in YAML."""
-    from maxjax.cli.args import build, check_config_keys, read_config_file
-    from maxjax.cli.main import _config_classes
+    from maxjax.cli.args import build, read_config_file
     from maxjax.engine.config import EngineConfig
     path = tmp_path / "max.yaml"
     path.write_text("max-batch-size: 8\nmax-length: 512\nenable-prefix-caching: false\n"
                     "kv-cache-hash-algo: sha256\ndevice-graph-capture: false\nep-size: 1\n"
                     "pipeline-role: prefill_and_decode\nenable-in-flight-batching: true\n"
                     "max-batch-total-tokens: 4096\nserved-model-name: my-model\nport: 8100\n")
-    data = read_config_file(str(path))
     args = build_parser().parse_args(["serve", "--config-file", str(path)])
-    check_config_keys(data, _config_classes(args), str(path))
+    data = read_config_file(str(path), args.command_parser)
     reference_flags.check(build(reference_flags.ReferenceOnly, args, data))
     cfg = build(EngineConfig, args, data)
     assert (cfg.max_batch_size, cfg.max_length, cfg.enable_prefix_caching,

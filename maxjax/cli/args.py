@@ -87,8 +87,11 @@ def build(cls, ns: argparse.Namespace, base: dict | None = None):
     return cls(**values)
 
 
-def read_config_file(path: str) -> dict:
-    """YAML or JSON; keys may use dashes or underscores."""
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """A YAML or JSON --config-file as the command line would give it: {dest: value}. A key is
+    any of a flag's names (dashes or underscores, `model` as `model-path`); a value goes through
+    the flag's own parsing (its type, choices, true/false words; a single value is a one-item
+    list). A key no flag of `parser` has, or a value its flag refuses, is one line naming it."""
     text = read_user_file(path, "--config-file")
     try:
         if path.endswith(".json"):
@@ -100,14 +103,50 @@ def read_config_file(path: str) -> dict:
         raise UserError(f"--config-file {path}: cannot parse: {e}") from e
     if not isinstance(data, dict):
         raise UserError(f"--config-file {path}: expected a mapping of flag names to values")
-    return {k.replace("-", "_"): v for k, v in data.items()}
-
-
-def check_config_keys(data: dict, classes, path: str) -> None:
-    known = {f.name for cls in classes for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known - {"config_file"})
+    flags = {}
+    for a in parser._actions:
+        for opt in a.option_strings:
+            negated = isinstance(a, BoolFlag) and opt.startswith("--no-")
+            if opt.startswith("--") and not negated and a.dest not in ("help", "config_file"):
+                flags[opt[2:].replace("-", "_")] = a
+    unknown = sorted(str(k) for k in data if str(k).replace("-", "_") not in flags)
     if unknown:
         raise UserError(f"--config-file {path}: unknown settings: {', '.join(unknown)}")
+    out = {}
+    for key, value in data.items():
+        a = flags[str(key).replace("-", "_")]
+        try:
+            out[a.dest] = _flag_value(a, value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            raise UserError(f"--config-file {path}: {key}: {e}") from None
+    return out
+
+
+def _flag_value(a: argparse.Action, value):
+    """`value` (YAML's) as flag `a` parses its text on the command line."""
+    def one(v):
+        if isinstance(v, list):
+            raise TypeError("expected one value (got a list)")
+        text = v if isinstance(v, str) else json.dumps(v)
+        if a.nargs == 0 or isinstance(a, argparse.BooleanOptionalAction):
+            got = parse_bool(text)                  # store_true and --x/--no-x switches
+        elif a.type is not None:
+            try:
+                got = a.type(text)
+            except (ValueError, TypeError):     # as argparse says it of a command line's
+                raise ValueError(f"invalid {getattr(a.type, '__name__', 'value')} value: "
+                                 f"{text!r}") from None
+        else:
+            got = text
+        if a.choices is not None and got not in a.choices:
+            raise ValueError(f"invalid choice {got!r} (choose from "
+                             f"{', '.join(map(str, a.choices))})")
+        return got
+    if value is None:
+        return None
+    if a.nargs == "+":
+        return [one(v) for v in (value if isinstance(value, list) else [value])]
+    return one(value)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from maxjax import transformers_index
 from maxjax.cli import reference_flags
 from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_dataclass_args,
-                             build, check_config_keys, grammar_spec, read_config_file,
+                             build, grammar_spec, read_config_file,
                              sampling_params)
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.distributed import DistributedOptions
@@ -26,10 +26,7 @@ from maxjax.errors import RequestError, UserError
 def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
     """The model options and engine config of a model command, JAX started on its platform;
     `register`: the --custom-architectures registered (suggest does it itself, to report)."""
-    base = {}
-    if getattr(args, "config_file", None):
-        base = read_config_file(args.config_file)
-        check_config_keys(base, _config_classes(args), args.config_file)
+    base = _config_file(args)
     reference_flags.check(build(reference_flags.ReferenceOnly, args, base))
     model_opts = build(ModelOptions, args, base)
     level = getattr(logging, model_opts.log_level.upper(), logging.INFO)
@@ -68,10 +65,10 @@ def _quiet_libraries(level: int) -> None:
             logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
-def _config_classes(args):
-    from maxjax.server.config import ServeConfig
-    classes = [ModelOptions, EngineConfig, DistributedOptions, reference_flags.ReferenceOnly]
-    return classes + [ServeConfig] if args.command == "serve" else classes
+def _config_file(args) -> dict:
+    """The --config-file's values as the command's own flags parse them ({} without one)."""
+    path = getattr(args, "config_file", None)
+    return read_config_file(path, args.command_parser) if path else {}
 
 
 def cmd_list(args) -> int:
@@ -203,7 +200,7 @@ def _serve(args) -> int:
         prefetch_early(model_opts.source(), engine_cfg, model_opts.chat_template,
                        model_opts.compile_cache)
     from maxjax.server.config import ServeConfig
-    base = read_config_file(args.config_file) if getattr(args, "config_file", None) else {}
+    base = _config_file(args)
     serve_cfg = build(ServeConfig, args, base)
     if args.pretty_print_config:
         print(json.dumps({"model": dataclasses.asdict(model_opts), "engine": dataclasses.asdict(engine_cfg),
@@ -284,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "max serve flags for what maxjax does not have (refused but at "
                            "their defaults)")
         sp.add_argument("--config-file", help="YAML or JSON file of flag values (the command line wins)")
+        sp.set_defaults(command_parser=sp)
         return sp
 
     sp = model_cmd("serve", "Serve a model over the OpenAI API")
