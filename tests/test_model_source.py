@@ -190,6 +190,27 @@ def test_missing_repo_and_hub_only_flags_on_a_path(hf_cache, tmp_path):
              "float32")
 
 
+def test_an_unreachable_hub_fails_at_once_and_once(hf_cache, monkeypatch):
+    """No retries with backoff (~25 s a call in huggingface_hub) for a hub that refuses the
+    connection, and a start's later resolutions of the same repo do not ask again."""
+    import time
+
+    from huggingface_hub import HfApi, constants
+
+    from maxjax.models import source
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")    # nothing listens
+    monkeypatch.setattr(source, "_FAILED", {})
+    asked = []
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda *a, **k: asked.append(a))
+    t0 = time.monotonic()
+    for _ in range(3):
+        one_line(r"model 'org/away' cannot be found .* the hub cannot be reached "
+                 r"\(ConnectionError: 127.0.0.1:9: Connection refused\)", load_model,
+                 "org/away", "float32")
+    assert time.monotonic() - t0 < 10 and asked == [] and len(source._FAILED) == 1
+
+
 def test_unknown_architecture_is_not_found_in_registry(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
     one_line("not found in registry", load_model, str(tmp_path), "float32")

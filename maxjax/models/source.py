@@ -141,9 +141,48 @@ def within(src: ModelSource, root: str) -> str:
     return path
 
 
+# A start resolves its model more than once (the prefetch's key, the load, suggest's notes): a
+# repo that failed is not asked for again for a while.
+_FAILED: dict[tuple, tuple[float, UserError]] = {}
+_FAILED_SECONDS = 60.0
+
+
 def snapshot(src: ModelSource, repo: str, revision: str | None, encoding: str | None) -> str:
     """The local snapshot of `repo` at `revision` (None: main): its directory, or for a GGUF
     repo the chosen file in it. From the cache unless --force-download, else downloaded."""
+    import time
+    key = (repo, revision, encoding, repr(src))
+    at, failure = _FAILED.get(key, (0.0, None))
+    if failure is not None and time.monotonic() - at < _FAILED_SECONDS:
+        raise failure
+    try:
+        return _snapshot(src, repo, revision, encoding)
+    except UserError as e:
+        _FAILED[key] = (time.monotonic(), e)
+        raise
+
+
+def _hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why no connection to the hub opens (None: it does, or a proxy is set, which a direct
+    connection says nothing about). huggingface_hub retries a refused connection with backoff
+    for ~25 s a call; one connect tells at once."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(v) for v in (
+            "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    u = urlsplit(constants.ENDPOINT)
+    where = (u.hostname, u.port or (80 if u.scheme == "http" else 443))
+    try:
+        socket.create_connection(where, timeout).close()
+    except OSError as e:
+        return f"{where[0]}:{where[1]}: {e.strerror or type(e).__name__}"
+    return None
+
+
+def _snapshot(src: ModelSource, repo: str, revision: str | None, encoding: str | None) -> str:
     from huggingface_hub import snapshot_download
     at = f" at revision {revision!r}" if revision else ""
     if not src.force_download:
@@ -157,6 +196,9 @@ def snapshot(src: ModelSource, repo: str, revision: str | None, encoding: str | 
             return _pick(src, repo, root, files, encoding)
     try:
         from huggingface_hub import HfApi
+        why = _hub_unreachable()
+        if why is not None:
+            raise ConnectionError(why)
         files = HfApi().list_repo_files(repo, revision=revision)
         gguf = _pick(src, repo, "", files, encoding)
         patterns = [gguf, "*.json", "*.jinja"] if gguf.endswith(".gguf") else HF_PATTERNS
