@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import signal
+import socket
 import time
 
 from aiohttp import web
@@ -282,6 +283,9 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
         site = web.TCPSite(runner, cfg.host, cfg.port)
         try:
             await site.start()
+        except socket.gaierror as e:
+            raise UserError(f"--host {cfg.host}: not an address of this machine "
+                            f"({e.strerror or e})") from None
         except OSError as e:
             raise UserError(f"--port {cfg.port}: cannot listen on {cfg.host}:{cfg.port}: "
                             f"{e.strerror or e} (another server on that port? pick another "

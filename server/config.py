@@ -103,9 +103,20 @@ class ServeConfig:
                 "images come only as data: URLs. Remote URLs are never fetched"})
 
     def __post_init__(self):
-        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+        if not 0 <= self.port <= 65535:
+            raise UserError(f"--port {self.port}: a port is 0-65535 (0: any free one)")
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels",
+                     "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1 "
+                                f"(got {getattr(self, name)})")
+        for name in ("http_idle_timeout", "http_body_timeout", "http_write_timeout"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{name.replace('_', '-')} must be > 0 seconds "
+                                f"(got {getattr(self, name)})")
+        for name in ("max_queue_size", "max_pending_requests", "shutdown_grace_period"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0 "
                                 f"(got {getattr(self, name)})")
 
     def reasoning_fields(self) -> tuple[str, ...]:

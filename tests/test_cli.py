@@ -143,6 +143,16 @@ def test_config_file(capsys, tmp_path):
                    str(cfg), "--prompt", "hi")
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], "--port 70000: a port is 0-65535"),
+    (["--port", "-1"], "--port -1: a port is 0-65535"),
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1"),
+    (["--http-idle-timeout", "-1"], "--http-idle-timeout must be > 0 seconds"),
+    (["--max-queue-size", "-1"], "--max-queue-size must be >= 0")])
+def test_server_values_out_of_range_are_one_line(capsys, argv, words):
+    one_line_error(capsys, words, "serve", *argv)
+
+
 def test_config_file_values_parse_as_the_flags_do(capsys, tmp_path):
     """A value goes through its flag's parsing (the words, the types, the choices, one value
     for a list) and a key may be any of the flag's names, the reference's included."""
@@ -195,6 +205,15 @@ def test_serve_turns_the_collector_back_on_when_its_start_fails(capsys):
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_a_host_that_is_no_address_is_named():
+    proc = subprocess.run([sys.executable, "-m", "maxjax.cli", "serve", "--host", "bogus.invalid",
+                           "--port", "0", "--no-compile-cache"], capture_output=True, text=True,
+                          timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("maxjax: error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and "--host bogus.invalid: not an address" in lines[0], lines
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
