@@ -28,8 +28,10 @@ class Refused:
 _COMPILER = "XLA compiles each step graph whole before the server is ready"
 _CASCADE = "the Cascade server is MAX's; maxjax serves with one API server and engine"
 _DIFFUSION = "maxjax serves text models; it has no diffusion pipeline"
-_VISION = "maxjax has no vision-language models yet (`maxjax list`)"
-_MOE = "maxjax has no mixture-of-experts models yet (`maxjax list`)"
+_VISION = ("maxjax's vision-language models take their vision settings from the checkpoint "
+           "and keep no preprocessing cache")
+_MOE = ("maxjax's mixture-of-experts models shard their experts with the rest of the model "
+        "(--devices); there is no expert parallelism of its own")
 _DISAGG = ("maxjax runs prefill and decode in one engine; it has no disaggregated "
            "prefill/decode workers")
 _DRAFT = "the draft model reads the target's token ids and is never served itself"
