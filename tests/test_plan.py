@@ -108,6 +108,10 @@ def test_flag_errors_come_before_the_weights(model_dir, monkeypatch):
     monkeypatch.setattr(engine_build, "load", lambda *a, **k: pytest.fail("weights loaded"))
     for flags, match in ((EngineConfig(kv_cache_page_size=0), "--kv-cache-page-size"),
                          (EngineConfig(lora_paths=["a=/x"]), "--lora-paths needs --enable-lora"),
+                         (EngineConfig(enable_lora=True, lora_paths=["a=/nonexistent"]),
+                          "--lora-paths a: /nonexistent: no adapter_config.json"),
+                         (EngineConfig(enable_lora=True, lora_paths=["=/x"]),
+                          "--lora-paths '=/x': expected PATH or NAME=PATH"),
                          (EngineConfig(chunked_prefill_min_chunk_size=999),
                           "--chunked-prefill-min-chunk-size 999")):
         with pytest.raises(UserError, match=match):

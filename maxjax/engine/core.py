@@ -24,7 +24,7 @@ from maxjax.engine import compile_counter, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logprobs
-from maxjax.engine.plan import EnginePlan, plan_engine
+from maxjax.engine.plan import EnginePlan, lora_path_items, plan_engine
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
@@ -49,12 +49,7 @@ def make_lora_manager(cfg: EngineConfig, model):
     from maxjax.lora.manager import LoraManager
     manager = LoraManager(model.config, model.compute_dtype, cfg.max_num_loras,
                           cfg.max_lora_rank, cfg.max_cpu_loras)
-    for item in cfg.lora_paths:
-        name, sep, path = item.partition("=")
-        if not sep:             # a bare path, as max serve takes it: requests name it so
-            name = path = item
-        if not name or not path:
-            raise UserError(f"--lora-paths {item!r}: expected PATH or NAME=PATH")
+    for name, path in lora_path_items(cfg):
         try:
             manager.load(name, path, "--lora-paths")
         except RequestError as e:

@@ -81,6 +81,28 @@ def check_flags(cfg: EngineConfig) -> None:
         raise UserError(f"--ep-size must be >= 1 (got {cfg.ep_size})")
     if cfg.lora_paths and not cfg.enable_lora:
         raise UserError("--lora-paths needs --enable-lora")
+    lora_path_items(cfg)
+
+
+def lora_path_items(cfg: EngineConfig) -> list[tuple[str, str]]:
+    """--lora-paths as (name, path): NAME=PATH, or a bare PATH that requests name as it is (as
+    max serve takes it); each path a PEFT adapter's directory (its config read here, before
+    anything compiles: the weights load with the engine)."""
+    from maxjax.errors import RequestError
+    from maxjax.lora.adapter import read_config
+    items = []
+    for item in cfg.lora_paths:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name = path = item
+        if not name or not path:
+            raise UserError(f"--lora-paths {item!r}: expected PATH or NAME=PATH")
+        try:
+            read_config(path, "--lora-paths")
+        except RequestError as e:
+            raise UserError(f"--lora-paths {name}: {e.reason}") from None
+        items.append((name, path))
+    return items
     if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
         raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
                         f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")

@@ -37,7 +37,7 @@ class Adapter:
 
 def read_adapter(name: str, path: str, cfg, max_rank: int, dtype=np.float32,
                  field: str = "lora_path") -> Adapter:
-    conf = _read_config(path, field)
+    conf = read_config(path, field)
     if conf.get("peft_type", "LORA") != "LORA":
         raise RequestError(field, f"{path}: peft_type {conf.get('peft_type')!r}, only LORA is served")
     for key, default in _UNSUPPORTED.items():
@@ -102,7 +102,7 @@ def _zeros(target: str, cfg, shapes, max_rank: int, dtype):
             tuple(np.zeros((max_rank, shapes[m][1]), dtype) for m in mods))
 
 
-def _read_config(path: str, field: str) -> dict:
+def read_config(path: str, field: str) -> dict:
     f = os.path.join(path, CONFIG)
     if not os.path.isfile(f):
         raise RequestError(field, f"{path}: no {CONFIG} (a PEFT adapter directory holds "
