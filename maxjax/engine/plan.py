@@ -82,6 +82,9 @@ def check_flags(cfg: EngineConfig) -> None:
     if cfg.lora_paths and not cfg.enable_lora:
         raise UserError("--lora-paths needs --enable-lora")
     lora_path_items(cfg)
+    if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
+        raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
+                        f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")
 
 
 def lora_path_items(cfg: EngineConfig) -> list[tuple[str, str]]:
@@ -103,9 +106,6 @@ def lora_path_items(cfg: EngineConfig) -> list[tuple[str, str]]:
             raise UserError(f"--lora-paths {name}: {e.reason}") from None
         items.append((name, path))
     return items
-    if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
-        raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
-                        f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")
 
 
 def check_model_flags(cfg: EngineConfig, model_cfg) -> None:
