@@ -148,9 +148,20 @@ def test_config_file(capsys, tmp_path):
     (["--port", "-1"], "--port -1: a port is 0-65535"),
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1"),
     (["--http-idle-timeout", "-1"], "--http-idle-timeout must be > 0 seconds"),
-    (["--max-queue-size", "-1"], "--max-queue-size must be >= 0")])
+    (["--max-queue-size", "-1"], "--max-queue-size must be >= 0"),
+    (["--device-memory-utilization", "1.5"], "--device-memory-utilization 1.5: a fraction"),
+    (["--speculative-method", "draft", "--draft-model-path", "x", "--draft-devices", "gpu:3"],
+     "--draft-devices gpu:3: the draft model runs on the target's platform (cpu)")])
 def test_server_values_out_of_range_are_one_line(capsys, argv, words):
     one_line_error(capsys, words, "serve", *argv)
+
+
+def test_an_unknown_log_level_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--log-level", "bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--log-level: invalid choice: 'bogus'" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_config_file_values_parse_as_the_flags_do(capsys, tmp_path):

@@ -197,7 +197,8 @@ class ModelOptions:
         "help": "Size cap of the compile cache, e.g. 500M or 20G; least recently used entries "
                 "go first (default: $MAXJAX_CACHE_MAX_SIZE, else 10G)"})
     log_level: str = field(default="INFO", metadata={
-        "help": "DEBUG, INFO, WARNING or ERROR"})
+        "choices": ["debug", "info", "warning", "error", "critical"], "any_case": True,
+        "help": "DEBUG, INFO, WARNING, ERROR or CRITICAL"})
     log_prefix: str | None = field(default=None, metadata={
         "help": "Text put before every log line of this process (e.g. a replica's name)"})
 

@@ -51,6 +51,9 @@ def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
                             start=group and (lambda: distributed.initialize(group)),
                             draft=engine_cfg.draft_devices)
     engine_cfg = engine_cfg.for_platform(None)
+    if engine_cfg.draft_devices is not None:     # another platform, or devices it lacks: now
+        from maxjax.engine.draft import draft_mesh
+        draft_mesh(engine_cfg)
     from maxjax.models import registry
     for spec in model_opts.custom_architectures if register else ():
         registry.register_custom(spec)

@@ -79,6 +79,9 @@ def check_flags(cfg: EngineConfig) -> None:
     lora_shape(cfg)
     if cfg.ep_size < 1:
         raise UserError(f"--ep-size must be >= 1 (got {cfg.ep_size})")
+    if not 0 < cfg.device_memory_utilization <= 1:
+        raise UserError(f"--device-memory-utilization {cfg.device_memory_utilization}: a "
+                        f"fraction of the free memory, in (0, 1]")
     if cfg.lora_paths and not cfg.enable_lora:
         raise UserError("--lora-paths needs --enable-lora")
     lora_path_items(cfg)
