@@ -2,6 +2,8 @@
 runs before jax is imported (maxjax/transformers_index.py)."""
 import os
 
+from maxjax.errors import UserError
+
 
 def directory() -> str:
     """$MAXJAX_CACHE_DIR, else $XDG_CACHE_HOME/maxjax, else ~/.cache/maxjax."""
@@ -17,3 +19,12 @@ def enabled(flag: bool | None = None) -> bool:
     if flag is not None and not flag:
         return False
     return os.environ.get("MAXJAX_NO_COMPILE_CACHE", "").lower() not in ("1", "true", "yes")
+
+
+def check(flag: bool | None = None) -> None:
+    """With the cache on: a one-line UserError where its directory cannot be one."""
+    path = directory()
+    if enabled(flag) and os.path.exists(path) and not os.path.isdir(path):
+        name = "$MAXJAX_CACHE_DIR" if os.environ.get("MAXJAX_CACHE_DIR") else "the cache directory"
+        raise UserError(f"{name} {path}: not a directory (point it at one, or turn the cache "
+                        f"off with --no-compile-cache)")

@@ -48,8 +48,9 @@ class LLM:
                  precompiled_artifacts=(), require_compiled_artifacts: bool = False,
                  compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
                  **engine_options):
-        from maxjax import transformers_index
+        from maxjax import cache_home, transformers_index
         from maxjax.models import registry
+        cache_home.check(compile_cache)
         transformers_index.install(compile_cache)
         for spec in custom_architectures:
             registry.register_custom(spec)

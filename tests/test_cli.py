@@ -156,6 +156,13 @@ def test_server_values_out_of_range_are_one_line(capsys, argv, words):
     one_line_error(capsys, words, "serve", *argv)
 
 
+def test_a_cache_directory_that_is_a_file_is_one_line(capsys, tmp_path, monkeypatch):
+    (tmp_path / "f").write_text("")
+    monkeypatch.setenv("MAXJAX_CACHE_DIR", str(tmp_path / "f"))
+    one_line_error(capsys, f"$MAXJAX_CACHE_DIR {tmp_path / 'f'}: not a directory", "generate",
+                   "--prompt", "hi")
+
+
 def test_an_unknown_log_level_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--log-level", "bogus"])

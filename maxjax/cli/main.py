@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from maxjax import transformers_index
+from maxjax import cache_home, transformers_index
 from maxjax.cli import reference_flags
 from maxjax.cli.args import (GenerateOptions, ModelOptions, SamplingFlags, add_dataclass_args,
                              build, grammar_spec, read_config_file,
@@ -29,6 +29,7 @@ def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
     base = _config_file(args)
     reference_flags.check(build(reference_flags.ReferenceOnly, args, base))
     model_opts = build(ModelOptions, args, base)
+    cache_home.check(model_opts.compile_cache)
     level = getattr(logging, model_opts.log_level.upper(), logging.INFO)
     prefix = (model_opts.log_prefix or "").replace("%", "%%")
     logging.basicConfig(level=level,
