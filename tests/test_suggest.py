@@ -179,6 +179,10 @@ def test_precompiled_artifacts_checked_against_the_plan(capsys, tmp_path, tiny):
     assert art[0]["exists"] is False and art[0]["matches"] is False
     assert "no such directory" in art[0]["why"]
     assert any("--precompiled-artifacts" in n for n in r["notes"])
+    # no manifest pins no kernels: the warm-cache command offered builds what a default start
+    # would run (the CPU kernels where they run), not XLA's int8 path
+    from maxjax.aot import load as aot_load
+    assert aot_load.pinned_kernels(str(tmp_path / "none")) is None
     assert r["compile_cache"]["enabled"] is False
 
 

@@ -135,15 +135,16 @@ def adopt_chat_template(dirs, chat_template: str | None) -> str | None:
     return pinned
 
 
-def pinned_kernels(dirs) -> bool:
+def pinned_kernels(dirs) -> bool | None:
     """Whether the first artifact directory's graphs take the CPU kernels (packed weights or
-    their attention); False where it has no readable manifest (open_artifacts says why)."""
+    their attention); None where it has no readable manifest (open_artifacts says why, with the
+    warm-cache command that builds them: for the default, kernels on where they run)."""
     d = [dirs] if isinstance(dirs, str) else list(dirs)
     try:
         data = mf.read_manifest(os.path.abspath(d[0]), "maxjax warm-cache").data
         attention = backend_named(data.get("engine", {}).get("attention", "query_blocks"))
     except (UserError, ValueError):     # open_artifacts says why
-        return False
+        return None
     return bool(data.get("model", {}).get("kernels")) or attention.needs_cpu_kernels
 
 
