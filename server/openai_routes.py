@@ -141,9 +141,13 @@ async def _accept(request: web.Request, model_cls):
     st.check_ready()
     lora = st.check_model(req.model)
     bad = req.unsupported()
-    if bad and bad[0] == "top_logprobs" and st.cfg.allow_unsupported_logprobs:
+    while bad and bad[0] in ("top_logprobs", "include") and \
+            st.cfg.allow_unsupported_logprobs:
         log.warning("serving a request without the logprobs it asked for: %s", bad[1])
-        req.top_logprobs = None
+        if bad[0] == "top_logprobs":
+            req.top_logprobs = None
+        else:
+            req.include = [v for v in req.include if v != "message.output_text.logprobs"]
         bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])

@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from maxjax.engine.types import MAX_TOP_LOGPROBS
 
@@ -100,6 +101,13 @@ class _SamplingFields(_Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream: true (as OpenAI and vLLM refuse it)")
+        return v
 
 
 class ChatMessage(BaseModel):

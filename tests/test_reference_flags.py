@@ -167,10 +167,15 @@ def test_allow_unsupported_logprobs(strict_server):
     body = {"model": "mock-model", "input": "Hi", "top_logprobs": 2}
     r = http("POST", strict_server.url + "/v1/responses", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    include = {"model": "mock-model", "input": "Hi", "include": ["message.output_text.logprobs"]}
+    r = http("POST", strict_server.url + "/v1/responses", include)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"
     lenient = ServerThread(MockEngine(), ServeConfig(allow_unsupported_logprobs=True))
     try:
         r = http("POST", lenient.url + "/v1/responses", body)
         assert r.status_code == 200 and r.json()["top_logprobs"] == 0, r.text
+        r = http("POST", lenient.url + "/v1/responses", {**include, "top_logprobs": 2})
+        assert r.status_code == 200, r.text
     finally:
         lenient.close()
 

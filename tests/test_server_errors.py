@@ -45,6 +45,7 @@ def chat(server, **kw):
                                    "messages[0].role"),
     ("logit_bias", {"x": 1}, "logit_bias"), ("min_tokens", 5, "min_tokens"),
     ("messages", [{"role": "user"}], "messages[0].content"),
+    ("stream_options", {"include_usage": True}, "stream_options"),      # without stream
 ])
 def test_validation_names_the_field(server, field, value, param):
     e = error(chat(server, **{field: value}), 400, param)
