@@ -55,10 +55,12 @@ def tokens(llm) -> list:
 
 
 def entries_in(root) -> list[str]:
-    """The compiled entries and temp directories (not the prefetch's request pointers, nor the
-    converted weights: tests/test_weight_cache.py)."""
+    """The compiled entries and temp directories (not the prefetch's request pointers, the
+    converted weights, tests/test_weight_cache.py, nor transformers' index file,
+    tests/test_transformers_index.py)."""
     return sorted(n for n in os.listdir(root)
-                  if n != prefetch.REQUESTS and not n.startswith(weight_cache.PREFIX))
+                  if n != prefetch.REQUESTS and not n.startswith(weight_cache.PREFIX)
+                  and not n.startswith(".transformers-index-"))
 
 
 @pytest.fixture(scope="module")
