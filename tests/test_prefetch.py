@@ -132,6 +132,25 @@ def test_an_early_prefetch_is_taken_over_by_the_start_that_asks_for_it(setup, ca
     assert "deserialized while the weights loaded" in text
 
 
+def test_artifacts_deserialize_while_the_weights_load(setup, caplog, tmp_path):
+    """--precompiled-artifacts: its first directory's executables deserialize while the
+    weights load, started by the start itself or by `maxjax serve` before its imports."""
+    path, _ = setup
+    first, _, _ = _start(path, caplog)
+    art = str(tmp_path / "art")
+    from maxjax.aot import export
+    export.export_engine(art, maxjax.LLM(path, quantization_encoding="float32", **ENGINE).core)
+    again, compiles, text = _start(path, caplog, precompiled_artifacts=[art])
+    assert again == first and compiles == 0
+    assert "deserialized while the weights loaded" in text
+    build.prefetch_early(path, EngineConfig(quantization_encoding="float32", **ENGINE),
+                         artifacts=[art])
+    assert build._EARLY
+    again, compiles, text = _start(path, caplog, precompiled_artifacts=[art])
+    assert not build._EARLY and again == first and compiles == 0
+    assert "deserialized while the weights loaded" in text
+
+
 def _entry(root: str) -> str:
     """The graph entry the last start loaded (touched on use: the most recently used)."""
     return cache.entries(root, kind="graphs")[-1].path

@@ -81,6 +81,15 @@ def start(root: str, request: str) -> Prefetch | None:
     return Prefetch(path) if name and os.path.isdir(path) else None
 
 
+def of_artifacts(dirs) -> Prefetch | None:
+    """The prefetch of --precompiled-artifacts' first directory (None in a group, or where it
+    has no manifest: loading it says why)."""
+    if group.size() > 1 or not dirs:
+        return None
+    path = os.path.abspath(dirs if isinstance(dirs, str) else dirs[0])
+    return Prefetch(path) if os.path.isfile(os.path.join(path, mf.MANIFEST)) else None
+
+
 class Prefetch:
     def __init__(self, path: str):
         self.path = path

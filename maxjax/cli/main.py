@@ -199,10 +199,10 @@ def cmd_serve(args) -> int:
 
 def _serve(args) -> int:
     model_opts, engine_cfg = _setup(args)
-    if args.group is None and not model_opts.precompiled_artifacts:
+    if args.group is None:
         from maxjax.engine.build import prefetch_early
         prefetch_early(model_opts.source(), engine_cfg, model_opts.chat_template,
-                       model_opts.compile_cache)
+                       model_opts.compile_cache, model_opts.precompiled_artifacts)
     from maxjax.server.config import ServeConfig
     base = _config_file(args)
     serve_cfg = build(ServeConfig, args, base)

@@ -85,7 +85,12 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template) \
         if use_cache and not precompiled_artifacts else None
     from maxjax.aot import prefetch
-    early = _early_prefetch(request) or (request and prefetch.start(cache.directory(), request))
+    if precompiled_artifacts:
+        early = _early_prefetch(_artifacts_key(precompiled_artifacts)) or (
+            flags.data_parallel_degree == 1 and prefetch.of_artifacts(precompiled_artifacts))
+    else:
+        early = _early_prefetch(request) or (request and prefetch.start(cache.directory(),
+                                                                        request))
     stored_at = weights_entry(model, flags, chat_template, kernels, replica) \
         if use_cache and not precompiled_artifacts else None
     clock.mark("CPU kernels and cache key")
@@ -103,8 +108,9 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     t0 = time.perf_counter()
     loaded = ()
     if precompiled_artifacts:
-        plan, *loaded = aot_load.load_planned(precompiled_artifacts, model, flags,
-                                              require_compiled, kernels)
+        plan, *loaded = aot_load.load_planned(
+            precompiled_artifacts, model, flags, require_compiled, kernels,
+            early.take(early.path) if early else None)
     else:
         plan = plan_engine(flags, model, kernels=kernels)
         if use_cache:
@@ -139,21 +145,34 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
 _EARLY: dict = {}
 
 
+def _artifacts_key(dirs: Sequence[str]) -> str:
+    return "artifacts:" + "|".join(os.path.abspath(d) for d in dirs)
+
+
 def prefetch_early(model, flags: EngineConfig, chat_template: str | None = None,
-                   compile_cache: bool | None = None) -> None:
-    """Start deserializing the executables this start will load (maxjax/aot/prefetch.py) now,
-    before the caller's own imports (`maxjax serve`'s server); build_core takes them over when
-    it asks for the same. Quietly nothing where build_core would not prefetch or would refuse
-    the flags (it reports that itself)."""
+                   compile_cache: bool | None = None, artifacts: Sequence[str] = ()) -> None:
+    """Start deserializing the executables this start will load (maxjax/aot/prefetch.py: the
+    compile cache's entry, or `artifacts`' first directory) now, before the caller's own
+    imports (`maxjax serve`'s server); build_core takes them over when it asks for the same.
+    Quietly nothing where build_core would not prefetch or would refuse the flags (it reports
+    that itself)."""
     from maxjax.aot import cache, prefetch
     try:
         flags = flags.for_platform(None)
         check_flags(flags)
-        if not cache.enabled(compile_cache) or flags.data_parallel_degree > 1:
+        if flags.data_parallel_degree > 1:
             return
-        kernels = choose_kernels(flags, quiet=True)
-        request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template)
-        started = request and prefetch.start(cache.directory(), request)
+        if artifacts:
+            from maxjax.aot import load as aot_load
+            choose_kernels(flags, aot_load.pinned_kernels(artifacts), quiet=True)  # their FFI
+            request, started = _artifacts_key(artifacts), prefetch.of_artifacts(artifacts)
+        elif not cache.enabled(compile_cache):
+            return
+        else:
+            kernels = choose_kernels(flags, quiet=True)
+            request = _request(model, flags.replace(use_experimental_kernels=kernels),
+                               chat_template)
+            started = request and prefetch.start(cache.directory(), request)
     except Exception as e:     # noqa: BLE001: build_core meets the same and says so
         log.debug("early prefetch skipped (%s)", e)
         return
