@@ -163,6 +163,14 @@ def test_a_cache_directory_that_is_a_file_is_one_line(capsys, tmp_path, monkeypa
                    "--prompt", "hi")
 
 
+def test_task_takes_the_reference_spelling():
+    from maxjax.cli.main import build_parser
+    for text, want in (("PipelineTask.EMBEDDINGS_GENERATION", "embeddings_generation"),
+                       ("pipelinetask.text_generation", "text_generation"),
+                       ("text_generation", "text_generation")):
+        assert build_parser().parse_args(["serve", "--task", text]).task == want
+
+
 def test_an_unknown_log_level_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--log-level", "bogus"])

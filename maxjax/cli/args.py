@@ -75,6 +75,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None =
             kw["choices"] = f.metadata["choices"]
             if f.metadata.get("any_case"):
                 kw["type"] = str.lower
+        if "parse" in f.metadata:       # the value's text as the reference spells it
+            kw["type"] = f.metadata["parse"]
         group.add_argument(*names, **kw)
 
 

@@ -14,6 +14,13 @@ def platform_defaults(platform: str) -> dict:
     return PLATFORM_DEFAULTS["cuda" if platform in ("cuda", "gpu") else "cpu"]
 
 
+def task_name(text: str) -> str:
+    """--task as given: text_generation, or as the reference lists it,
+    PipelineTask.TEXT_GENERATION."""
+    name = text.strip().lower()
+    return name.split(".", 1)[1] if name.startswith("pipelinetask.") else name
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The user's engine flags; frozen. maxjax/engine/plan.py resolves them (`for_platform`,
@@ -150,7 +157,7 @@ class EngineConfig:
                 "gets a 400"})
     # Embeddings (POST /v1/embeddings): prefill-only requests through the same steps.
     task: str = field(default="text_generation", metadata={
-        "choices": ["text_generation", "embeddings_generation"],
+        "choices": ["text_generation", "embeddings_generation"], "parse": task_name,
         "help": "The pipeline task: text_generation serves generation and /v1/embeddings; "
                 "embeddings_generation serves /v1/embeddings only (generation requests get a "
                 "400 naming `model`). The compiled graphs are the same"})
