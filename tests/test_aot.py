@@ -111,7 +111,9 @@ def test_cross_machine_generate_is_identical_and_compiles_no_graph(root, model_d
     loaded = maxjax([*GEN, "--model-path", model_dir, "--precompiled-artifacts", copy], env_b, cwd_b)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout == cold.stdout and len(loaded.stdout.splitlines()) == 2
-    assert "(6 executables, 0 compiled from exports)" in loaded.stderr
+    # the executables deserialized while the weights loaded (the artifacts' prefetch)
+    assert "(6 executables, 6 deserialized while the weights loaded, 0 compiled from exports)" \
+        in loaded.stderr
     total, since_ready = compiles(loaded.stderr)
     cold_total, cold_since = compiles(cold.stderr)
     # cold: the 3 step graphs, their 2 samplers and the KV initializer; from artifacts: nothing,
@@ -252,7 +254,9 @@ def test_warm_cache_for_cuda_on_this_cpu_loads_for_the_cpu(root, model_dir, cold
     loaded = maxjax([*GEN, "--model-path", model_dir, "--quantization-encoding", "float32",
                      "--precompiled-artifacts", d], env, cwd)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert f"({len(data['graphs'])} executables, 0 compiled from exports)" in loaded.stderr
+    n = len(data['graphs'])
+    assert f"({n} executables, {n} deserialized while the weights loaded, 0 compiled from " \
+        "exports)" in loaded.stderr
     assert compiles(loaded.stderr) == (0, 0)
     assert [json.loads(x)["token_ids"] for x in loaded.stdout.splitlines()] == \
         [json.loads(x)["token_ids"] for x in cold.stdout.splitlines()]
