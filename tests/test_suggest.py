@@ -174,7 +174,8 @@ def test_plan_is_what_the_engine_allocates(capsys, monkeypatch, tiny):
 
 
 def test_precompiled_artifacts_checked_against_the_plan(capsys, tmp_path, tiny):
-    _, r = suggest(capsys, "--model", tiny, "--precompiled-artifacts", str(tmp_path / "none"))
+    code, r = suggest(capsys, "--model", tiny, "--precompiled-artifacts", str(tmp_path / "none"))
+    assert code == 1 and r["command"] is None      # serve would refuse them
     art = r["precompiled_artifacts"]
     assert art[0]["exists"] is False and art[0]["matches"] is False
     assert "no such directory" in art[0]["why"]
@@ -184,6 +185,16 @@ def test_precompiled_artifacts_checked_against_the_plan(capsys, tmp_path, tiny):
     from maxjax.aot import load as aot_load
     assert aot_load.pinned_kernels(str(tmp_path / "none")) is None
     assert r["compile_cache"]["enabled"] is False
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--structured-output-backend", "xgrammar"], "--structured-output-backend xgrammar"),
+    (["--chat-template", "/nonexistent.jinja"], "/nonexistent.jinja"),
+    (["--compile-cache-max-size", "10Q"], "--compile-cache-max-size '10Q'")])
+def test_what_serve_refuses_gets_no_command(capsys, tiny, argv, words):
+    code, r = suggest(capsys, "--model", tiny, *argv)
+    assert code == 1 and r["command"] is None
+    assert any(n.startswith("serve refuses this") and words in n for n in r["notes"]), r["notes"]
 
 
 def test_encoding_the_checkpoint_lacks_is_a_note(capsys, tiny):

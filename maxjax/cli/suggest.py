@@ -97,6 +97,11 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     notes, path = report["notes"], report["path"]
     artifacts = model_opts.precompiled_artifacts
     check_flags(engine_cfg)
+    from maxjax.aot import cache                    # the flags serve reads before any weight
+    from maxjax.models.loader import read_chat_template_file
+    cache.max_bytes(model_opts.compile_cache_max_size)
+    if model_opts.chat_template:
+        read_chat_template_file(model_opts.chat_template)
     pinned = None
     if artifacts:
         from maxjax.aot import load as aot_load
@@ -127,6 +132,9 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     report["precompiled_artifacts"] = [artifact_entry(d, model, engine_cfg, layout)
                                        for d in artifacts] or None
     notes.extend(model_notes(ckpt, model, engine_cfg, layout, report))
+    for a in report["precompiled_artifacts"] or ():
+        if not a["matches"]:
+            raise UserError(f"--precompiled-artifacts {a['path']}: {a['why']}")
 
 
 def _leaves(shapes) -> list:

@@ -85,6 +85,8 @@ def check_flags(cfg: EngineConfig) -> None:
     if cfg.lora_paths and not cfg.enable_lora:
         raise UserError("--lora-paths needs --enable-lora")
     lora_path_items(cfg)
+    from maxjax.structured import backend
+    backend.check_flags(cfg)
     if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
         raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
                         f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")

@@ -257,6 +257,17 @@ class GrammarBackend:
 def backend_for(cfg, model) -> GrammarBackend | None:
     """The engine's grammar backend from its config (None: structured output off, or a model
     without a tokenizer); a UserError for an unknown backend name."""
+    check_flags(cfg)
+    if not cfg.enable_structured_output or model.tokenizer is None:
+        return None
+    return GrammarBackend(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
+                          any_whitespace=cfg.structured_output_any_whitespace,
+                          compile_timeout=cfg.structured_output_compile_timeout)
+
+
+def check_flags(cfg) -> None:
+    """The structured-output flags (maxjax/engine/plan.py's check_flags runs it with the rest,
+    before anything loads)."""
     if cfg.structured_output_backend not in BACKENDS:
         why = (" (xgrammar imports torch and pulls triton at import time, which a JAX server "
                "does not install; llguidance enforces the same JSON schemas, regexes and "
@@ -265,8 +276,3 @@ def backend_for(cfg, model) -> GrammarBackend | None:
                         f"supported{why}; supported: {', '.join(BACKENDS)}")
     if cfg.structured_output_compile_timeout <= 0:
         raise UserError("--structured-output-compile-timeout must be > 0")
-    if not cfg.enable_structured_output or model.tokenizer is None:
-        return None
-    return GrammarBackend(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
-                          any_whitespace=cfg.structured_output_any_whitespace,
-                          compile_timeout=cfg.structured_output_compile_timeout)
