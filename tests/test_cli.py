@@ -163,6 +163,18 @@ def test_a_cache_directory_that_is_a_file_is_one_line(capsys, tmp_path, monkeypa
                    "--prompt", "hi")
 
 
+def test_warm_cache_takes_a_serve_command_line(tmp_path):
+    from maxjax.cli.args import read_config_file
+    from maxjax.cli.main import build_parser
+    args = build_parser().parse_args(["warm-cache", "--port", "8100", "--host", "0.0.0.0",
+                                      "--max-queue-size", "64"])
+    assert (args.port, args.host, args.max_queue_size) == (8100, "0.0.0.0", 64)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("port: 8100\nserved-model-name: m\n")
+    assert read_config_file(str(cfg), args.command_parser) == {"port": 8100,
+                                                               "served_model_name": "m"}
+
+
 def test_task_takes_the_reference_spelling():
     from maxjax.cli.main import build_parser
     for text, want in (("PipelineTask.EMBEDDINGS_GENERATION", "embeddings_generation"),

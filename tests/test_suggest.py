@@ -197,6 +197,15 @@ def test_what_serve_refuses_gets_no_command(capsys, tiny, argv, words):
     assert any(n.startswith("serve refuses this") and words in n for n in r["notes"]), r["notes"]
 
 
+def test_server_flags_are_carried_into_the_command(capsys, tiny):
+    """A `maxjax serve` command line works as it is: its server flags are checked as serve
+    checks them and kept in the command."""
+    code, r = suggest(capsys, "--model", tiny, "--port", "8100", "--host", "0.0.0.0")
+    assert code == 0 and "--port 8100 --host 0.0.0.0" in r["command"]
+    assert cli.main(["suggest", "--model", tiny, "--port", "70000"]) == 2
+    assert "--port 70000: a port is 0-65535" in capsys.readouterr().err
+
+
 def test_encoding_the_checkpoint_lacks_is_a_note(capsys, tiny):
     code, r = suggest(capsys, "--model", tiny, "--quantization-encoding", "q4_k")
     assert code == 0 and r["encodings"]["serving"] == r["encodings"]["default"]

@@ -214,14 +214,23 @@ def _serve(args) -> int:
     return serve(model_opts, engine_cfg, serve_cfg, args.group)
 
 
+def _server_flags(args) -> None:
+    """suggest and warm-cache take serve's server flags (a `maxjax serve` command line or
+    config file as it is): checked as serve checks them; they shape no graph."""
+    from maxjax.server.config import ServeConfig
+    build(ServeConfig, args, _config_file(args))
+
+
 def cmd_suggest(args) -> int:
     from maxjax.cli import suggest
     model_opts, engine_cfg = _setup(args, register=False)
+    _server_flags(args)
     return suggest.run(args, model_opts, engine_cfg)
 
 
 def cmd_warm_cache(args) -> int:
     model_opts, engine_cfg = _setup(args)
+    _server_flags(args)
     from maxjax.engine import warm
     return warm.warm_cache(model_opts, engine_cfg, args.artifacts_dir, args.target, args.jobs,
                                  args.store_weights)
@@ -302,10 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = model_cmd("suggest", "Inspect a model and print the `maxjax serve` command for it: "
                    "architecture, parameters, encodings, this machine's memory plan, compile "
                    "cache, notes (reads the config only: no weights, no compile)")
+    add_dataclass_args(sp, ServeConfig, "server (carried into the command)")
     sp.add_argument("--json", action="store_true", help="Print one JSON object")
     sp.set_defaults(func=cmd_suggest, log_level="WARNING")
 
     sp = model_cmd("warm-cache", "Compile every graph for a config and save the artifacts")
+    add_dataclass_args(sp, ServeConfig, "server (serve's, so that its command line works here; "
+                       "they shape no graph)")
     sp.add_argument("--artifacts-dir", help="Where to write (default: the compile cache, "
                     "which serve, generate and maxjax.LLM read)")
     sp.add_argument("--target", action="extend", nargs="+", default=None,

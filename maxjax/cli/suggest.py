@@ -38,7 +38,8 @@ def given_flags(args) -> dict:
     from maxjax.cli.args import ModelOptions
     from maxjax.engine.config import EngineConfig
     from maxjax.engine.distributed import DistributedOptions
-    fields = {f.name: f for cls in (ModelOptions, EngineConfig, DistributedOptions)
+    from maxjax.server.config import ServeConfig
+    fields = {f.name: f for cls in (ModelOptions, EngineConfig, DistributedOptions, ServeConfig)
               for f in dataclasses.fields(cls) if f.name != "log_level"}
     out = {k: (fields[k], v) for k, v in vars(args).items() if k in fields}
     if getattr(args, "config_file", None):
