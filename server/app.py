@@ -250,13 +250,14 @@ def runner_options(cfg: ServeConfig) -> dict:
 DRAIN_MARGIN = 5.0     # seconds past the grace period for the aborted requests' answers
 
 
-def _end_the_drain(app: web.Application, cfg: ServeConfig) -> None:
-    """The grace period is over: abort what still runs (aiohttp alone would cut the connections,
-    only after waiting the period a second time)."""
+def _end_the_drain(app: web.Application, cfg: ServeConfig, why: str | None = None) -> None:
+    """The grace period is over (or `why`: a second signal came): abort what still runs, each
+    request answered (aiohttp alone would cut the connections, only after waiting the period a
+    second time)."""
     n = app[STATE].admission.abort_all()
     if n:
-        log.warning("the %.0f s grace period is over: aborted what still ran (%d engine "
-                    "requests)", cfg.shutdown_grace_period, n)
+        log.warning("%s: aborted what still ran (%d engine requests)",
+                    why or f"the {cfg.shutdown_grace_period:.0f} s grace period is over", n)
 
 
 async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
@@ -306,12 +307,17 @@ async def run_server(engine: EngineClient, cfg: ServeConfig, on_ready=None,
             log.info("shutting down: draining in-flight requests (up to %.0f s)",
                      cfg.shutdown_grace_period)
             deadline = loop.call_later(cfg.shutdown_grace_period, _end_the_drain, app, cfg)
+            for sig in signals:     # a second SIGTERM/SIGINT ends the drain now, not the process
+                loop.add_signal_handler(sig, _end_the_drain, app, cfg,
+                                        f"{signal.Signals(sig).name} during the drain")
         t0 = time.perf_counter()
     finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
-        if deadline is not None:
-            deadline.cancel()
+        try:
+            await runner.cleanup()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            if deadline is not None:
+                deadline.cancel()
     if served:
         log.info("server stopped after %.1f s of draining", time.perf_counter() - t0)

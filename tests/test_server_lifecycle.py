@@ -12,6 +12,7 @@ import threading
 import time
 
 import openai
+import pytest
 from mock_engine import MockEngine, expected_text
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerThread, http
@@ -304,6 +305,34 @@ def test_what_outlasts_the_grace_period_is_aborted_and_answered():
         assert proc.returncode == 0 and "drained: 0 finished, 1 aborted" in out, (out, err)
         assert "the 1 s grace period is over: aborted what still ran (1 engine requests)" in err, \
             err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_ends_the_drain_now(sig):
+    """Ctrl-C twice (or SIGTERM twice): the second aborts what still runs, each request
+    answered, and the server exits 0 (it had died of the signal, or of SIGABRT in jax's
+    threads, cutting the streams mid-chunk)."""
+    proc, url = _serve_mock("0.1", "60")
+    try:
+        t, result = _stream_in_flight(url, 300)
+        proc.send_signal(sig)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        t.join(30)
+        r = result["r"]
+        events = [ln[6:] for ln in r.text.split("\n\n") if ln]
+        assert r.status_code == 200 and events[-1] == "[DONE]", r.text[-500:]
+        assert "aborted" in json.loads(events[-2])["error"]["message"], events[-2]
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15, "the drain ran on"
+        assert proc.returncode == 0 and "drained: 0 finished, 1 aborted" in out, (out, err)
+        assert f"{sig.name} during the drain: aborted what still ran (1 engine requests)" in err
         assert "Traceback" not in err
     finally:
         if proc.poll() is None:
