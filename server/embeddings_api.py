@@ -62,6 +62,21 @@ def encode_vector(v: list[float], encoding_format: str):
     return v
 
 
+class _Inputs:
+    """An embedding request's inputs, as a drain's deadline finds them (AdmissionState.live):
+    `abort_unfinished` cancels what still runs, and the request is answered with a 503."""
+
+    def __init__(self, tasks: list[asyncio.Future]):
+        self.tasks, self.aborted = tasks, False
+
+    def abort_unfinished(self) -> int:
+        left = [t for t in self.tasks if not t.done()]
+        self.aborted = self.aborted or bool(left)
+        for t in left:
+            t.cancel()
+        return len(left)
+
+
 @describe(request=EmbeddingRequest, response=EmbeddingList)
 async def embeddings(request: web.Request) -> web.Response:
     """Embeddings of the inputs: each one's final hidden states, pooled (last token or mean,
@@ -88,13 +103,19 @@ async def embeddings(request: web.Request) -> web.Response:
             raise _api_error(e, {"prompt": names[i]}) from None
 
     st.admission.add(len(prompts))
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    run = _Inputs([asyncio.ensure_future(one(i)) for i in range(len(prompts))])
+    st.admission.live.add(run)
     try:
-        vectors = await asyncio.gather(*tasks)
+        vectors = await asyncio.gather(*run.tasks)
+    except asyncio.CancelledError:
+        if not run.aborted:         # the client went away
+            raise
+        raise APIError(503, "the request was aborted by the engine (shutting down?)") from None
     finally:        # an error or a client gone: the unfinished inputs are aborted
-        for t in tasks:
+        st.admission.live.discard(run)
+        for t in run.tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*run.tasks, return_exceptions=True)
         st.admission.done(len(prompts))
     if req.dimensions is not None and vectors and req.dimensions != len(vectors[0]):
         raise APIError(400, f"dimensions: this model's embeddings have {len(vectors[0])} "

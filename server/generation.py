@@ -44,7 +44,8 @@ class AdmissionState:
         self.max_queue_size = max_queue_size
         self.waiting = 0
         self.metrics = metrics
-        self.live: set[Generation] = set()     # started, not closed
+        # started, not closed: Generations, and embedding requests (server/embeddings_api.py)
+        self.live: set = set()
 
     def abort_all(self) -> int:
         """Abort every unfinished choice of every live request (a drain's deadline): each ends

@@ -338,3 +338,28 @@ def test_a_second_signal_ends_the_drain_now(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_embedding_request_outlasting_the_grace_period_is_answered():
+    """Embeddings are aborted at the drain's deadline as generations are: a 503, and the server
+    stops (they had kept it running to their end, then cut the connection)."""
+    proc, url = _serve_mock("0.1", "1")
+    try:
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", http(
+            "POST", url + "/v1/embeddings", {"input": ["word " * 60] * 4}, timeout=60)))
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        r = result["r"]
+        assert r.status_code == 503 and "aborted" in r.json()["error"]["message"], r.text
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15 and proc.returncode == 0, (out, err)
+        assert "grace period is over: aborted what still ran (4 engine requests)" in err, err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
