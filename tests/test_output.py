@@ -48,6 +48,14 @@ def test_stop_string_inside_a_multi_token_update_cuts_tokens_and_text(proc):
     assert out.completion_tokens == 7 and req.text.text == "hel"
 
 
+def test_stop_strings_wait_for_min_tokens(proc):
+    """vLLM's rule: a stop string in the first min_tokens tokens does not end the request."""
+    assert step(proc, request(stop=["l"]), "hello").new_text == "he"
+    out = step(proc, request(stop=["l"], min_tokens=4), "hello")
+    assert out.finished and out.finish_reason == "stop"
+    assert out.new_text == "hel" and out.completion_tokens == 4
+
+
 def test_stop_token_ends_without_appearing_in_the_text(proc):
     req = request(stop_token_ids=[ord("!")])
     out = step(proc, req, "hi!", finish="stop")

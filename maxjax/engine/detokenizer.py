@@ -9,7 +9,8 @@ the engine's thread; the pieces also work alone:
     incomplete character: nothing is emitted until a later token completes it (or `flush` at the end).
   - `StopChecker`: finds the earliest stop string in the text, cuts the output just before it (OpenAI
     excludes the stop string) and, while streaming, holds back the last max(len(stop)) - 1 characters
-    so a stop string split across tokens is never partially emitted.
+    so a stop string split across tokens is never partially emitted. With `min_tokens`, stop
+    strings are looked for only once that many tokens came (vLLM's rule), in the text from then on.
 """
 from __future__ import annotations
 
@@ -73,10 +74,14 @@ class StopChecker:
     def stopped(self) -> bool:
         return self.matched is not None
 
-    def feed(self, delta: str) -> str:
-        """New text in; the part safe to emit out. After a stop, everything else is dropped."""
+    def feed(self, delta: str, active: bool = True) -> str:
+        """New text in; the part safe to emit out. After a stop, everything else is dropped.
+        Not `active` (min_tokens not reached yet): all of it out, nothing searched."""
         if self.stopped:
             return ""
+        if not active:
+            out, self._pending = self._pending + delta, ""
+            return out
         # a stop string starting in already emitted text would have ended inside the held tail and
         # been found earlier, so searching the held tail plus the new text is enough
         buf = self._pending + delta
@@ -111,6 +116,7 @@ class TextStream:
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stop = StopChecker(params.stop)
+        self.min_tokens, self.tokens = params.min_tokens, 0
         self.text = ""
         self._held: list[tuple[int, object]] = []     # (token's text offset, its logprob)
         self._ended = False
@@ -122,14 +128,15 @@ class TextStream:
     def add(self, token_ids: Sequence[int], logprobs: Sequence | None = None) -> str:
         """`logprobs`: the tokens' own, held until their text is emitted (`take_logprobs`)."""
         start = len(self.detokenizer.text)
-        out = self.stop.feed(self.detokenizer.add(token_ids))
+        self.tokens += len(token_ids)
+        out = self.stop.feed(self.detokenizer.add(token_ids), self.tokens >= self.min_tokens)
         self.text += out
         self._held += [(start, lp) for lp in logprobs or ()]
         return out
 
     def finish(self) -> str:
         """The remaining text once the request ended for any reason."""
-        out = self.stop.feed(self.detokenizer.flush())
+        out = self.stop.feed(self.detokenizer.flush(), self.tokens >= self.min_tokens)
         if not self.stop.stopped:
             out += self.stop.flush()
         self.text += out

@@ -93,8 +93,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = param(
         dict, "Token id -> bias in [-100, 100] added to its logit (at most MAX_LOGIT_BIAS)",
         device=("bias_ids", "bias_values"))
-    min_tokens: int = param(0, "Tokens generated before EOS and stop_token_ids may end the "
-                               "request; at most max_new_tokens", ge=0, device=("suppress_ids",))
+    min_tokens: int = param(0, "Tokens generated before EOS, stop_token_ids or a stop string "
+                               "may end the request (as in vLLM); at most max_new_tokens", ge=0,
+                            device=("suppress_ids",))
     ignore_eos: bool = param(False, "Keep generating past EOS", flag=False)
     stop: list[str] = param(list, f"Stop string (repeatable; at most {MAX_STOP_STRINGS}, each "
                                   f"at most {MAX_STOP_STRING_CHARS} characters)", flag=[])
