@@ -70,13 +70,18 @@ async def _middleware(request: web.Request, handler):
                     "bytes"}.get(e.status, e.reason)
         return json_error(e.status, msg, headers={k: v for k, v in e.headers.items()
                                                   if k == "Allow"})
-    except (ConnectionResetError, asyncio.CancelledError):
+    except asyncio.CancelledError:
         # 499: the client went away before the response was complete (the Generation's cleanup
         # has aborted its requests). A stream whose last event went out is complete: a client
         # that closes as soon as it reads it cancels the handler in its cleanup after that
         # write, and the response keeps its own status (SSE.finish sets COMPLETED).
         status = request.get(COMPLETED, 499)
         raise
+    except ConnectionResetError:
+        # The same, found by a read of the body or a write: nothing to answer, and no
+        # traceback for what clients do (aiohttp drops a response to a closed connection).
+        status = request.get(COMPLETED, 499)
+        return web.Response(status=499)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_error(500, "internal server error")

@@ -41,6 +41,12 @@ def openapi_document(app: web.Application, title: str, version: str) -> dict:
             continue
         paths.setdefault(path, {})[route.method.lower()] = _operation(route, path, spec or {},
                                                                       types)
+    seen: set[str] = set()
+    for path, ops in sorted(paths.items()):      # one handler on several paths (/, /ui/)
+        for op in ops.values():
+            while op["operationId"] in seen:
+                op["operationId"] += "_" + (re.sub(r"\W+", "_", path).strip("_") or "root")
+            seen.add(op["operationId"])
     schemas = _schemas(types)
     return {"openapi": "3.1.0", "info": {"title": title, "version": version},
             "paths": dict(sorted(paths.items())), "components": {"schemas": schemas}}

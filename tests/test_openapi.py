@@ -109,6 +109,9 @@ def test_every_route_is_described(server, doc):
         "/ChatCompletionRequest")
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert openapi_document(app, "t", "0")["paths"].keys() == doc["paths"].keys()
+    # OpenAPI: operationIds are unique (code generators key on them; / and /ui/ share a handler)
+    ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
 
 
 @pytest.mark.parametrize("ours_name, official_name", REQUESTS)

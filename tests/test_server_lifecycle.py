@@ -363,3 +363,26 @@ def test_an_embedding_request_outlasting_the_grace_period_is_answered():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_connection_lost_mid_request_counts_499_without_a_traceback(monkeypatch, caplog):
+    """A client that sends its body and closes at once: the body's read finds the connection
+    lost. Counted as 499, nothing logged as an error (aiohttp had logged 'Error handling
+    request' with a traceback)."""
+    import logging
+
+    from maxjax.server import app as server_app
+
+    async def lost(request):
+        raise ConnectionResetError("Connection lost")
+    monkeypatch.setattr(server_app, "read_json", lost)
+    s = ServerThread(MockEngine())
+    try:
+        with caplog.at_level(logging.INFO):
+            r = http("POST", s.url + "/tokenize", {"prompt": "x"})
+        assert r.status_code == 499
+        assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+        metrics = http("GET", s.url + "/metrics").text
+        assert 'maxjax_requests_total{endpoint="/tokenize",status="499"} 1.0' in metrics
+    finally:
+        s.close()
