@@ -17,7 +17,7 @@ import numpy as np
 from aiohttp import web
 
 from .embeddings_protocol import MAX_INPUTS, EmbeddingList, EmbeddingRequest
-from .generation import _api_error
+from .generation import _api_error, aborted
 from .openapi import describe
 from .protocol import APIError
 from .state import STATE, ServerState, parse_request, read_json
@@ -110,7 +110,7 @@ async def embeddings(request: web.Request) -> web.Response:
     except asyncio.CancelledError:
         if not run.aborted:         # the client went away
             raise
-        raise APIError(503, "the request was aborted by the engine (shutting down?)") from None
+        raise aborted() from None
     finally:        # an error or a client gone: the unfinished inputs are aborted
         st.admission.live.discard(run)
         for t in run.tasks:

@@ -241,6 +241,11 @@ def _api_error(exc: BaseException, error_names: dict[str, str]) -> APIError:
     return APIError(500, f"the engine failed on this request ({type(exc).__name__})")
 
 
+def aborted() -> APIError:
+    """What a request the engine aborted (a drain's deadline) is answered with."""
+    return APIError(503, "the request was aborted by the engine (shutting down?)")
+
+
 def _engine_failure(out: RequestOutput, params: SamplingParams) -> APIError:
     if out.finish_reason == FinishReason.GRAMMAR_ERROR:   # the request's grammar, not the server
         spec = params.structured_output
@@ -248,6 +253,6 @@ def _engine_failure(out: RequestOutput, params: SamplingParams) -> APIError:
         return APIError(400, f"{param}: the grammar failed while matching the output: "
                              f"{out.error or 'matcher error'}", param=param)
     if out.finish_reason == FinishReason.ABORT:
-        return APIError(503, "the request was aborted by the engine (shutting down?)")
+        return aborted()
     log.error("engine error on %s: %s", out.request_id, out.error)
     return APIError(500, f"the engine failed on this request: {out.error or 'unknown error'}")

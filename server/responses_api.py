@@ -125,7 +125,8 @@ async def _fitted_turn(st, req: ResponsesRequest, prior: list[dict], rid: str, t
     whole = await turn(0)
     if req.truncation != "auto" or fits(whole):
         return whole
-    lo, hi, best = 1, len(prior) + len(input_items(req)) - 1, None
+    last = len(prior) + len(input_items(req)) - 1      # the most that can go
+    lo, hi, best = 1, last, None
     while lo <= hi:
         mid = (lo + hi) // 2
         t = await turn(mid)
@@ -133,7 +134,7 @@ async def _fitted_turn(st, req: ResponsesRequest, prior: list[dict], rid: str, t
             best, hi = t, mid - 1
         else:
             lo = mid + 1
-    return best or await turn(len(prior) + len(input_items(req)) - 1)
+    return best or await turn(last)
 
 
 @describe(request=ResponsesRequest, response=ResponseObject, stream=ResponseStreamEvent)

@@ -254,6 +254,23 @@ def _stream_in_flight(url: str, tokens: int) -> tuple[threading.Thread, dict]:
     return t, result
 
 
+def _answered_abort(result: dict) -> None:
+    """The stream of `_stream_in_flight` ended as an aborted one must: an error event, [DONE]."""
+    r = result["r"]
+    events = [ln[6:] for ln in r.text.split("\n\n") if ln]
+    assert r.status_code == 200 and events[-1] == "[DONE]", r.text[-500:]
+    assert "aborted" in json.loads(events[-2])["error"]["message"], events[-2]
+
+
+def _stopped_after_aborting(proc, t0: float, line: str, what: str) -> None:
+    """The server exits 0 within 15 s of `t0`, its one request aborted, `line` in its log."""
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 15, what
+    assert proc.returncode == 0 and "drained: 0 finished, 1 aborted" in out, (out, err)
+    assert line in err, err
+    assert "Traceback" not in err
+
+
 def test_sigterm_drains_in_flight_requests():
     proc, url = _serve_mock("0.02")
     try:
@@ -296,16 +313,9 @@ def test_what_outlasts_the_grace_period_is_aborted_and_answered():
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         t.join(30)
-        r = result["r"]
-        events = [ln[6:] for ln in r.text.split("\n\n") if ln]
-        assert r.status_code == 200 and events[-1] == "[DONE]", r.text[-500:]
-        assert "aborted" in json.loads(events[-2])["error"]["message"], events[-2]
-        out, err = proc.communicate(timeout=30)
-        assert time.monotonic() - t0 < 15, "the request ran to its end"
-        assert proc.returncode == 0 and "drained: 0 finished, 1 aborted" in out, (out, err)
-        assert "the 1 s grace period is over: aborted what still ran (1 engine requests)" in err, \
-            err
-        assert "Traceback" not in err
+        _answered_abort(result)
+        _stopped_after_aborting(proc, t0, "the 1 s grace period is over: aborted what still ran "
+                                "(1 engine requests)", "the request ran to its end")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -325,15 +335,9 @@ def test_a_second_signal_ends_the_drain_now(sig):
         t0 = time.monotonic()
         proc.send_signal(sig)
         t.join(30)
-        r = result["r"]
-        events = [ln[6:] for ln in r.text.split("\n\n") if ln]
-        assert r.status_code == 200 and events[-1] == "[DONE]", r.text[-500:]
-        assert "aborted" in json.loads(events[-2])["error"]["message"], events[-2]
-        out, err = proc.communicate(timeout=30)
-        assert time.monotonic() - t0 < 15, "the drain ran on"
-        assert proc.returncode == 0 and "drained: 0 finished, 1 aborted" in out, (out, err)
-        assert f"{sig.name} during the drain: aborted what still ran (1 engine requests)" in err
-        assert "Traceback" not in err
+        _answered_abort(result)
+        _stopped_after_aborting(proc, t0, f"{sig.name} during the drain: aborted what still ran "
+                                "(1 engine requests)", "the drain ran on")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -70,9 +70,12 @@ def _quiet_libraries(level: int) -> None:
 
 
 def _config_file(args) -> dict:
-    """The --config-file's values as the command's own flags parse them ({} without one)."""
-    path = getattr(args, "config_file", None)
-    return read_config_file(path, args.command_parser) if path else {}
+    """The --config-file's values as the command's own flags parse them ({} without one); read
+    once per command (its model, engine and server settings are built apart)."""
+    if "config_values" not in vars(args):
+        path = getattr(args, "config_file", None)
+        args.config_values = read_config_file(path, args.command_parser) if path else {}
+    return args.config_values
 
 
 def cmd_list(args) -> int:

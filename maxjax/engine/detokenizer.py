@@ -127,11 +127,12 @@ class TextStream:
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence | None = None) -> str:
         """`logprobs`: the tokens' own, held until their text is emitted (`take_logprobs`)."""
-        start = len(self.detokenizer.text)
+        if logprobs:
+            start = len(self.detokenizer.text)
+            self._held += [(start, lp) for lp in logprobs]
         self.tokens += len(token_ids)
         out = self.stop.feed(self.detokenizer.add(token_ids), self.tokens >= self.min_tokens)
         self.text += out
-        self._held += [(start, lp) for lp in logprobs or ()]
         return out
 
     def finish(self) -> str:
