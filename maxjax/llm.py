@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 from maxjax.engine import speculative
@@ -15,7 +16,7 @@ from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.stats import EngineStats
 from maxjax.engine.types import FinishReason, PoolingParams, SamplingParams, TokenLogprob
-from maxjax.errors import UserError
+from maxjax.errors import RequestError, UserError
 from maxjax.models.loader import LoadedModel
 from maxjax.models.source import ModelSource
 
@@ -73,6 +74,9 @@ class LLM:
                                compile_cache_max_size=compile_cache_max_size)
         self.model = self.core.model
         self.tokenizer = self.model.tokenizer
+        # One caller at a time drives the engine: a second thread's steps would take (and
+        # drop) the first one's outputs.
+        self._lock = threading.RLock()
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -83,21 +87,27 @@ class LLM:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """A conversation's prompt token ids. A RequestError names the message at fault, or
+        says what the template refused."""
+        import jinja2
         if not self.model.chat_template:
             raise ValueError("this model has no chat template (pass chat_template=...)")
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.model.chat_template,
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        try:
+            return self.tokenizer.apply_chat_template(
+                _template_messages(messages), chat_template=self.model.chat_template,
+                add_generation_prompt=True, tokenize=True, return_dict=False)
+        except (jinja2.TemplateError, TypeError, KeyError) as e:
+            raise RequestError("messages", f"the chat template rejected them: {e}") from None
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None,
                  lora: str | list[str | None] | None = None) -> list[CompletionOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists. Requests with a
+        """prompts: one prompt or a list: strings, token-id lists, or vLLM's {"prompt": text}
+        / {"prompt_token_ids": ids}. Calls from several threads take turns. Requests with a
         `cache_salt` share prefix-cache pages only with requests of the same salt. `lora`: the
         LoRA adapter (a name from lora_paths or `load_lora`) of every prompt, or one per prompt
         (None: the base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
@@ -105,15 +115,18 @@ class LLM:
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} lora names for {len(prompts)} prompts")
+        with self._lock:
+            return self._generate(prompts, params, loras, cache_salt)
+
+    def _generate(self, prompts, params, loras, cache_salt) -> list[CompletionOutput]:
         outs, pending = {}, []
         try:
-            for prompt, p, name in zip(prompts, params, loras):
-                ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            for i, (prompt, p, name) in enumerate(zip(prompts, params, loras)):
+                prompt, ids = self._prompt_ids(prompt, i)
                 rid = f"llm-{next(_ids)}"
                 self.core.add_request(rid, ids, p, cache_salt, lora=name)
                 pending.append(rid)
-                outs[rid] = CompletionOutput(prompt if isinstance(prompt, str) else None, ids,
-                                             logprobs=[] if p.logprobs else None)
+                outs[rid] = CompletionOutput(prompt, ids, logprobs=[] if p.logprobs else None)
             self._run(outs)
         except BaseException:
             for rid in pending:
@@ -126,15 +139,18 @@ class LLM:
         """One embedding per prompt (a string, a list of strings or of token-id lists): the
         final hidden states pooled by `pooling_type` ("last" or "mean"; None: the engine's
         --pooling-type) and L2-normalized unless `normalize` is off."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         pooling = self.core.default_pooling(pooling_type)
         if not normalize:
             pooling = PoolingParams(pooling.pooling_type, normalize=False)
+        with self._lock:
+            return self._embed(prompts, pooling)
+
+    def _embed(self, prompts, pooling) -> list[list[float]]:
         vectors, pending = {}, []
         try:
-            for prompt in prompts:
-                ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            for i, prompt in enumerate(prompts):
+                ids = self._prompt_ids(prompt, i)[1]
                 rid = f"llm-{next(_ids)}"
                 self.core.add_embedding(rid, ids, pooling)
                 pending.append(rid)
@@ -156,10 +172,25 @@ class LLM:
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter in `path` as `name` (needs enable_lora=True); compiles nothing."""
-        self.core.load_lora(name, path)
+        with self._lock:
+            self.core.load_lora(name, path)
 
     def unload_lora(self, name: str) -> None:
-        self.core.unload_lora(name)
+        with self._lock:
+            self.core.unload_lora(name)
+
+    def _prompt_ids(self, prompt, i: int) -> tuple[str | None, list[int]]:
+        """(the prompt's text or None, its token ids): a string, a list of token ids, or
+        vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompt, dict) and len(prompt) == 1:
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids", prompt))
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise RequestError(f"prompts[{i}]", "must be a string, a list of token ids, "
+                                            "{'prompt': str} or {'prompt_token_ids': [int]}")
 
     def _run(self, outs: dict) -> None:
         live = set(outs)
@@ -186,6 +217,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
 
+
     def stats(self) -> EngineStats:
         return self.core.stats()
 
@@ -200,3 +232,34 @@ class LLM:
         lines += [f"| {k} | {v / steps * 1e3:.2f} | {100 * v / total:.1f}% |" for k, v in prof.items()]
         spec = speculative.report(self.core.stats().spec)
         return "\n".join(lines + ([spec] if spec else []))
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, a list of token ids, a dict) as a list of one."""
+    one = isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))
+    return [prompts] if one else list(prompts)
+
+
+def _template_messages(messages) -> list[dict]:
+    """A conversation as a chat template reads it: each message a dict with a role, its
+    content a string (OpenAI's text parts joined, as the server joins them)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RequestError("messages", "must be a non-empty list of {role, content} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}]", "must be a dict with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise RequestError(f"messages[{i}].content", "parts must be "
+                                                             "{'type': 'text', 'text': str}")
+            content = "\n".join(p["text"] for p in content)
+        if content is None and m["role"] != "assistant" or \
+                content is not None and not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content", f"a string is required for role "
+                                                         f"{m['role']!r}")
+        out.append({**m, "content": content if content is not None else ""})
+    return out

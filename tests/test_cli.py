@@ -71,6 +71,15 @@ def test_prompts_file_errors_name_the_cause(capsys, tmp_path):
     one_line_error(capsys, "line 1: needs a 'prompt'", "generate", "--prompts-file", str(f))
     f.write_text('{"prompt": \n')
     one_line_error(capsys, "line 1: not JSON", "generate", "--prompts-file", str(f))
+    f.write_text('{"prompt": 5}\n{"prompt": 6}\n')     # two token ids were run as one prompt
+    one_line_error(capsys, "line 1: 'prompt' must be a string or a non-empty list of token ids",
+                   "generate", "--prompts-file", str(f))
+    f.write_text('["x"]\n')
+    one_line_error(capsys, "line 1: a JSON object with a 'prompt' field", "generate",
+                   "--prompts-file", str(f))
+    f.write_text('{"messages": "hi"}\n')
+    one_line_error(capsys, "line 1: 'messages' must be a list", "generate", "--chat",
+                   "--prompts-file", str(f))
     one_line_error(capsys, "--prompts-file", "generate", "--prompts-file", str(tmp_path / "no"))
 
 
@@ -123,6 +132,20 @@ def test_chat_template_file_forms(tmp_path):
         read_chat_template_file(str(js))
     with pytest.raises(UserError, match="--chat-template"):
         read_chat_template_file(str(tmp_path / "missing.jinja"))
+    jinja.write_text("{% for m in messages %}{{ m.content }")     # served, then 400 every chat
+    with pytest.raises(UserError, match=r"not a valid Jinja template \(line 1\): unexpected"):
+        read_chat_template_file(str(jinja))
+    jinja.write_text("{% generation %}{{ messages[0].content }}{% endgeneration %}")
+    read_chat_template_file(str(jinja))         # transformers' own tags parse
+
+
+def test_cache_list_as_json(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXJAX_CACHE_DIR", str(tmp_path))
+    code, out, _ = run_cli(capsys, "cache", "list", "--json")
+    assert code == 0 and json.loads(out) == {"directory": str(tmp_path),
+                                             "max_bytes": 10 * 2**30, "entries": []}
+    code, out, _ = run_cli(capsys, "cache", "list")
+    assert "cap 10.0 GiB" in out
 
 
 def test_config_file(capsys, tmp_path):

@@ -1,8 +1,11 @@
 """The engine on real SmolLM2 weights: batch invariance, chunked prefill, preemption, prefix
 cache, seeded sampling, no compilation after warm-up, no leaked pages, bad input."""
+import threading
+
 import pytest
 
 from maxjax.engine.types import SamplingParams
+from maxjax.errors import RequestError
 from maxjax.llm import LLM
 from maxjax.models.loader import load_model
 
@@ -158,6 +161,47 @@ def test_bad_input_names_the_field(llm, prompt, params, field):
     with pytest.raises(ValueError, match=field):
         llm.generate([prompt], params)
     assert llm.stats().kv.pages_used == 0
+
+
+def test_two_threads_take_turns(llm, prompts):
+    """One LLM from two threads: each call's own output (a second caller's steps took the
+    first one's outputs: 'vanished from the engine', deleted buffers)."""
+    want = alone(llm, prompts[:2])
+    got, errors = {0: [], 1: []}, []
+
+    def run(k):
+        try:
+            for _ in range(3):
+                got[k].append(llm.generate([prompts[k]], GREEDY)[0].token_ids)
+        except Exception as e:      # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == {0: [want[0]] * 3, 1: [want[1]] * 3}
+
+
+def test_prompt_forms_and_bad_prompts(llm):
+    text, p = "The capital of France is", SamplingParams(max_new_tokens=4, temperature=0.0)
+    a, b, c = llm.generate([text, {"prompt": text}, {"prompt_token_ids": llm.encode(text)}], p)
+    assert a.token_ids == b.token_ids == c.token_ids and b.prompt == text and c.prompt is None
+    for bad in (None, {"text": text}, [1.5]):
+        with pytest.raises(RequestError, match=r"prompts\[1\]: must be a string"):
+            llm.generate([text, bad], p)
+
+
+def test_chat_messages_are_checked(llm):
+    p = SamplingParams(max_new_tokens=4, temperature=0.0)
+    plain = llm.chat([{"role": "user", "content": "Hi there"}], p)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}], p)[0]
+    assert plain.token_ids == parts.token_ids       # text parts joined, as the server joins them
+    with pytest.raises(RequestError, match=r"messages\[0\]\.content: a string is required"):
+        llm.chat([{"role": "user"}])
+    with pytest.raises(RequestError, match=r"messages\[0\]: must be a dict with a string 'role'"):
+        llm.chat([{"content": "hi"}])
 
 
 def test_profile_accounts_for_every_step(llm, prompts):

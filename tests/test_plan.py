@@ -113,6 +113,12 @@ def test_flag_errors_come_before_the_weights(model_dir, monkeypatch):
                          (EngineConfig(enable_lora=True, lora_paths=["=/x"]),
                           "--lora-paths '=/x': expected PATH or NAME=PATH"),
                          (EngineConfig(chunked_prefill_min_chunk_size=999),
-                          "--chunked-prefill-min-chunk-size 999")):
+                          "--chunked-prefill-min-chunk-size 999"),
+                         # the Python API's values come unparsed
+                         (EngineConfig(max_length="big"), "--max-length: must be an integer"),
+                         (EngineConfig(enable_prefix_caching="no"),
+                          "--enable-prefix-caching: must be true or false"),
+                         (EngineConfig(device_memory_utilization="0.5"),
+                          "--device-memory-utilization: must be a number")):
         with pytest.raises(UserError, match=match):
             engine_build.build_core(model_dir, flags)

@@ -208,8 +208,9 @@ def test_stop_strings():
     check_request([1], SamplingParams(max_new_tokens=4, stop=["x" * 256] * 16), LIMITS)
     refused([1], "stop", "at most 16", stop=["x"] * 17)
     refused([1], "stop", "at most 256 characters", stop=["x" * 257])
-    refused([1], "stop", "list of strings", stop="x")
+    assert SamplingParams(stop="x").stop == ["x"]      # one string, as vLLM and OpenAI take it
     refused([1], "stop", "list of strings", stop=[3])
+    refused([1], "stop", "list of strings", stop=("x", 3))
 
 
 def test_stop_token_ids():
@@ -228,8 +229,14 @@ def test_params_alone_need_no_engine():
         check_params(SamplingParams(temperature=-1))
 
 
+def test_bools_are_bools():
+    refused([1], "logprobs", "top_logprobs=N", logprobs=5)      # vLLM's logprobs=N
+    refused([1], "ignore_eos", "true or false", ignore_eos="yes")
+    check_params(SamplingParams(logprobs=True, ignore_eos=False))
+
+
 def test_every_field_has_a_check():
-    """Numbers are checked against their declared bounds, bools need none; a new collection
+    """Numbers are checked against their declared bounds, bools are bools; a new collection
     field needs its own check in validate.py (and a line here)."""
     collections = {n for n in SPECS if not numeric(n) and HINTS[n] is not bool}
     assert collections == {"logit_bias", "stop", "stop_token_ids", "structured_output"}

@@ -105,6 +105,30 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _prompt_line(obj, chat: bool, where: str):
+    """One --prompts-file line's prompt: a JSON string, or an object with a 'prompt' (a
+    string or a list of token ids) or, with --chat, 'messages' (a list of messages)."""
+    if isinstance(obj, str):
+        return obj
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: a JSON object with a 'prompt' field, or a JSON string")
+    if chat and "messages" in obj:
+        if not isinstance(obj["messages"], list):
+            raise UserError(f"{where}: 'messages' must be a list of messages")
+        return obj["messages"]
+    if "messages" in obj and "prompt" not in obj:
+        raise UserError(f"{where}: 'messages' is a chat: add --chat")
+    item = obj.get("prompt")
+    if item is None:
+        raise UserError(f"{where}: needs a 'prompt' (or, with --chat, 'messages') field")
+    tokens = isinstance(item, list) and item and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in item)
+    if not (isinstance(item, str) or tokens and not chat):
+        raise UserError(f"{where}: 'prompt' must be a string"
+                        f"{'' if chat else ' or a non-empty list of token ids'}")
+    return item
+
+
 def _read_prompts(gen: GenerateOptions) -> list:
     prompts = list(gen.prompt)
     if gen.prompts_file:
@@ -118,14 +142,7 @@ def _read_prompts(gen: GenerateOptions) -> list:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"--prompts-file line {i}: not JSON ({e})") from e
-            item = obj.get("messages") if gen.chat and isinstance(obj, dict) else None
-            item = item or (obj.get("prompt") if isinstance(obj, dict) else obj)
-            if item is None and not gen.chat and isinstance(obj, dict) and "messages" in obj:
-                raise UserError(f"--prompts-file line {i}: 'messages' is a chat: add --chat")
-            if item is None:
-                raise UserError(f"--prompts-file line {i}: needs a 'prompt' (or, with --chat, "
-                                f"'messages') field")
-            prompts.append(item)
+            prompts.append(_prompt_line(obj, gen.chat, f"--prompts-file line {i}"))
     if not prompts:
         raise UserError("generate needs --prompt TEXT or --prompts-file FILE")
     return prompts
@@ -153,10 +170,12 @@ def cmd_generate(args) -> int:
         if not llm.model.chat_template:
             raise UserError("--chat: this model has no chat template; pass --chat-template FILE")
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-        try:
-            token_prompts = [llm.apply_chat_template(p) for p in prompts]
-        except ValueError as e:
-            raise UserError(str(e)) from e
+        token_prompts = []
+        for k, p in enumerate(prompts, 1):
+            try:
+                token_prompts.append(llm.apply_chat_template(p))
+            except ValueError as e:
+                raise UserError(f"chat {k}: {e}") from e
     else:
         token_prompts = prompts
     try:
@@ -247,8 +266,14 @@ def cmd_cache(args) -> int:
         print(f"removed {n} entries ({size / 1e6:.1f} MB) from {root}")
         return 0
     found = cache.entries(root)
+    if args.json:
+        print(json.dumps({"directory": root, "max_bytes": cache.max_bytes(), "entries": [
+            {"name": e.name, "kind": e.kind, "bytes": e.bytes, "graphs": e.graphs,
+             "model": e.model, "device": e.device, "last_used": e.last_used}
+            for e in reversed(found)]}, indent=2))
+        return 0
     print(f"compile cache: {root} ({len(found)} entries, "
-          f"{sum(e.bytes for e in found) / 1e6:.1f} MB; cap {cache.max_bytes() / 1e9:.1f} GB)")
+          f"{sum(e.bytes for e in found) / 1e6:.1f} MB; cap {cache.max_bytes() / 2**30:.1f} GiB)")
     for e in reversed(found):       # most recently used first
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
         what = f"{e.graphs:3d} graphs" if e.kind == "graphs" else "converted weights"
@@ -335,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("cache", help="Show or empty the compile cache ($MAXJAX_CACHE_DIR)")
     sp.add_argument("action", choices=["list", "clear"])
+    sp.add_argument("--json", action="store_true", help="list: the entries as JSON")
     sp.set_defaults(func=cmd_cache)
 
     sp = sub.add_parser("list", help="List the supported architectures")

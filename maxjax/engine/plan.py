@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -73,6 +76,7 @@ def check_flags(cfg: EngineConfig) -> None:
     """Every start-up flag check that needs no model: a one-line UserError naming the flag.
     Cheap; build_core runs it before the weights load, plan_engine again."""
     from maxjax.engine.step_policy import check_flags as check_step_flags
+    _check_types(cfg)
     check_step_flags(cfg)
     speculative.draft_tokens(cfg)
     check_layout_flags(cfg)
@@ -90,6 +94,28 @@ def check_flags(cfg: EngineConfig) -> None:
     if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
         raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
                         f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")
+
+
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _check_types(cfg: EngineConfig) -> None:
+    """Each scalar setting of its declared type (the Python API passes values unparsed)."""
+    for name, hint in typing.get_type_hints(EngineConfig).items():
+        args = typing.get_args(hint) if typing.get_origin(hint) in (
+            typing.Union, types.UnionType) else (hint,)
+        kinds = [a for a in args if a in _SCALARS]
+        value = getattr(cfg, name)
+        if len(kinds) != 1 or value is None and type(None) in args:
+            continue
+        kind = kinds[0]
+        ok = (isinstance(value, bool) if kind is bool else
+              isinstance(value, numbers.Real) and not isinstance(value, bool)
+              and (kind is float or isinstance(value, numbers.Integral))
+              if kind in (int, float) else isinstance(value, kind))
+        if not ok:
+            raise UserError(f"--{name.replace('_', '-')}: must be {_SCALARS[kind]} "
+                            f"(got {value!r})")
 
 
 def lora_path_items(cfg: EngineConfig) -> list[tuple[str, str]]:

@@ -114,6 +114,10 @@ class SamplingParams:
               "request's field that set it is the spec's `param`",
         chat=("response_format",), completions=("response_format",))
 
+    def __post_init__(self):
+        if isinstance(self.stop, str):      # one stop string, as OpenAI and vLLM take it
+            self.stop = [self.stop]
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1

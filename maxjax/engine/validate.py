@@ -115,6 +115,9 @@ def check_params(params: SamplingParams) -> None:
     for name, spec in param_specs().items():
         value = getattr(params, name)
         kind = hints[name]
+        if kind is bool and not isinstance(value, bool):
+            hint = " (top_logprobs=N returns N alternatives)" if name == "logprobs" else ""
+            raise RequestError(name, f"must be true or false (got {value!r}){hint}")
         if kind in (int, float) and value is not None:
             integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
             real = integral or (isinstance(value, numbers.Real) and not isinstance(value, bool)

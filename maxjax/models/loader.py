@@ -73,6 +73,10 @@ def resolve_model_path(model, encoding: str | None = None) -> str:
 
 
 def read_chat_template_file(path: str) -> str:
+    """--chat-template's template, compiled as transformers compiles it (a template that does
+    not parse is the flag's error at start, not every chat request's)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
     text = read_user_file(path, "--chat-template")
     if path.endswith(".json") or text.lstrip().startswith("{\""):
         try:
@@ -81,7 +85,13 @@ def read_chat_template_file(path: str) -> str:
             raise UserError(f"--chat-template {path}: not valid JSON: {e}") from e
         if not isinstance(data, dict) or not isinstance(data.get("chat_template"), str):
             raise UserError(f"--chat-template {path}: JSON needs a string 'chat_template' key")
-        return data["chat_template"]
+        text = data["chat_template"]
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateError as e:
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise UserError(f"--chat-template {path}: not a valid Jinja template{line}: "
+                        f"{e.message or e}") from None
     return text
 
 
