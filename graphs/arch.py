@@ -102,7 +102,13 @@ def eos_ids(hf: dict) -> tuple[int, ...]:
 
 
 def base_config(hf: dict, **overrides) -> ModelConfig:
+    """transformers' usual block: `attention_bias` on q, k, v and o (an architecture whose
+    projections differ says so in `overrides`); MLP biases are refused."""
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{hf['architectures'][0]} with mlp_bias=true is not supported (the "
+                         f"decoder's MLP has no biases)")
     heads = hf["num_attention_heads"]
+    bias = bool(hf.get("attention_bias", False))
     theta, scaling = rope_params(hf)
     fields = dict(
         architecture=hf["architectures"][0],
@@ -118,7 +124,8 @@ def base_config(hf: dict, **overrides) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", False)),
+        attention_bias=bias,
+        attention_out_bias=bool(hf.get("attention_out_bias", bias)),
         hidden_act=hf.get("hidden_act", "silu"),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids(hf),

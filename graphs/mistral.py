@@ -9,7 +9,9 @@ from maxjax.graphs.arch import Architecture, base_config
 
 def config_from_hf(hf: dict):
     window = int(hf.get("sliding_window") or 0)
-    return base_config(hf, layer_windows=(window,) * hf["num_hidden_layers"])
+    # transformers' Mistral has no projection biases, whatever attention_bias says
+    return base_config(hf, layer_windows=(window,) * hf["num_hidden_layers"],
+                       attention_bias=False, attention_out_bias=False)
 
 
 ARCHITECTURE = Architecture("MistralForCausalLM", config_from_hf,

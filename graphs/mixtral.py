@@ -21,7 +21,7 @@ def config_from_hf(hf: dict):
                        num_experts=int(hf.get("num_local_experts", 8)),
                        experts_per_token=int(hf.get("num_experts_per_tok", 2)),
                        expert_intermediate_size=int(hf["intermediate_size"]),
-                       norm_topk_prob=True)
+                       norm_topk_prob=True, attention_bias=False, attention_out_bias=False)
 
 
 ARCHITECTURE = Architecture("MixtralForCausalLM", config_from_hf,

@@ -40,7 +40,8 @@ def config_from_hf(hf: dict):
                        | {"rope_theta": _rope(hf).get("rope_theta", hf.get("rope_theta", 10000.0))},
                        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                        rotary_dim=rotary if rotary < head_dim else None,
-                       layer_windows=(window,) * hf["num_hidden_layers"])
+                       layer_windows=(window,) * hf["num_hidden_layers"],
+                       attention_bias=False, attention_out_bias=False)
 
 
 class SplitFused:

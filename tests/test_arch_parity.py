@@ -40,9 +40,15 @@ def _llama3():
     return LlamaForCausalLM(LlamaConfig(**COMMON, num_hidden_layers=2, rope_scaling=scaling))
 
 
-def _gemma3():
+def _llama_bias():
+    """attention_bias puts a bias on o_proj too (it was dropped: other tokens, no error)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**COMMON, num_hidden_layers=2, attention_bias=True))
+
+
+def _gemma3(**extra):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    cfg = Gemma3TextConfig(**COMMON, num_hidden_layers=3, head_dim=32, sliding_window=WINDOW,
+    cfg = Gemma3TextConfig(**COMMON, **extra, num_hidden_layers=3, head_dim=32, sliding_window=WINDOW,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                            query_pre_attn_scalar=24, final_logit_softcapping=30.0,
                            attn_logit_softcapping=20.0,
@@ -73,7 +79,9 @@ def _phi4_mini():
 
 
 MODELS = {"qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "llama3": _llama3,
-          "gemma3": _gemma3, "olmo2": _olmo2, "phi3": _phi3, "phi4_mini": _phi4_mini}
+          "llama_bias": _llama_bias, "gemma3": _gemma3,
+          "gemma3_bias": lambda: _gemma3(attention_bias=True), "olmo2": _olmo2, "phi3": _phi3,
+          "phi4_mini": _phi4_mini}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -173,3 +181,11 @@ def test_unsupported_variants_are_rejected_by_name():
     mistral = registry.get_architecture("MistralForCausalLM").config_from_hf(
         base | {"architectures": ["MistralForCausalLM"], "sliding_window": None})
     assert mistral.layer_windows == (0, 0)
+    for name in ("LlamaForCausalLM", "GraniteForCausalLM"):    # transformers' MLP biases
+        with pytest.raises(ValueError, match="mlp_bias"):
+            registry.get_architecture(name).config_from_hf(
+                base | {"architectures": [name], "mlp_bias": True})
+    # transformers' Mistral has no projection biases, whatever its config says
+    mistral = registry.get_architecture("MistralForCausalLM").config_from_hf(
+        base | {"architectures": ["MistralForCausalLM"], "attention_bias": True})
+    assert not mistral.attention_bias and not mistral.attention_out_bias

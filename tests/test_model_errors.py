@@ -111,3 +111,36 @@ def test_config_an_architecture_rejects(tmp_path):
         "architectures": ["Qwen3ForCausalLM"], "attention_bias": True, "vocab_size": 8,
         "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}))
     raises_one_line("unsupported config: Qwen3 with attention_bias", load_model, str(tmp_path), "float32")
+
+
+def test_generation_config_eos_ends_generation_too(tmp_path):
+    """An instruct checkpoint's end-of-turn id often sits only in generation_config.json."""
+    from maxjax.graphs.arch import eos_ids
+    from maxjax.models.hf import read_config
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 333]}))
+    assert eos_ids(read_config(str(tmp_path))) == (2, 333)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 333}))
+    assert eos_ids(read_config(str(tmp_path))) == (333,)
+    (tmp_path / "generation_config.json").write_text("{")
+    raises_one_line("unreadable generation_config.json", read_config, str(tmp_path))
+
+
+def test_a_single_file_is_read_before_an_index_beside_it(tmp_path):
+    from maxjax.models.hf import safetensors_files
+    for name in ("model.safetensors", "model-00001-of-00002.safetensors",
+                 "model-00002-of-00002.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert safetensors_files(str(tmp_path)) == [str(tmp_path / "model.safetensors")]
+    (tmp_path / "model.safetensors").unlink()
+    assert len(safetensors_files(str(tmp_path))) == 2
+
+
+def test_a_directory_without_tokenizer_files_says_so(tmp_path):
+    from maxjax.models.loader import load_hf_tokenizer
+    (tmp_path / "config.json").write_text("{}")
+    raises_one_line("no tokenizer files", load_hf_tokenizer, str(tmp_path))

@@ -40,7 +40,7 @@ LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -367,6 +367,7 @@ def hf_config(gf: GGUFFile, gguf_arch: str, arch_name: str) -> dict:
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in gf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
+        "attention_out_bias": "blk.0.attn_output.bias" in gf.tensors,
         "torch_dtype": "float32",
     }
     for key, field in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):

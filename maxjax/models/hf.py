@@ -26,12 +26,38 @@ def read_config(path: str) -> dict:
         hf = text
     if not hf.get("architectures"):
         raise UserError(f"{cfg_path}: has no 'architectures' entry")
+    _add_generation_eos(path, hf)
     return hf
+
+
+def _add_generation_eos(path: str, hf: dict) -> None:
+    """generation_config.json's eos_token_id ends generation too, as in transformers' generate
+    and vLLM (instruct checkpoints often name their end-of-turn token only there)."""
+    gen_path = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_path):
+        return
+    try:
+        with open(gen_path) as f:
+            extra = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise UserError(f"{gen_path}: unreadable generation_config.json: {e}") from e
+    ids = []
+    for v in (hf.get("eos_token_id"), extra):
+        for i in (v if isinstance(v, list) else [] if v is None else [v]):
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise UserError(f"{path}: eos_token_id {i!r} is not a token id")
+            ids.append(i)
+    if ids:
+        ids = list(dict.fromkeys(ids))
+        hf["eos_token_id"] = ids[0] if len(ids) == 1 else ids
 
 
 def safetensors_files(path: str) -> list[str]:
     if os.path.isfile(path):        # --weight-path FILE
         return [path]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):      # transformers reads it before an index beside it
+        return [single]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:

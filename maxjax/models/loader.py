@@ -313,8 +313,18 @@ def load_params(arch: Architecture, cfg: ModelConfig, reader, encoding: str, pro
                 reader.close()
 
 
+# The files some transformers tokenizer reads (one of them is needed).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "tokenizer_config.json", "spiece.model", "tiktoken.model")
+
+
 def load_hf_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f))
+                                       for f in TOKENIZER_FILES):
+        raise UserError(f"{path}: no tokenizer files (tokenizer.json, tokenizer.model or "
+                        f"vocab.json with tokenizer_config.json): copy the model's tokenizer "
+                        f"into the directory")
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
