@@ -64,6 +64,8 @@ class LLM:
                 model = dataclasses.replace(model, model_path=path)
             else:
                 model, self.flags = adopt_flags(precompiled_artifacts, model, self.flags)
+        from maxjax.engine import devices      # cpu:N: JAX starts with N host devices
+        devices.select_platform(self.flags.devices, draft=self.flags.draft_devices)
         if self.flags.data_parallel_degree != 1:
             raise UserError("--data-parallel-degree: replicas run behind `maxjax serve`; the "
                             "offline API runs one engine (use --devices for tensor parallelism)")

@@ -6,6 +6,10 @@ weights (int8 on the tiny model and SmolLM2, Q4_1 blocks) too, each against the 
 run of its own encoding, logprobs within 1e-3 / 5e-3 (QUANT_ATOL below); a
 4-bit split off block boundaries is refused; sharded artifacts serve without compiling and are
 refused on another mesh; bad --devices values are one-line errors."""
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -169,6 +173,18 @@ def test_devices_syntax():
         devices.device_groups("cpu:4", 3)
     assert [len(g) for g in devices.device_groups("cpu:4", 2)] == [2, 2]
     assert devices.replica_meshes(None) == [None] and devices.replica_meshes("cpu") == [None]
+
+
+def test_the_python_api_starts_jax_with_the_devices_it_names():
+    """LLM(devices="cpu:2") in a fresh process without XLA_FLAGS (the CLI did it; the API said
+    to set XLA_FLAGS)."""
+    code = ("import jax, maxjax, maxjax.llm as m\n"
+            "m.build_core = lambda *a, **k: print(len(jax.devices()))\n"
+            "try:\n    maxjax.LLM(devices='cpu:2')\nexcept AttributeError:\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.strip() == "2", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("encoding", ["float32", "int8"])
