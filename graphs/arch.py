@@ -40,6 +40,7 @@ class Architecture:
     gguf_tokenizer: str | None = None   # transformers' tokenizer class (None: AutoTokenizer's)
     # An image-text model: its image encoder (graphs/vision.py); None: text only.
     vision: Any = None
+    float16_overflows: bool = False     # activations beyond float16's range (Gemma 2 and 3)
 
     def param_shapes(self, cfg: ModelConfig) -> dict:
         return sharding.shapes(self.param_specs(cfg))

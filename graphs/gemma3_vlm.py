@@ -55,4 +55,5 @@ VISION = VisionSpec(gv.vision_config_from_hf, gv.vision_param_shapes, gv.vision_
 
 ARCHITECTURE = Architecture("Gemma3ForConditionalGeneration", config_from_hf,
                             gguf_layer_names=GEMMA_GGUF_NAMES, vision=VISION,
+                            float16_overflows=True,
                             description="Gemma 3 reading images (SigLIP encoder)")

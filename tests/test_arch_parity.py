@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from maxjax.errors import UserError
 from maxjax.models import registry
 from maxjax.models.hf import SafetensorsReader, read_config
 from paged_harness import paged_greedy
@@ -181,6 +182,12 @@ def test_unsupported_variants_are_rejected_by_name():
     mistral = registry.get_architecture("MistralForCausalLM").config_from_hf(
         base | {"architectures": ["MistralForCausalLM"], "sliding_window": None})
     assert mistral.layer_windows == (0, 0)
+    from maxjax.models.quantize import check_encoding, supported_encodings
+    gemma3 = registry.get_architecture("Gemma3ForCausalLM")
+    with pytest.raises(UserError, match="overflows float16"):     # NaN logits, as transformers
+        check_encoding("float16", None, gemma3)
+    assert "float16" not in supported_encodings(None, gemma3)
+    check_encoding("float16", None, registry.get_architecture("LlamaForCausalLM"))
     for name in ("LlamaForCausalLM", "GraniteForCausalLM"):    # transformers' MLP biases
         with pytest.raises(ValueError, match="mlp_bias"):
             registry.get_architecture(name).config_from_hf(

@@ -111,8 +111,8 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     request = cache_request(model_opts, engine_cfg.replace(use_experimental_kernels=kernels), path)
     ckpt = open_or_explain(files, model_opts.source(), report, customs)
     report["parameters"] = sum(math.prod(s) for s in _leaves(ckpt.arch.param_shapes(ckpt.config)))
-    supported = quantize.supported_encodings(ckpt.types)
-    default = serving_encoding(None, ckpt.types, None, kernels)
+    supported = quantize.supported_encodings(ckpt.types, ckpt.arch)
+    default = serving_encoding(None, ckpt.types, None, kernels, ckpt.arch)
     asked = engine_cfg.quantization_encoding
     if asked is not None and asked not in supported:
         notes.append(f"--quantization-encoding {asked}: this checkpoint does not serve as it "
@@ -120,7 +120,7 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
                      f"{default}")
         drop.add("quantization_encoding")
         asked = None
-    encoding = serving_encoding(asked, ckpt.types, None, kernels)
+    encoding = serving_encoding(asked, ckpt.types, None, kernels, ckpt.arch)
     report["encodings"] = {"supported": supported, "default": default, "serving": encoding,
                            "checkpoint": checkpoint_dtype(ckpt)}
     model = abstract_model(ckpt, encoding, model_name(model_opts.model_path, path))

@@ -114,7 +114,7 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
     ckpt = open_checkpoint(files, src)
     arch, cfg, reader, template = ckpt.arch, ckpt.config, ckpt.reader, ckpt.template
     make_tokenizer = ckpt.make_tokenizer
-    dtype = serving_encoding(dtype, ckpt.types, platform, kernels)
+    dtype = serving_encoding(dtype, ckpt.types, platform, kernels, arch)
     if reader is None:
         from maxjax.models import hf as hfw
         reader = hfw.SafetensorsReader(files.weights)
@@ -204,13 +204,13 @@ def open_checkpoint(files, src: ModelSource) -> Checkpoint:
 
 
 def serving_encoding(dtype: str | None, types: list[str] | None, platform: str | None = None,
-                     kernels: bool = False) -> str:
+                     kernels: bool = False, arch=None) -> str:
     """The --quantization-encoding `dtype` checked against a checkpoint whose 2-D tensors have
     GGUF `types` (None: an HF float one), or its default (see `load_model`)."""
     if dtype is None:
         dtype = quantize.gguf_encoding(types, kernels) if types is not None else \
             default_dtype(platform)
-    quantize.check_encoding(dtype, types)
+    quantize.check_encoding(dtype, types, arch)
     return dtype
 
 

@@ -58,10 +58,14 @@ def check_name(encoding: str) -> None:
                         f"(supported: {', '.join(ENCODINGS)})")
 
 
-def check_encoding(encoding: str, source_types: list[str] | None) -> None:
+def check_encoding(encoding: str, source_types: list[str] | None, arch=None) -> None:
     """UserError unless `encoding` can be served from a source whose 2-D tensors have
-    `source_types` (None: a float checkpoint)."""
+    `source_types` (None: a float checkpoint), by `arch` (graphs/arch.py) when given."""
     check_name(encoding)
+    if encoding == "float16" and arch is not None and arch.float16_overflows:
+        raise UserError(f"--quantization-encoding float16: {arch.name} overflows float16 (its "
+                        f"activations pass 65504: NaN logits, as in transformers; vLLM refuses "
+                        f"it too): use bfloat16 or float32")
     if encoding in Q4_TYPES and Q4_TYPES[encoding] not in (source_types or ()):
         have = native_4bit(source_types) if source_types else None
         options = ", ".join(([have] if have else []) + list(FLOAT_ENCODINGS) + ["int8"])
@@ -69,12 +73,12 @@ def check_encoding(encoding: str, source_types: list[str] | None) -> None:
                         f"{Q4_TYPES[encoding]} weights (it serves as: {options})")
 
 
-def supported_encodings(source_types: list[str] | None) -> list[str]:
+def supported_encodings(source_types: list[str] | None, arch=None) -> list[str]:
     """The encodings `check_encoding` accepts for a source of these 2-D tensor types."""
     ok = []
     for encoding in ENCODINGS:
         try:
-            check_encoding(encoding, source_types)
+            check_encoding(encoding, source_types, arch)
         except UserError:
             continue
         ok.append(encoding)
