@@ -64,17 +64,19 @@ def chat_logprobs(st: ServerState, lps: list[TokenLogprob] | None, top_n: int) -
 
 
 class CompletionLogprobs:
-    """The legacy completions logprobs object, built incrementally (text_offset runs on)."""
+    """The legacy completions logprobs object, built incrementally. text_offset runs on by the
+    tokens' lengths, held within `limit` (the text returned so far): a character split over
+    tokens shows each piece as '\ufffd', longer than the text it makes."""
 
     def __init__(self, st: ServerState, top_n: int):
         self.st, self.top_n, self.offset = st, top_n, 0
 
-    def build(self, token_ids: list[int], lps: list[TokenLogprob | None]) -> dict:
+    def build(self, token_ids: list[int], lps: list[TokenLogprob | None], limit: int) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, t in zip(token_ids, lps):
             s = self.st.token_str(tid)
             out["tokens"].append(s)
-            out["text_offset"].append(self.offset)
+            out["text_offset"].append(min(self.offset, limit))
             self.offset += len(s)
             out["token_logprobs"].append(None if t is None else t.logprob)
             if t is None:
@@ -230,8 +232,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
         def echo_logprobs(c):
             plps = c.prompt_logprobs or [None] * c.prompt_len
-            built = lp_builders[c.index].build(prompts[c.prompt_index], plps)
-            lp_builders[c.index].offset = len(echo_texts[c.prompt_index])
+            start = len(echo_texts[c.prompt_index])      # where the completion's text starts
+            built = lp_builders[c.index].build(prompts[c.prompt_index], plps, start)
+            lp_builders[c.index].offset = start
             return built
 
         if not req.stream:
@@ -241,12 +244,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
             for c in gen.choices:
                 text, lps = ("", []) if score_only else ("".join(c.text), c.logprobs or [])
                 lp = None
-                if want_lp:
-                    head = echo_logprobs(c) if req.echo else None
-                    lp = lp_builders[c.index].build([t.token_id for t in lps], lps)
-                    lp = _concat_lp(head, lp) if head else lp
                 if req.echo:
                     text = echo_texts[c.prompt_index] + text
+                if want_lp:
+                    head = echo_logprobs(c) if req.echo else None
+                    lp = lp_builders[c.index].build([t.token_id for t in lps], lps, len(text))
+                    lp = _concat_lp(head, lp) if head else lp
                 choices.append(completion_choice(c.index, text, "length" if score_only else
                                                  c.finish_reason, lp))
             return web.json_response(completion_response(rid, model, created, choices,
@@ -256,7 +259,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
         def chunk(choice):
             return completion_response(rid, model, created, [choice], None, False)
-        echoed = set()
+        echoed, sent = set(), {}       # sent: each choice's text length, this chunk's included
         try:
             async for c, out in gen.events():
                 text, lps = ("", []) if score_only else (out.new_text, out.new_logprobs or [])
@@ -265,8 +268,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     echoed.add(c.index)
                     text = echo_texts[c.prompt_index] + text
                     head = echo_logprobs(c) if want_lp else None
+                sent[c.index] = sent.get(c.index, 0) + len(text)
                 if want_lp:
-                    lp = lp_builders[c.index].build([t.token_id for t in lps], lps)
+                    lp = lp_builders[c.index].build([t.token_id for t in lps], lps,
+                                                    sent[c.index])
                     lp = _concat_lp(head, lp) if head else lp
                 if not (text or out.finished or lp and lp["tokens"]):
                     continue

@@ -175,6 +175,8 @@ class CompletionRequest(_SamplingFields):
             return "max_tokens", "0 only with echo (the prompt scored, nothing generated)"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported by this server"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"must be at least n ({self.n}; got {self.best_of})"
         if self.best_of is not None and self.best_of > self.n:
             return "best_of", "best_of greater than n is not supported"
         return None

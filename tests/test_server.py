@@ -229,6 +229,23 @@ def test_completions_echo(client):
     chunks = list(client.completions.create(model="mock-model", prompt="hi", max_tokens=3,
                                             echo=True, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == "hiThe"
+    # a character split over tokens (each piece shown as U+FFFD): the offsets went back to
+    # len(prompt text) after the prompt's pieces, and past the text's end
+    for stream in (False, True):
+        got = client.completions.create(model="mock-model", prompt="a\U0001F40Bb", max_tokens=3,
+                                        echo=True, logprobs=1, stream=stream)
+        chunks = list(got) if stream else [got]
+        text = "".join(ch.choices[0].text for ch in chunks)
+        offsets = [o for ch in chunks if ch.choices[0].logprobs
+                   for o in ch.choices[0].logprobs.text_offset]
+        assert text == "a\U0001F40BbThe" and len(offsets) == 9
+        assert offsets == sorted(offsets) and offsets[-3:] == [3, 4, 5], offsets
+
+
+def test_best_of_below_n_is_refused(server):
+    r = post(server, "/v1/completions", {"model": "mock-model", "prompt": "hi", "max_tokens": 2,
+                                         "n": 3, "best_of": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
 
 
 def test_null_takes_the_default(server):
