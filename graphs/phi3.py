@@ -93,7 +93,8 @@ def gguf_config(hf: dict, get, tensors) -> None:
 
 # llama.cpp keeps the fused tensors, under its own names; the decoder's unfused ones are absent.
 GGUF_LAYER_NAMES = dict.fromkeys(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
-                                  "self_attn.v_proj.bias", "self_attn.q_norm.weight",
+                                  "self_attn.v_proj.bias", "self_attn.o_proj.bias",
+                                  "self_attn.q_norm.weight",
                                   "self_attn.k_norm.weight", *_PART_OF)) | {
     "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 
