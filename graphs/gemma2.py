@@ -50,5 +50,6 @@ def gguf_config(hf: dict, get, tensors) -> None:
 
 ARCHITECTURE = Architecture("Gemma2ForCausalLM", config_from_hf, gguf_archs=("gemma2",),
                             gguf_config=gguf_config, gguf_layer_names=GEMMA_GGUF_NAMES,
-                            gguf_norm_plus_one=True, float16_overflows=True, gguf_tokenizer="GemmaTokenizer",
+                            gguf_norm_plus_one=True, gguf_tokenizer="GemmaTokenizer",
+                            float16_overflows=True,
                             description="Gemma 2 (alternating sliding window, logit softcapping)")

@@ -4,7 +4,8 @@ from maxjax.graphs.arch import Architecture, base_config, qwen_layer_windows
 
 
 def config_from_hf(hf: dict):
-    return base_config(hf, attention_bias=True, attention_out_bias=False, layer_windows=qwen_layer_windows(hf))
+    return base_config(hf, attention_bias=True, attention_out_bias=False,
+                       layer_windows=qwen_layer_windows(hf))
 
 
 ARCHITECTURE = Architecture("Qwen2ForCausalLM", config_from_hf, gguf_archs=("qwen2",),

@@ -7,6 +7,7 @@ afterwards; flag errors are raised by `check_flags` (before any weight is read) 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -99,16 +100,25 @@ def check_flags(cfg: EngineConfig) -> None:
 _SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def _check_types(cfg: EngineConfig) -> None:
-    """Each scalar setting of its declared type (the Python API passes values unparsed)."""
+@functools.cache
+def _scalar_settings() -> dict:
+    """EngineConfig's scalar settings: name -> (type, None allowed)."""
+    out = {}
     for name, hint in typing.get_type_hints(EngineConfig).items():
         args = typing.get_args(hint) if typing.get_origin(hint) in (
             typing.Union, types.UnionType) else (hint,)
         kinds = [a for a in args if a in _SCALARS]
+        if len(kinds) == 1:
+            out[name] = (kinds[0], type(None) in args)
+    return out
+
+
+def _check_types(cfg: EngineConfig) -> None:
+    """Each scalar setting of its declared type (the Python API passes values unparsed)."""
+    for name, (kind, optional) in _scalar_settings().items():
         value = getattr(cfg, name)
-        if len(kinds) != 1 or value is None and type(None) in args:
+        if value is None and optional:
             continue
-        kind = kinds[0]
         ok = (isinstance(value, bool) if kind is bool else
               isinstance(value, numbers.Real) and not isinstance(value, bool)
               and (kind is float or isinstance(value, numbers.Integral))
