@@ -71,7 +71,7 @@ class _SamplingFields(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)     # any int64
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None

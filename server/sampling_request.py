@@ -64,7 +64,8 @@ COMPLETION_ERROR_NAMES = error_names("completions", "prompt")
 
 def per_choice(params: SamplingParams, count: int, n: int) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice j of each prompt uses seed + j so the
-    n samples differ but stay reproducible."""
+    n samples differ but stay reproducible (wrapping within int64)."""
     if params.seed is None:
         return [replace(params) for _ in range(count)]   # copies: an engine may annotate them
-    return [replace(params, seed=(params.seed + i % n) % 2**63) for i in range(count)]
+    return [replace(params, seed=(params.seed + i % n + 2**63) % 2**64 - 2**63)
+            for i in range(count)]

@@ -45,7 +45,7 @@ BAD = [   # (body fields over BASE, the error's param)
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
 ]
 
 
@@ -153,3 +153,21 @@ def test_bad_requests_leave_a_running_stream_intact(served):
     wait_until(lambda: not core.has_unfinished(), "the stream's request to finish")
     assert core.block_manager.num_used_pages == 0
     check_pool(core.block_manager)
+
+
+def test_a_negative_seed_samples_reproducibly(served):
+    """A negative seed (any int64 is one) gives the same tokens each time at temperature 1,
+    and not those of its absolute value."""
+    server, core, _ = served
+    body = {"prompt": [5, 7, 9], "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+
+    def tokens(seed):
+        r = http("POST", server.url + "/v1/completions", {**body, "seed": seed,
+                                                          "logprobs": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+    first = tokens(-123456789)
+    assert tokens(-123456789) == first
+    assert tokens(123456789) != first
+    wait_until(lambda: not core.has_unfinished(), "the requests to finish")
+    assert core.block_manager.num_used_pages == 0

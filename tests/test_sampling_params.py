@@ -114,6 +114,15 @@ def arrays(params: SamplingParams):
                                  eos_token_ids=[2], vocab_size=64)
 
 
+def test_every_int64_seed_is_its_own_64_bit_key():
+    """A negative seed is the two's complement of its 64 bits: no two int64 seeds share the
+    device key (the hash's input), so each stays its own reproducible stream."""
+    seeds = [0, 1, -1, 2**63 - 1, -2**63, 2**32, -2**32, 2**32 - 1]
+    keys = [tuple(arrays(SamplingParams(seed=s)).seed[0].tolist()) for s in seeds]
+    assert len(set(keys)) == len(seeds)
+    assert keys[2] == (2**32 - 1, 2**32 - 1) and keys[4] == (2**31, 0)
+
+
 def test_device_params_have_their_arrays():
     fields = {f.name for f in dataclasses.fields(SamplingArrays)}
     claimed = {a for s in SPECS.values() for a in s.device}
@@ -166,8 +175,8 @@ def refused(prompt, param, match=None, limits=LIMITS, **kw):
     ("temperature", math.inf), ("temperature", math.nan), ("top_k", -1), ("top_k", 2.0),
     ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.1), ("min_p", 1.5),
     ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0),
-    ("seed", -1), ("seed", 2**63), ("top_logprobs", MAX_TOP_LOGPROBS + 1), ("top_logprobs", -1),
-    ("min_tokens", -1), ("min_tokens", 5),
+    ("seed", -2**63 - 1), ("seed", 2**63), ("top_logprobs", MAX_TOP_LOGPROBS + 1),
+    ("top_logprobs", -1), ("min_tokens", -1), ("min_tokens", 5),
 ])
 def test_numbers_out_of_their_bounds(name, value):
     refused([1, 2], name, **{name: value})
@@ -178,7 +187,7 @@ def test_numbers_at_their_bounds():
         max_new_tokens=30, temperature=0, top_k=0, top_p=1, min_p=1, frequency_penalty=-2,
         presence_penalty=2, repetition_penalty=1e-3, seed=2**63 - 1, min_tokens=30,
         top_logprobs=MAX_TOP_LOGPROBS), LIMITS)
-    check_request([1], SamplingParams(max_new_tokens=1, seed=0, temperature=100.0), LIMITS)
+    check_request([1], SamplingParams(max_new_tokens=1, seed=-2**63, temperature=100.0), LIMITS)
 
 
 def test_prompt_and_length():

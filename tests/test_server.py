@@ -368,6 +368,29 @@ def test_sampling_parameters_reach_the_engine(server):
     assert (p.max_new_tokens, p.temperature, p.top_k, p.logprobs) == (16, 1.0, 0, False)
 
 
+def test_any_int64_seed_on_every_route(server):
+    """A seed is any int64, as OpenAI and vLLM take it (the spec's format int64): negative and
+    extreme seeds reach the engine as sent, n > 1 wraps choice j's seed + j within int64, and
+    just outside int64 is a 400 naming seed."""
+    bodies = {"/v1/chat/completions": {"messages": MSGS, "max_tokens": 4},
+              "/v1/completions": {"prompt": "x", "max_tokens": 4},
+              "/v1/responses": {"input": "x", "max_output_tokens": 4}}
+    for path, body in bodies.items():
+        for seed in (-1, -2**63, 2**63 - 1):
+            r = post(server, path, {**body, "model": "mock-model", "seed": seed})
+            assert r.status_code == 200, (path, seed, r.text)
+            assert server.engine.requests[-1][2].seed == seed
+        for seed in (-2**63 - 1, 2**63):
+            r = post(server, path, {**body, "seed": seed})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", (path, r.text)
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "n": 3,
+                                         "seed": 2**63 - 2})
+    assert [q[2].seed for q in server.engine.requests[-3:]] == [2**63 - 2, 2**63 - 1, -2**63]
+    texts = [post(server, "/v1/completions", {"prompt": "x", "max_tokens": 6, "seed": -7}
+                  ).json()["choices"][0]["text"] for _ in range(2)]
+    assert texts == [expected_text(6, seed=-7)[0]] * 2
+
+
 def test_server_sampling_defaults():
     s = ServerThread(MockEngine(), ServeConfig(temperature=0.25, top_k=5,
                                                served_model_name="alias"))

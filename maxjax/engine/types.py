@@ -83,7 +83,9 @@ class SamplingParams:
     top_k: int = param(0, "Top-k (0: off)", ge=0, api_off=-1, device=("top_k",), flag=0)
     top_p: float = param(1.0, "Nucleus sampling mass", gt=0, le=1, device=("top_p",), flag=1.0)
     min_p: float = param(0.0, "Min-p filter", ge=0, le=1, device=("min_p",), flag=0.0)
-    seed: int | None = param(None, "Sampling seed", ge=0, lt=2**63, device=("seed",), flag=None)
+    # any int64, as OpenAI and vLLM take it; graphs/sampling.py reads its 64 bits as the key
+    seed: int | None = param(None, "Sampling seed", ge=-2**63, lt=2**63, device=("seed",),
+                             flag=None)
     frequency_penalty: float = param(0.0, "OpenAI frequency penalty", ge=-2, le=2,
                                      device=("frequency_penalty",), flag=0.0)
     presence_penalty: float = param(0.0, "OpenAI presence penalty", ge=-2, le=2,
