@@ -10,7 +10,7 @@ import functools
 
 from .images import ImagePart, part_url, read_images
 from .protocol import APIError
-from .tools import format_calls, template_tool_calls, tool_prompt
+from .tools import arguments, format_calls, template_tool_calls, tool_prompt
 
 _RESERVED = {"messages", "tools", "add_generation_prompt", "chat_template", "tokenize",
              "return_dict", "documents"}
@@ -42,11 +42,14 @@ def template_messages(messages, calls_as_text: str | None = None,
             if bad is not None:
                 raise APIError(400, f"messages[{i}].tool_calls[{bad}].function: needs a name",
                                param=f"messages[{i}].tool_calls[{bad}].function")
+            calls = [{**c, "function": {**c["function"], "arguments": arguments(
+                c["function"].get("arguments"), f"messages[{i}].tool_calls[{j}].function."
+                "arguments")}} for j, c in enumerate(m.tool_calls)]
             if calls_as_text:
-                text = format_calls(calls_as_text, m.tool_calls)
+                text = format_calls(calls_as_text, calls)
                 msg["content"] = f"{msg['content']}\n{text}" if msg["content"] else text
             else:
-                msg["tool_calls"] = template_tool_calls(m.tool_calls)
+                msg["tool_calls"] = template_tool_calls(calls)
         out.append(msg)
     return out
 

@@ -4,6 +4,7 @@ function_call, reasoning) and stream events; the response object. Used by
 server/responses_api.py, which runs the translated request as any chat turn."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import uuid
@@ -11,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from . import json_body
 from .protocol import APIError, ChatCompletionRequest, _Strict
 
 _CHAT = ChatCompletionRequest.model_fields
@@ -142,6 +144,14 @@ def _string(it: dict, key: str, param: str) -> str:
     return it[key]
 
 
+def _arguments(it: dict, param: str) -> str:
+    """A function_call's arguments; JSON nesting too deep is the body's 400, named here."""
+    text = _string(it, "arguments", param)
+    with contextlib.suppress(ValueError):     # not JSON: the template gets {}, as on chat
+        json_body.loads(text, f"{param}.arguments")
+    return text
+
+
 def item_messages(items: list, where, images: bool = False) -> list[dict]:
     """Input items -> chat messages; `where(i)` names item i in an error. A function_call joins
     the assistant message before it; reasoning items are dropped (the template re-renders none)."""
@@ -161,7 +171,7 @@ def item_messages(items: list, where, images: bool = False) -> list[dict]:
         elif kind == "function_call":
             call = {"id": _string(it, "call_id", p), "type": "function",
                     "function": {"name": _string(it, "name", p),
-                                 "arguments": _string(it, "arguments", p)}}
+                                 "arguments": _arguments(it, p)}}
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
                 msgs[-1]["content"] = msgs[-1]["content"] or None
@@ -199,8 +209,12 @@ def _tool_choice(choice, tools: list[dict]):
         return {"type": "function", "function": {"name": choice["name"]}}, tools
     if kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and \
             isinstance(choice.get("tools"), list):
-        names = {t.get("name") for t in choice["tools"] if isinstance(t, dict)
-                 and t.get("type") == "function"}
+        names = set()
+        for j, t in enumerate(choice["tools"]):
+            if isinstance(t, dict) and t.get("type") == "function":
+                if not isinstance(t.get("name"), str):
+                    raise _bad(f"tool_choice.tools[{j}].name", "must be a string")
+                names.add(t["name"])
         return choice["mode"], [t for t in tools if t["function"].get("name") in names]
     raise _bad("tool_choice", "must be none, auto, required, {\"type\": \"function\", \"name\": "
                               "...} or allowed_tools of function tools")

@@ -3,7 +3,6 @@ from `request.app[STATE]`. Built by server/app.py:build_app."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -13,6 +12,9 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
+from maxjax.engine.validate import length_advice
+
+from . import json_body
 from .config import ServeConfig
 from .engine_client import EngineClient
 from .generation import AdmissionState
@@ -57,6 +59,16 @@ class ServerState:
         return None if name == "none" else name
 
     @property
+    def sampling_defaults(self):
+        """What a request that leaves a sampling field out gets: --temperature and --top-k over
+        the model's (--generation-config; read after the engine is ready, so not cached)."""
+        from maxjax.models.sampling_defaults import SamplingDefaults
+        model = getattr(self.engine, "sampling_defaults", None) or SamplingDefaults()
+        top_k = self.cfg.top_k
+        return model.over(temperature=self.cfg.temperature,
+                          top_k=None if top_k is None else max(top_k, 0))
+
+    @property
     def reasoning_parser(self) -> str | None:
         name = self.cfg.reasoning_parser
         return None if name in (None, "none") else name
@@ -74,7 +86,8 @@ class ServerState:
         limit = self.max_prompt_chars
         if len(text) > limit and len(text) - sum(map(text.count, " \t\r\n")) > limit:
             raise APIError(400, f"{param}: {len(text)} characters cannot fit in the maximum "
-                                f"length of {self.engine.max_length} tokens", param=param)
+                                f"length of {self.engine.max_length} tokens: "
+                                + length_advice(self.engine.max_length), param=param)
 
     def token_str(self, token_id: int) -> str:
         return self._token_str(token_id)
@@ -129,43 +142,12 @@ async def read_json(request: web.Request) -> dict:
     except RequestPayloadError as e:
         raise APIError(400, f"the request body could not be read: {_first_line(e)}") from None
     try:
-        body = json.loads(raw, parse_constant=_not_json)
-    except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError
+        body = json_body.loads(raw)
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"the request body is not valid JSON: {_first_line(e)}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    _check_values(body)
     return body
-
-
-def _not_json(name: str):
-    """Python's json reads NaN and Infinity; JSON has no such numbers."""
-    raise ValueError(f"{name} is not a JSON number")
-
-
-MAX_JSON_DEPTH = 64
-
-
-def _check_values(body: dict) -> None:
-    """400 for a body nesting deeper than MAX_JSON_DEPTH or holding a string that is not valid
-    Unicode (JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer, regex or
-    grammar engine takes); `param` is the top-level field."""
-    todo = [(v, 2, k) for k, v in body.items()] + [(k, 1, k) for k in body]
-    while todo:
-        o, depth, top = todo.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise APIError(400, f"{top}: nests deeper than {MAX_JSON_DEPTH} levels", param=top)
-        if isinstance(o, str) and not o.isascii():
-            try:
-                o.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise APIError(400, f"{top}: holds a lone surrogate (\\u{ord(o[e.start]):04x}), "
-                                    "not valid Unicode", param=top) from None
-        elif isinstance(o, dict):
-            todo.extend((v, depth + 1, top) for v in o.values())
-            todo.extend((k, depth + 1, top) for k in o)
-        elif isinstance(o, list):
-            todo.extend((v, depth + 1, top) for v in o)
 
 
 def _first_line(e: BaseException) -> str:

@@ -15,8 +15,11 @@ import json
 import uuid
 from dataclasses import dataclass
 
+import pydantic_core
+
 from maxjax.structured.spec import GrammarSpec
 
+from . import json_body
 from .protocol import APIError
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -162,7 +165,7 @@ def tool_prompt(parser: str, tools: list[dict]) -> str:
 def format_calls(parser: str, calls: list[dict]) -> str:
     """An assistant message's tool_calls as the model writes them (for templates that ignore
     tools)."""
-    parsed = [(c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in calls]
+    parsed = [(c["function"]["name"], arguments(c["function"].get("arguments"))) for c in calls]
     if parser == "hermes":
         return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
                          for n, a in parsed)
@@ -174,18 +177,19 @@ def format_calls(parser: str, calls: list[dict]) -> str:
                            + ")" for n, a in parsed) + "]"
 
 
-def _arguments(args):
-    """OpenAI sends arguments as a JSON string; templates want the object."""
+def arguments(args, param: str | None = None):
+    """OpenAI sends arguments as a JSON string; templates want the object (text that is not
+    JSON: {}; JSON nesting too deep: a 400 naming `param`)."""
     if isinstance(args, str):
         try:
-            return json.loads(args)
-        except json.JSONDecodeError:
+            return json_body.loads(args, param)
+        except ValueError:
             return {}
     return args or {}
 
 
 def template_tool_calls(calls: list[dict]) -> list[dict]:
-    return [{**c, "function": {**c["function"], "arguments": _arguments(
+    return [{**c, "function": {**c["function"], "arguments": arguments(
         c["function"].get("arguments"))}} for c in calls]
 
 
@@ -398,6 +402,57 @@ def parse_calls(parser: str, text: str) -> list[dict] | None:
         return calls
     except (ValueError, SyntaxError):
         return None
+
+
+def _partial_json(text: str):
+    """`text` as JSON cut off at its end: the complete values (a cut string is left out)."""
+    try:
+        return pydantic_core.from_json(text, allow_partial=True)
+    except ValueError:
+        return None
+
+
+def _cut_objects(text: str) -> list:
+    """llama3_json's objects (separated by ";" or spaces), the last one cut off."""
+    dec, items, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except ValueError:
+            return items + [_partial_json(text[i:])]
+        items.append(obj)
+        while i < len(text) and text[i] in " ;\n":
+            i += 1
+    return items
+
+
+def partial_calls(parser: str, text: str, names: set[str] | None) -> list[dict] | None:
+    """The calls in `text` (from the parser's marker) when the output was cut off inside one:
+    the last call's arguments as far as they parse, its name the only function there is when
+    the cut came inside the name; calls naming no known function are left out. JSON formats
+    only (pythonic: None)."""
+    text = text.strip()
+    if parser == "hermes":
+        items = [_partial_json(b.split("</tool_call>")[0]) for b in text.split("<tool_call>")[1:]]
+    elif parser == "mistral":
+        items = _partial_json(text.removeprefix("[TOOL_CALLS]").strip())
+        items = items if isinstance(items, list) else [items]
+    elif parser == "llama3_json":
+        items = _cut_objects(text.removeprefix("<|python_tag|>").strip())
+    else:
+        return None
+    calls = []
+    for it in items:
+        if not isinstance(it, dict):
+            continue
+        name = it.get("name")
+        if not isinstance(name, str) and names is not None and len(names) == 1:
+            name = next(iter(names))
+        if not isinstance(name, str) or (names is not None and name not in names):
+            continue
+        args = it.get("arguments", it.get("parameters", {}))
+        calls.append(new_call(name, args if isinstance(args, dict) else {}))
+    return calls or None
 
 
 def marker(parser: str) -> str:

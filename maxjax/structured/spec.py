@@ -48,6 +48,9 @@ class GrammarSpec:
         if not isinstance(schema, dict):
             raise RequestError(param, f"a JSON schema must be an object (got "
                                       f"{type(schema).__name__})")
+        if not isinstance(schema.get("x-guidance", {}), dict):
+            raise RequestError(param, "x-guidance: llguidance's options must be an object (got "
+                                      f"{type(schema['x-guidance']).__name__})")
         if not strict:
             schema = {**schema, "x-guidance": {**LENIENT, **schema.get("x-guidance", {})}}
         return cls("json_schema", json.dumps(schema), param)
