@@ -292,10 +292,13 @@ def _cumsum(x: jax.Array) -> jax.Array:
 
 
 def _uniforms(key: jax.Array, n: int) -> jax.Array:
-    """f32[R, n] uniforms in (0, 1) from each row's key: a hash of (key, index)."""
+    """f32[R, n] uniforms strictly inside (0, 1) from each row's key: a hash of (key, index).
+    The largest hash, (2**24 - 1) + 0.5, rounds to 2**24 in f32: u would be 1.0 and its Gumbel
+    noise +inf (once in 2**24 draws), hence the cap at the largest f32 below 1."""
     idx = jnp.arange(n, dtype=jnp.uint32)[None, :] * jnp.uint32(0x9E3779B9)
     h = _mix32(idx ^ key[:, None])
-    return ((h >> 8).astype(jnp.float32) + 0.5) * jnp.float32(1.0 / (1 << 24))
+    u = ((h >> 8).astype(jnp.float32) + 0.5) * jnp.float32(1.0 / (1 << 24))
+    return jnp.minimum(u, jnp.float32(1.0 - 2.0 ** -24))
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -316,9 +319,11 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def _gumbel_argmax(weights: jax.Array, key: jax.Array) -> jax.Array:
-    """argmax(log w + Gumbel noise) per row: index i with probability w[i] / sum(w)."""
+    """argmax(log w + Gumbel noise) per row: index i with probability w[i] / sum(w). A zero
+    weight scores -inf whatever its noise (noise added first could make it NaN, which argmax
+    takes)."""
     g = -jnp.log(-jnp.log(_uniforms(key, weights.shape[-1])))
-    return jnp.argmax(jnp.where(weights > 0, jnp.log(weights), -jnp.inf) + g, -1)
+    return jnp.argmax(jnp.where(weights > 0, jnp.log(weights) + g, -jnp.inf), -1)
 
 
 def _sample_weights(weights: jax.Array, key: jax.Array) -> jax.Array:
@@ -365,7 +370,12 @@ def _sample_rows(logits: jax.Array, a: SamplingArrays) -> jax.Array:
     thr = jnp.maximum(thr, a.min_p * jnp.max(probs, -1))
     weights = jnp.where(probs >= thr[:, None], probs, 0.0)
     sampled = _sample_weights(weights, _row_keys(a))
-    return jnp.where(a.temperature > 0, sampled, greedy_ids)
+    # The guarantee, whatever the parameters do to the probabilities (NaN from an overflowing
+    # temperature, a filter that keeps nothing): a token of zero weight is never returned. A
+    # masked token has probability exactly 0, so it is never sampled; the fallback is the argmax
+    # of the masked logits.
+    kept = jnp.take_along_axis(weights, sampled[:, None], 1)[:, 0] > 0
+    return jnp.where((a.temperature > 0) & kept, sampled, greedy_ids)
 
 
 def _top(logprobs: jax.Array, k: int):
