@@ -14,6 +14,7 @@ from aiohttp import web
 
 from maxjax.errors import RequestError, UserError
 
+from . import access_log
 from .config import ServeConfig
 from .engine_client import EngineClient
 from .generation import AdmissionState
@@ -47,6 +48,7 @@ async def _middleware(request: web.Request, handler):
     endpoint = route.canonical if route is not None else "unmatched"
     status = 500
     json_error = anthropic_json_error if is_anthropic(request.path) else _json_error
+    record = access_log.begin()
     try:
         open_path = request.path in _OPEN_PATHS or request.path.startswith(OPEN_PREFIXES)
         if key and not open_path:
@@ -87,6 +89,9 @@ async def _middleware(request: web.Request, handler):
         return json_error(500, "internal server error")
     finally:
         st.metrics.requests.labels(endpoint, str(status)).inc()
+        if not st.cfg.disable_log_requests:
+            access_log.write(request, status, access_log.current(), st.model_id)
+        access_log.end(record)
 
 
 @describe(response=Health)

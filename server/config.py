@@ -71,6 +71,12 @@ class ServeConfig:
     shutdown_grace_period: float = field(default=30.0, metadata={
         "help": "Seconds in-flight requests may run after SIGTERM/SIGINT before they are cut"})
 
+    disable_log_requests: bool = field(default=False, metadata={
+        "help": "No access log line per request (vLLM's flag). By default each request ends "
+                "with one line on the maxjax.access logger: client, method and path, status, "
+                "model, prompt, completion and cached tokens, time to first token, duration "
+                "(499: the client went away)"})
+
     webui: bool = field(default=True, metadata={
         "help": "Serve the browser playground and engine dashboard at / (--no-webui: / is a 404; "
                 "/stats and /stats/stream stay)"})

@@ -16,6 +16,7 @@ import uuid
 import numpy as np
 from aiohttp import web
 
+from . import access_log
 from .embeddings_protocol import MAX_INPUTS, EmbeddingList, EmbeddingRequest
 from .generation import _api_error, aborted
 from .openapi import describe
@@ -92,6 +93,7 @@ async def embeddings(request: web.Request) -> web.Response:
                             "cannot be shortened (it was not trained for truncated vectors)",
                        param="dimensions")
     prompts, names = await input_token_ids(st, req.input)
+    access_log.note_prompt_tokens(sum(map(len, prompts)))
     base = f"embd-{uuid.uuid4().hex}"
 
     async def one(i: int) -> list[float]:

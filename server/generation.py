@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from maxjax.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from maxjax.errors import EngineDeadError, RequestError
 
+from . import access_log
 from .engine_client import EngineClient, QueueFullError
 from .metrics import ServerMetrics
 from .protocol import APIError
@@ -88,6 +89,8 @@ class Generation:
         self.pending: list[tuple] = []
         self.unfinished = len(self.choices)
         self._admitted = 0
+        self.first_token_time: float | None = None
+        access_log.note_generation(self)
 
     async def __aenter__(self):
         await self.start()
@@ -170,6 +173,7 @@ class Generation:
             self.metrics.generation_tokens.inc(ntok)   # as they come: the dashboard's tokens/s
             if not c.last_time:
                 self.metrics.ttft.observe(now - self.t_arrival)
+                self.first_token_time = self.first_token_time or now
             else:
                 self.metrics.itl.observe((now - c.last_time) / ntok)
             c.last_time = now

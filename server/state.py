@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from maxjax.engine.validate import length_advice
 
-from . import json_body
+from . import access_log, json_body
 from .config import ServeConfig
 from .engine_client import EngineClient
 from .generation import AdmissionState
@@ -147,6 +147,7 @@ async def read_json(request: web.Request) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {_first_line(e)}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    access_log.note_body(body)
     return body
 
 
