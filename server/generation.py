@@ -254,8 +254,8 @@ def _engine_failure(out: RequestOutput, params: SamplingParams) -> APIError:
     if out.finish_reason == FinishReason.GRAMMAR_ERROR:   # the request's grammar, not the server
         spec = params.structured_output
         param = spec.param if spec is not None else None
-        return APIError(400, f"{param}: the grammar failed while matching the output: "
-                             f"{out.error or 'matcher error'}", param=param)
+        return APIError(400, f"{param}: {out.error or 'the grammar allows no next token'}",
+                        param=param)
     if out.finish_reason == FinishReason.ABORT:
         return aborted()
     log.error("engine error on %s: %s", out.request_id, out.error)

@@ -34,6 +34,8 @@ _ENGINE_METRICS = (
     ("xla_compiles", "maxjax_xla_compiles", "counter", "XLA compilations since start"),
     ("xla_compiles_since_ready", "maxjax_xla_compiles_since_ready", "counter",
      "XLA compilations inside serving steps (must stay 0)"),
+    ("grammar_faults", "maxjax_grammar_faults", "counter",
+     "Sampled tokens their grammar refused: a server fault (must stay 0)"),
     ("steps", "maxjax_engine_steps", "counter", "Engine steps run"),
     ("scheduler.scheduled_rows", "maxjax_engine_scheduled_rows", "counter",
      "Rows (requests) over all engine steps"),

@@ -140,17 +140,37 @@ def test_finished_grammar_allows_only_eos(llm):
     assert (out.text, out.finish_reason) == ("yes", "stop")
 
 
-def test_matcher_error_ends_the_request(llm, monkeypatch):
-    """With masks switched off the model writes what the grammar refuses: the request ends
-    with finish_reason "grammar_error" and its pages go back (checked by the fixture)."""
+def test_a_refused_sampled_token_is_a_server_fault(llm, monkeypatch):
+    """With masks switched off the model writes what the grammar refuses: a fault of the
+    server, not of the request (finish_reason "error", counted in grammar_faults); its pages go
+    back (checked by the fixture) and its neighbour is untouched."""
     backend = llm.core.grammars
     monkeypatch.setattr(backend, "fill_masks", lambda states: np.full(
         (len(states), backend.words), 0xFFFFFFFF, np.uint32))
     spec = GrammarSpec.regex("[0-9]{30}")
     other = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    before = llm.stats().grammar_faults
     outs = llm.generate([llm.encode("Once upon a time"), llm.encode("Hello")],
                         [params(spec, False), other])
-    assert outs[0].finish_reason == "grammar_error" and "grammar" in outs[0].error
+    assert outs[0].finish_reason == "error" and "server fault" in outs[0].error
+    assert llm.stats().grammar_faults == before + 1
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8
+
+
+def test_a_grammar_with_no_next_token_is_the_requests_error(llm, monkeypatch):
+    """A mask that allows nothing (no output can go on) ends the request with
+    "grammar_error", which the server answers with a 400 naming the grammar's field."""
+    backend = llm.core.grammars
+    monkeypatch.setattr(backend, "fill_masks", lambda states: np.zeros(
+        (len(states), backend.words), np.uint32))
+    spec = GrammarSpec.regex("[0-9]{30}")
+    other = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    before = llm.stats().grammar_faults
+    outs = llm.generate([llm.encode("Once upon a time"), llm.encode("Hello")],
+                        [params(spec, True), other])
+    assert outs[0].finish_reason == "grammar_error" and outs[0].token_ids == []
+    assert "allows no next token" in outs[0].error
+    assert llm.stats().grammar_faults == before
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8
 
 

@@ -92,6 +92,7 @@ class EngineCore:
         self._ce_waited = False     # the delay was spent; no other until a prefill batch begins
         # Compilations that happened inside this engine's steps: must stay 0 after warm-up.
         self.step_compiles = 0
+        self.grammar_faults = 0     # sampled tokens their grammar refused (a server fault)
         self._priming = None
         # Seconds spent per phase of a step, summed over steps (`maxjax generate --profile`).
         # "detokenize" is the output processing (text, stop strings, logprobs).
@@ -179,7 +180,8 @@ class EngineCore:
 
     def _limits(self) -> EngineLimits:
         return EngineLimits(self.model.config.vocab_size, self.max_length, self.eos_token_ids,
-                            self.cfg.enable_penalties, self.cfg.enable_min_tokens)
+                            self.cfg.enable_penalties, self.cfg.enable_min_tokens,
+                            getattr(self.model.config, "max_position_embeddings", None))
 
     def _adapter(self, lora: str | None) -> str | None:
         return None if lora is None else self._lora_manager("model").resolve(lora)
@@ -288,10 +290,11 @@ class EngineCore:
                           req.sampling, req.prompt_token_ids, req.output_token_ids, req.seed,
                           pool=req.is_embedding)
 
-    def _grammar_masks(self, rows: list[ScheduledRow]) -> dict[int, np.ndarray]:
+    def _grammar_masks(self, rows: list[ScheduledRow], failed: list) -> dict[int, np.ndarray]:
         """id(row) -> the allow-bits of its next token, for the sampling rows under a grammar
         (filled in one parallel call; unconstrained rows cost nothing). A grammar row samples
-        one slot: drafts for it need its matcher's `validate` first."""
+        one slot: drafts for it need its matcher's `validate` first. A grammar that allows no
+        next token is the request's own ("grammar_error", appended to `failed`)."""
         rows = [r for r in rows if r.sample and r.request.grammar is not None
                 and r.request.grammar.mask_needed]
         if not rows:
@@ -299,16 +302,32 @@ class EngineCore:
         t0 = time.perf_counter()
         masks = self.grammars.fill_masks([r.request.grammar for r in rows])
         self.profile["build_inputs"] += time.perf_counter() - t0
-        return {id(r): m for r, m in zip(rows, masks)}
+        out = {}
+        for r, m in zip(rows, masks):
+            g = r.request.grammar
+            if m.any() and not g.error:
+                out[id(r)] = m
+                continue
+            why = g.error or "no token can continue the output"
+            log.warning("request %s: its grammar allows no next token: %s",
+                        r.request.request_id, why)
+            self.scheduler.finish(r.request.request_id, FinishReason.GRAMMAR_ERROR)
+            failed.append(final_output(r.request, FinishReason.GRAMMAR_ERROR,
+                                       f"the grammar allows no next token: {why}"))
+        return out
 
     def _advance_grammars(self, updates) -> None:
-        """Each constrained request's matcher consumes the tokens its step appended; a token the
-        matcher refuses ends the request ("grammar_error")."""
+        """Each constrained request's matcher consumes the tokens its step appended. The token was
+        sampled under the matcher's own mask, so one it refuses is a fault of the server (the
+        sampler or the grammar engine), never of the request: the request fails ("error")."""
         for u in updates:
             g = u.request.grammar
             if g is not None and not g.accept(u.token_ids) and not u.request.is_finished:
-                log.warning("request %s: grammar matcher error: %s", u.request.request_id, g.error)
-                self.scheduler.finish(u.request.request_id, FinishReason.GRAMMAR_ERROR)
+                self.grammar_faults += 1
+                u.request.error = (f"server fault: a sampled token ({u.token_ids}) broke the "
+                                   f"grammar its mask was made from: {g.error}")
+                log.error("request %s: %s", u.request.request_id, u.request.error)
+                self.scheduler.finish(u.request.request_id, FinishReason.ERROR)
 
     @staticmethod
     def _next_tokens(row) -> list[int] | None:
@@ -329,7 +348,7 @@ class EngineCore:
         `steps`."""
         inputs = []
         try:
-            masks = self._grammar_masks(rows)
+            masks = self._grammar_masks(rows, failed)
         except Exception as e:          # a fault of the grammar engine: its rows fail
             masks = {}
             for row in rows:
@@ -408,4 +427,5 @@ class EngineCore:
             scheduler=self.scheduler.stats(), kv=self.block_manager.stats(),
             spec=self.speculator.stats() if self.speculator else SpecStats(),
             steps=self.profile["steps"], xla_compiles=compile_counter.count(),
-            xla_compiles_since_ready=self.step_compiles, step_seconds=phases)
+            xla_compiles_since_ready=self.step_compiles, grammar_faults=self.grammar_faults,
+            step_seconds=phases)

@@ -139,9 +139,7 @@ class OutputProcessor:
         if text is not None and text.stopped:
             out.finished, out.finish_reason = True, FinishReason.STOP
         elif req.is_finished:
-            out.finished, out.finish_reason = True, req.finish_reason
-            if req.finish_reason == FinishReason.GRAMMAR_ERROR:
-                out.error = f"the output broke its grammar: {req.grammar.error}"
+            out.finished, out.finish_reason, out.error = True, req.finish_reason, req.error
         if out.finished and text is not None:
             out.new_text += text.finish()
         if sp.logprobs:

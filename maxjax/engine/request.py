@@ -67,6 +67,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None              # why it failed, with finish_reason ERROR
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     admitted: bool = False                # admitted at least once (num_cached_tokens is final)

@@ -58,6 +58,7 @@ class EngineStats:
     # since start, in this process: replicas in one process share it (total() takes it once)
     xla_compiles: int = field(default=0, metadata={"per_process": True})
     xla_compiles_since_ready: int = 0    # inside serving steps (must stay 0)
+    grammar_faults: int = 0              # sampled tokens a grammar refused (must stay 0)
     step_seconds: Mapping[str, float] = field(default_factory=dict)   # phase -> seconds
     replicas: tuple[ReplicaStats, ...] = ()   # --data-parallel-degree: each replica's
 

@@ -156,7 +156,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"                 # max_tokens, or the model's length
     ABORT = "abort"                   # the caller went away, or the engine shut down
     ERROR = "error"                   # the engine failed the request (RequestOutput.error says how)
-    GRAMMAR_ERROR = "grammar_error"   # its grammar matcher refused a sampled token
+    GRAMMAR_ERROR = "grammar_error"   # its grammar allows no next token (the request's own)
     TOOL_CALLS = "tool_calls"         # the server's, for a chat output holding tool calls
 
 
