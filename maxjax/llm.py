@@ -85,6 +85,12 @@ class LLM:
         """The settings the engine runs with: the plan's (maxjax/engine/plan.py)."""
         return self.core.cfg
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        defaults (maxjax/models/sampling_defaults.py, under generation_config=; vLLM's method).
+        A SamplingParams passed in is taken as it is."""
+        return self.model.sampling_defaults.params()
+
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
@@ -110,7 +116,7 @@ class LLM:
         LoRA adapter (a name from lora_paths or `load_lora`) of every prompt, or one per prompt
         (None: the base model)."""
         prompts = _prompt_list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")

@@ -123,9 +123,10 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 def _card(st: ServerState, lora: str | None) -> dict:
+    defaults = st.sampling_defaults.in_force()
     if lora is None:
-        return model_card(st.model_id, st.created, st.engine.max_length)
-    return model_card(lora, st.created, st.engine.max_length, parent=st.model_id,
+        return model_card(st.model_id, st.created, st.engine.max_length, defaults)
+    return model_card(lora, st.created, st.engine.max_length, defaults, parent=st.model_id,
                       root=st.engine.lora_adapters().get(lora))
 
 

@@ -94,7 +94,7 @@ class ChatTurn:
         tools = tool_setup(req, st.tool_parser)
         prompt, prompt_text, images = await chat_prompt(st, req, tools)
         max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens)
-        params = sampling_params(st.cfg, req, max_new, bool(req.logprobs), req.top_logprobs or 0)
+        params = sampling_params(st, req, max_new, bool(req.logprobs), req.top_logprobs or 0)
         params.structured_output = chat_constraint(st, params, tools, prompt_text)
         if tools and tools.parser == "mistral":
             params.skip_special_tokens = False      # [TOOL_CALLS] is a special token

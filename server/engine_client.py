@@ -19,6 +19,8 @@ class EngineClient(Protocol):
     is_ready: bool             # False while loading/compiling: /health answers 503
     # Optional `vision`: an image-text model's VisionModel (maxjax/models/vision.py), whose
     # `generate` then takes `images=` (ImageInputs of the prompt's placeholder runs).
+    # Optional `sampling_defaults`: the model's SamplingDefaults (maxjax/models/
+    # sampling_defaults.py) for requests that leave sampling fields out; without it, OpenAI's.
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  cache_salt: str | None = None,

@@ -210,7 +210,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                                       COMPLETION_MAX_TOKENS)
     want_lp = req.logprobs is not None
     top_n = req.logprobs or 0
-    params = sampling_params(st.cfg, req, max_new, want_lp, top_n,
+    params = sampling_params(st, req, max_new, want_lp, top_n,
                              prompt_logprobs=bool(req.echo and want_lp))
     rid, model = f"cmpl-{uuid.uuid4().hex}", lora or st.model_id
     created = now()

@@ -277,9 +277,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def model_card(model_id: str, created: int, max_length: int, parent: str | None = None,
-               root: str | None = None) -> dict:
-    """A /v1/models entry; a LoRA adapter's names its base model as `parent` (vLLM's fields)."""
+def model_card(model_id: str, created: int, max_length: int, sampling_defaults: dict,
+               parent: str | None = None, root: str | None = None) -> dict:
+    """A /v1/models entry; a LoRA adapter's names its base model as `parent` (vLLM's fields);
+    `sampling_defaults`: what requests that leave sampling fields out get (SamplingDefaults.
+    in_force)."""
     card = {"id": model_id, "object": "model", "created": created, "owned_by": "maxjax",
-            "max_model_len": max_length, "root": root or model_id, "parent": parent}
+            "max_model_len": max_length, "root": root or model_id, "parent": parent,
+            "sampling_defaults": sampling_defaults}
     return card

@@ -122,6 +122,17 @@ class Completion(TypedDict):
     usage: NotRequired[Usage | None]
 
 
+class SamplingDefaults(TypedDict):
+    """What a request that leaves these fields out is sampled with (--generation-config,
+    --temperature, --top-k), and where they came from."""
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    source: str
+
+
 class ModelCard(TypedDict):
     id: str
     object: Literal["model"]
@@ -130,6 +141,7 @@ class ModelCard(TypedDict):
     max_model_len: int
     root: str
     parent: str | None
+    sampling_defaults: SamplingDefaults
 
 
 class ModelList(TypedDict):

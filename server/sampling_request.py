@@ -1,4 +1,4 @@
-"""A request's sampling fields -> SamplingParams (with the server's defaults), the request
+"""A request's sampling fields -> SamplingParams (with the defaults in force), the request
 field an engine error names, and the per-choice seeds; shared by every generation route."""
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from dataclasses import replace
 
 from maxjax.engine.types import SamplingParams, param_specs
 
-from .config import ServeConfig
 from .protocol import APIError
 from .state import ServerState
 from .structured import grammar_spec
@@ -22,13 +21,10 @@ def default_max_tokens(st: ServerState, prompts: list[list[int]], max_tokens: in
     return left if most is None else min(left, most)
 
 
-def sampling_params(cfg: ServeConfig, req, max_new: int, logprobs: bool, top_logprobs: int,
+def sampling_params(st: ServerState, req, max_new: int, logprobs: bool, top_logprobs: int,
                     prompt_logprobs: bool = False) -> SamplingParams:
-    """The request's fields as SamplingParams, with the server's defaults; the engine validates
-    them at admission."""
-    temperature = req.temperature if req.temperature is not None else (
-        cfg.temperature if cfg.temperature is not None else 1.0)
-    top_k = req.top_k if req.top_k is not None else (cfg.top_k or 0)
+    """The request's fields as SamplingParams, the defaults in force (ServerState.
+    sampling_defaults) for those it leaves out; the engine validates them at admission."""
     bias = {}
     for k, v in (req.logit_bias or {}).items():
         try:
@@ -37,13 +33,11 @@ def sampling_params(cfg: ServeConfig, req, max_new: int, logprobs: bool, top_log
             raise APIError(400, f"logit_bias: key {k!r} is not a token id",
                            param="logit_bias") from None
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
-        max_new_tokens=max_new, temperature=temperature, top_k=max(top_k, 0),
-        top_p=req.top_p if req.top_p is not None else 1.0,
-        min_p=req.min_p or 0.0, seed=req.seed,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+    return st.sampling_defaults.params(
+        max_new_tokens=max_new, temperature=req.temperature,
+        top_k=None if req.top_k is None else max(req.top_k, 0), top_p=req.top_p,
+        min_p=req.min_p, seed=req.seed, frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=bias, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
         logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,

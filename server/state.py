@@ -64,9 +64,7 @@ class ServerState:
         the model's (--generation-config; read after the engine is ready, so not cached)."""
         from maxjax.models.sampling_defaults import SamplingDefaults
         model = getattr(self.engine, "sampling_defaults", None) or SamplingDefaults()
-        top_k = self.cfg.top_k
-        return model.over(temperature=self.cfg.temperature,
-                          top_k=None if top_k is None else max(top_k, 0))
+        return model.over(temperature=self.cfg.temperature, top_k=self.cfg.top_k)
 
     @property
     def reasoning_parser(self) -> str | None:

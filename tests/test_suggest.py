@@ -62,8 +62,8 @@ def test_hf_dir_json_fields(capsys, tiny):
     code, r = suggest(capsys, "--model", tiny, *TINY_FLAGS)
     assert code == 0
     assert set(r) == {"model", "path", "format", "architecture", "parameters", "encodings",
-                      "weights", "plan", "compile_cache", "precompiled_artifacts", "notes",
-                      "command", "seconds"}
+                      "weights", "plan", "compile_cache", "precompiled_artifacts",
+                      "sampling_defaults", "notes", "command", "seconds"}
     assert r["architecture"] == {"name": "LlamaForCausalLM", "registered": True,
                                  "source": "built-in"}
     # 2 layers of hidden 64, MLP 128, 4 heads / 2 kv heads of 16, vocabulary 512, tied

@@ -58,16 +58,27 @@ def inspect(model_opts, engine_cfg, given: dict) -> dict:
     report = {"model": model_opts.model_path, "path": path,
               "format": "gguf" if os.path.isfile(path) else "hf", "architecture": None,
               "parameters": None, "encodings": None, "weights": None, "plan": None,
-              "compile_cache": None, "precompiled_artifacts": None, "notes": notes,
-              "command": None}
+              "compile_cache": None, "precompiled_artifacts": None, "sampling_defaults": None,
+              "notes": notes, "command": None}
     try:
         plan_into(report, model_opts, engine_cfg, customs, drop, files)
+        report["sampling_defaults"] = sampling_entry(path, engine_cfg, given)
     except UserError as e:
         notes.append(f"serve refuses this: {e}")
         report["command"] = None
         return report
     report["command"] = serve_command(given, drop)
     return report
+
+
+def sampling_entry(path: str, engine_cfg, given: dict) -> dict:
+    """What serve's requests that leave sampling fields out would get: the model's defaults
+    under --generation-config (maxjax/models/sampling_defaults.py), the server's --temperature
+    and --top-k over them, as /v1/models shows them."""
+    from maxjax.models import sampling_defaults
+    server = {k: given[k][1] for k in ("temperature", "top_k") if k in given}
+    return sampling_defaults.read(path, engine_cfg.generation_config,
+                                  engine_cfg.enable_penalties).over(**server).in_force()
 
 
 def register_customs(specs: list[str], notes: list, drop: set) -> dict[str, str]:
@@ -382,6 +393,9 @@ def render(r: dict) -> str:
                   f"buckets        {len(p['buckets'])}: {' '.join(p['buckets'])}"]
         if p["memory"]:
             lines.append(f"memory         {p['memory']}")
+    if r["sampling_defaults"]:
+        from maxjax.models.sampling_defaults import describe
+        lines.append(f"sampling       {describe(r['sampling_defaults'])}")
     c = r["compile_cache"]
     if c:
         state = "off" if not c["enabled"] else \

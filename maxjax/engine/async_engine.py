@@ -86,6 +86,7 @@ class AsyncEngine:
         self.model_aliases = tuple(model_aliases)   # other ids requests may name the model by
         self.chat_template = chat_template
         self.vision = core.model.vision      # an image-text model's (maxjax/models/vision.py)
+        self.sampling_defaults = core.model.sampling_defaults   # --generation-config's
         self.max_length = core.max_length
         check_max_pending(max_pending_requests)
         self.max_pending_requests = max_pending_requests

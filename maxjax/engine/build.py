@@ -12,6 +12,7 @@ With `progress`, each phase logs one line, compiling a count per graph and `Stil
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -24,6 +25,8 @@ from maxjax.engine.core import EngineCore
 from maxjax.engine.plan import (EnginePlan, check_flags, check_mesh_flags,
                                  choose_kernels, plan_engine, replica_mesh)
 from maxjax.errors import UserError
+from maxjax.models import sampling_defaults
+from maxjax.models.sampling_defaults import describe
 from maxjax.models.loader import LoadedModel, load_model
 from maxjax.models.source import ModelSource
 
@@ -118,6 +121,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     clock.mark("graphs")
     drafts = _draft_graphs(precompiled_artifacts, require_compiled, limit if use_cache else None,
                            progress)
+    model = dataclasses.replace(model, sampling_defaults=sampling_defaults.read(
+        model.source, flags.generation_config, flags.enable_penalties))
     core = EngineCore(model, plan, *loaded, executor=executor, graphs=drafts)
     clock.mark("engine and KV pool")
     n = len(core.layout.buckets)
@@ -136,6 +141,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
                  kernels, lay.num_pages, lay.kv_dtype, lay.page_size, core.max_length)
         if lay.memory_report:
             log.info("%s", lay.memory_report)
+        log.info("Sampling defaults of requests that leave them out: %s",
+                 describe(core.model.sampling_defaults.in_force()))
         if clock.start is not None:
             log.info("Start-up %.1f s from process start: %s", since_process_start(),
                      ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items()))

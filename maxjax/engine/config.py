@@ -117,6 +117,14 @@ class EngineConfig:
         "choices": ["float32", "bfloat16"],
         "help": "dtype of the KV cache (default: bfloat16 for quantized weights on the CPU "
                 "kernels, else the activations' dtype: float32 on CPU)"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "The sampling defaults of requests that leave out temperature, top_p, top_k, "
+                "min_p or repetition_penalty (vLLM's flag): auto, the model's (an HF "
+                "checkpoint's generation_config.json; a GGUF's general.sampling.* metadata over "
+                "llama.cpp's server defaults, top_k 40, top_p 0.95, min_p 0.05, temperature 0.8; "
+                "the embedded SmolLM2's model card over those); vllm, OpenAI's (temperature 1, "
+                "no top-k, top-p or min-p); or a directory's generation_config.json. "
+                "/v1/models and `maxjax suggest` show them"})
     enable_penalties: bool = field(default=True, metadata={
         "help": "Apply requests' frequency, presence and repetition penalties (--no-...: a "
                 "request that sets one gets a 400 naming it)"})

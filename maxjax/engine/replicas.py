@@ -35,7 +35,7 @@ class ReplicatedEngine:
         self.tokenizer, self.model_name = first.tokenizer, first.model_name
         self.model_aliases = first.model_aliases
         self.chat_template, self.max_length = first.chat_template, first.max_length
-        self.vision = first.vision
+        self.vision, self.sampling_defaults = first.vision, first.sampling_defaults
         self.in_flight = [0] * len(replicas)
         self.routed = [0] * len(replicas)          # requests sent to each replica
         self.prefix_routed = [0] * len(replicas)   # ... of which for a cached prefix

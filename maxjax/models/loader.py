@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from maxjax.models import quantize, registry, source
+from maxjax.models.sampling_defaults import SamplingDefaults
 from maxjax.models.source import ModelSource
 from maxjax.graphs.config import ModelConfig
 from maxjax.errors import UserError, read_user_file
@@ -39,6 +40,9 @@ class LoadedModel:
     # the file or directory's, is what artifacts and logs record and requests may still use.
     served_name: str = ""
     vision: Any = None        # an image-text model's encoder (maxjax/models/vision.py)
+    # what requests that leave sampling fields out get (maxjax/models/sampling_defaults.py;
+    # build_core reads them under --generation-config)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def compute_dtype(self):
