@@ -28,7 +28,7 @@ from maxjax.errors import UserError
 from maxjax.graphs.pallas_attention import PAGED_KERNEL
 from tiny_llama import write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 # Three step graphs: decode-only (T == R) and one with prefill chunks (T > R)
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=4, max_length=64, num_kv_pages=16,

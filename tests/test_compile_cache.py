@@ -29,7 +29,7 @@ from maxjax.errors import UserError
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 # Two step graphs, their two samplers and the KV initializer: a start that misses compiles five
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=2, max_length=64, num_kv_pages=24,

@@ -19,7 +19,7 @@ from maxjax.server.config import ServeConfig
 from server_harness import ServerThread
 from tiny_llama import write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=64, num_kv_pages=24,
               kv_cache_page_size=8)

@@ -22,7 +22,7 @@ from maxjax.engine.async_engine import AsyncEngine
 from maxjax.engine.build import build_core
 from maxjax.engine.config import EngineConfig
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 COS = 0.9999
 TEXTS = ["Hello", "The capital of France is Paris.", "def fibonacci(n):\n    return n",

@@ -9,7 +9,7 @@ from maxjax.errors import RequestError
 from maxjax.llm import LLM
 from maxjax.models.loader import load_model
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 ENGINE = dict(max_length=512, max_batch_size=8, max_batch_input_tokens=32, kv_cache_page_size=16,
               num_kv_pages=48)

@@ -32,7 +32,7 @@ from maxjax.engine import faults
 from maxjax.engine.async_engine import AsyncEngine
 from maxjax.errors import UserError
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 BAD_SEED = 666
 FLAGS = ["--max-batch-size", "4", "--max-batch-input-tokens", "16", "--max-length", "64",

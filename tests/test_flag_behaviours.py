@@ -22,7 +22,7 @@ from maxjax.engine.types import SamplingParams
 from maxjax.errors import RequestError, UserError
 from maxjax.server.config import ServeConfig
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow' (server subprocesses)
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow' (server subprocesses)
 
 MSGS = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {

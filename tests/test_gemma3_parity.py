@@ -9,7 +9,7 @@ import torch
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 NEW_TOKENS = 16     # transformers reads the 262k x 640 float32 LM head (671 MB) per token
 LONG_TEXT = " ".join(f"Step {i}: put {i} apples in the basket, which now holds "

@@ -18,7 +18,7 @@ from maxjax.graphs import cpu_kernels
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                    reason=f"CPU kernels: {cpu_kernels.unavailable()}")

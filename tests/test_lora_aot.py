@@ -32,7 +32,7 @@ from server_harness import http
 from test_aot import machine_env, maxjax as run_cli
 from tiny_llama import write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=4, max_length=64, num_kv_pages=16,
               kv_cache_page_size=16)

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-# README: the fast tier is -m 'not slow'; serial: each start plans the pool out of the host's
+# docs/testing.md: the fast tier is -m 'not slow'; serial: each start plans the pool out of the host's
 # MemAvailable and fills 5.6 GiB a replica, so nothing else may run beside it
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

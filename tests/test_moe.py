@@ -21,7 +21,7 @@ from paged_harness import load_checkpoint, paged_greedy
 from reference import assert_logits_close, hf_greedy
 from tiny_llama import write_word_tokenizer
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 VOCAB, NEW_TOKENS = 512, 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -24,7 +24,7 @@ from maxjax.graphs import sharding
 from maxjax.llm import LLM
 from tiny_llama import write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 ENGINE = {"max-batch-size": 1, "max-batch-input-tokens": 2, "max-length": 32,
           "num-kv-pages": 8, "kv-cache-page-size": 8}

@@ -18,7 +18,7 @@ from paged_harness import paged_greedy
 from reference import assert_logits_close
 from tiny_llama import q4k_blocks, write_tiny_gguf, write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 RNG = np.random.default_rng(0)
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 2, 77]]

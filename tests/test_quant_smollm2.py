@@ -24,7 +24,7 @@ from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.step import RowSlice, build_step_inputs
 from maxjax.models.loader import load_model
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "apache-2.0.txt")
 NUM_TOKENS, CHUNK, PAGE = 1024, 512, 32

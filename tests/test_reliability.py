@@ -23,7 +23,7 @@ from maxjax.server.app import build_app  # noqa: E402
 from maxjax.server.config import ServeConfig  # noqa: E402
 from maxjax.server.openapi import openapi_document  # noqa: E402
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 TIMEOUTS = {"http_idle_timeout": 2.0, "http_body_timeout": 2.0}
 

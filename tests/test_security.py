@@ -8,7 +8,7 @@
   - chat templates render in Jinja's sandbox: one that reaches for attributes or files is a 400
     naming messages, and the server keeps serving.
 (Artifacts: only files whose sha256 the manifest names are deserialized, tested in
-tests/test_aot.py; --custom-architectures runs code, as its help and the README say.)"""
+tests/test_aot.py; --custom-architectures runs code, as its help and docs/models.md say.)"""
 import hmac
 import socket
 import time

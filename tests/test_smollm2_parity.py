@@ -12,7 +12,7 @@ from maxjax.models.loader import embedded_model_path, load_model
 from paged_harness import paged_greedy
 from reference import assert_logits_close, hf_greedy
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 NEW_TOKENS = 32
 CHUNK = 32      # every prompt below is longer, so each prefills in >= 2 chunks

@@ -17,7 +17,7 @@ from maxjax.models.loader import load_model
 from mock_model import MockModel, reference_generate
 from pool_check import check_pool
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 # as tests/test_engine_smollm2.py: the plain graphs come from the persistent compile cache
 ENGINE = dict(max_length=512, max_batch_size=8, max_batch_input_tokens=32, kv_cache_page_size=16,

@@ -24,7 +24,7 @@ from maxjax.llm import LLM
 from maxjax.models.loader import load_model
 from tiny_llama import write_tiny_gguf, write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 # XLA's path on one device too: the CPU kernels run on one device only, so by default the
 # single-device reference would take them and another arithmetic

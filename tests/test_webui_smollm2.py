@@ -1,7 +1,7 @@
 """The web UI on a real `maxjax serve` (the embedded SmolLM2-135M-Instruct) in headless Chromium: a
 streamed greedy reply equal to the API's, JSON-schema mode offered and obeyed, stop ending the
 engine request (running 0, no KV page held), and the dashboard moving under load and then
-showing the numbers of /metrics with no compilation while serving. Saves the README screenshots."""
+showing the numbers of /metrics with no compilation while serving. Saves the screenshots of docs/webui.md."""
 import json
 import signal
 import subprocess
@@ -117,7 +117,7 @@ def test_dashboard_under_load(url, tab):
     while loader.is_alive():
         seen.append((tab.numbers(), page.inner_text("#tps"), page.inner_text("#rows-per-step")))
         if not shot and seen[-1][0]["maxjax_num_requests_running"] >= 2 and seen[-1][1] != "0.0":
-            shot = tab.screenshot("dashboard.png")          # the README's, mid-load
+            shot = tab.screenshot("dashboard.png")          # docs/webui.md's, mid-load
         page.wait_for_timeout(250)
     assert max(n["maxjax_num_requests_running"] for n, _, _ in seen) >= 2
     assert max(float(t) for _, t, _ in seen) > 0

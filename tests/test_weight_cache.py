@@ -24,7 +24,7 @@ from maxjax.engine import build, compile_counter
 from maxjax.graphs import cpu_kernels
 from tiny_llama import write_tiny_gguf, write_tiny_llama
 
-pytestmark = pytest.mark.slow     # README: the fast tier is -m 'not slow'
+pytestmark = pytest.mark.slow     # docs/testing.md: the fast tier is -m 'not slow'
 
 ENGINE = dict(max_batch_size=2, max_batch_input_tokens=8, max_length=32, num_kv_pages=8,
               kv_cache_page_size=8)
