@@ -1,7 +1,8 @@
 """The web UI on a real `maxjax serve` (the embedded SmolLM2-135M-Instruct) in headless Chromium: a
 streamed greedy reply equal to the API's, JSON-schema mode offered and obeyed, stop ending the
 engine request (running 0, no KV page held), and the dashboard moving under load and then
-showing the numbers of /metrics with no compilation while serving. Saves the screenshots of docs/webui.md."""
+showing the numbers of /metrics with no compilation while serving. Saves the screenshots of
+docs/webui.md."""
 import json
 import signal
 import subprocess
