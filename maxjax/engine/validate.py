@@ -51,6 +51,18 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...] = ()
     penalties: bool = True      # --enable-penalties
     min_tokens: bool = True     # --enable-min-tokens
+    window: int | None = None   # the model's max_position_embeddings (None: not known)
+
+
+def length_advice(max_length: int, window: int | None = None) -> str:
+    """What to change when a prompt does not fit in `max_length` tokens."""
+    if window is not None and window <= max_length:
+        return ("shorten the prompt or serve a model with a longer context window (this is the "
+                f"model's whole window of {window} tokens)")
+    most = f" (this model reads up to {window})" if window is not None else \
+        " (up to the model's context window)"
+    return (f"start the server with a larger --max-length{most}, serve a model with a longer "
+            "context window, or shorten the prompt")
 
 
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
@@ -68,7 +80,8 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams,
     n, most = len(prompt_token_ids), limits.max_length
     if n >= most:
         raise RequestError("prompt", f"{n} tokens; the maximum length {most} (prompt + "
-                                     f"completion) leaves room for at most {most - 1}")
+                                     f"completion) leaves room for at most {most - 1}: "
+                                     + length_advice(most, limits.window))
     if n + params.max_new_tokens > most:
         raise RequestError("max_new_tokens", f"{n} prompt tokens + {params.max_new_tokens} new "
                                              f"tokens exceed the maximum length {most}")
