@@ -15,13 +15,13 @@ from aiohttp import web
 from maxjax.engine.types import FinishReason
 
 from .anthropic_translate import (CountTokensRequest, MessagesRequest, anthropic_names,
-                                  error_body, to_chat)
+                                  error_body, server_tools, to_chat)
 from .chat_prompt import chat_prompt
 from .chat_run import ChatTurn
 from .openai_routes import SSE, _accept
 from .protocol import APIError
 from .state import ServerState
-from .tools import tool_setup
+from .tools import dropped_tools_header, tool_setup
 
 PREFIX = "/v1/messages"
 _STOP = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
@@ -154,7 +154,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     stops = [s for s in req.stop_sequences or [] if s]
     try:
-        turn = await ChatTurn.prepare(st, chat, rid, t0, lora)
+        # max_tokens is required and clients send a large one (Claude Code: 32000): it is cut
+        # to what the prompt leaves; a call cut off by it stays a tool_use block, as Anthropic's
+        turn = await ChatTurn.prepare(st, chat, rid, t0, lora, clamp=True, partial_calls=True)
+        turn.headers.update(dropped_tools_header(server_tools(req)))
         async with turn:
             if req.stream:
                 return await _stream(request, st, req, turn, rid, stops)

@@ -1,8 +1,10 @@
 """Anthropic Messages requests (POST /v1/messages, /v1/messages/count_tokens) -> the one request
 model every chat API runs on, `ChatCompletionRequest`: system prompt, content blocks (text,
 tool_use, tool_result; thinking dropped), tools and tool_choice, stop_sequences, thinking on/off,
-output_config.format. What this server cannot serve (image and document blocks, server tools, a
-final assistant message to continue) is a 400 naming the field. Also the way back for errors: an
+output_config.format, context_management. Server tools (web search, code execution: Anthropic
+runs them) are left out (`server_tools` names them for the route's X-Dropped-Tools header),
+unless tool_choice names one. What this server cannot serve (document blocks, a final assistant
+message to continue) is a 400 naming the field. Also the way back for errors: an
 error below the route names OpenAI's field (`stop`, `tools[0].function.parameters`), renamed
 here to the Anthropic one. Used by server/anthropic_api.py."""
 from __future__ import annotations
@@ -39,6 +41,7 @@ class CountTokensRequest(BaseModel):
     # Accepted and ignored: prompt caching is automatic here (the prefix cache).
     cache_control: dict[str, Any] | None = None
     speed: str | None = None
+    context_management: dict[str, Any] | None = None     # checked by _context_management
 
     def unsupported(self) -> None:      # openai_routes._accept's hook; to_chat refuses instead
         return None
@@ -193,12 +196,31 @@ def _messages(req: CountTokensRequest) -> list[dict]:
 
 # ---- tools, thinking, output format ----------------------------------------------------------
 
+# Tools Anthropic runs itself (versioned type names); Anthropic-defined client tools (bash,
+# text_editor, computer, memory) are not among them and stay a 400.
+_SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_",
+                 "mcp_toolset")
+
+
+def _server_tool(t) -> bool:
+    return isinstance(t, dict) and isinstance(t.get("type"), str) and \
+        t["type"].startswith(_SERVER_TOOLS)
+
+
+def server_tools(req: CountTokensRequest) -> list[str]:
+    """The server tools of the request, left out of its prompt: `tools[i] (type)`."""
+    return [f"tools[{i}] ({t['type']})" for i, t in enumerate(req.tools or [])
+            if _server_tool(t)]
+
+
 def _tools(tools: list[dict] | None) -> list[dict] | None:
     if tools is None:
         return None
     out = []
     for i, t in enumerate(tools):
         kind = t.get("type")
+        if _server_tool(t):
+            continue
         if kind not in (None, "custom"):
             raise _bad(f"tools[{i}].type", f"server tools ({kind!r}) are not supported by "
                                            "this server; only custom tools are")
@@ -208,13 +230,17 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
         if t.get("description") is not None:
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
 
 
-def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
+def _tool_choice(choice: dict | None, tools: list | None) -> tuple[Any, bool | None]:
     """(chat tool_choice, parallel_tool_calls)."""
     if choice is None:
         return None, None
+    if choice.get("type") == "tool" and any(_server_tool(t) and t.get("name") == choice.get(
+            "name") for t in tools or []):
+        raise _bad("tool_choice.name", f"{choice['name']!r} is a server tool (Anthropic runs "
+                                       "it); this server cannot run it")
     kind = choice.get("type")
     parallel = False if choice.get("disable_parallel_tool_use") else None
     if kind in ("auto", "none"):
@@ -247,6 +273,25 @@ def _thinking(thinking: dict | None) -> dict | None:
     raise _bad("thinking.type", f"{kind!r}: must be enabled, disabled or adaptive")
 
 
+_CONTEXT_EDITS = ("clear_thinking_20251015", "clear_tool_uses_20250919")
+
+
+def _context_management(cm: dict | None) -> None:
+    """Checked, not applied: earlier thinking never reaches the prompt here (clear_thinking is
+    always in effect); clear_tool_uses is accepted as a context-window strategy the server
+    does not run (a prompt that does not fit is a 400 saying what to change)."""
+    if cm is None:
+        return
+    edits = cm.get("edits", [])
+    if not isinstance(edits, list):
+        raise _bad("context_management.edits", "must be a list")
+    for i, e in enumerate(edits):
+        kind = e.get("type") if isinstance(e, dict) else None
+        if kind not in _CONTEXT_EDITS:
+            raise _bad(f"context_management.edits[{i}].type",
+                       f"{kind!r}: must be one of {', '.join(_CONTEXT_EDITS)}")
+
+
 def _response_format(cfg: dict | None) -> dict | None:
     fmt = (cfg or {}).get("format")
     if fmt is None:
@@ -259,7 +304,8 @@ def _response_format(cfg: dict | None) -> dict | None:
 
 def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     """The request as a ChatCompletionRequest (the model is checked by the route, not here)."""
-    choice, parallel = _tool_choice(req.tool_choice)
+    _context_management(req.context_management)
+    choice, parallel = _tool_choice(req.tool_choice, req.tools)
     body = {"messages": _messages(req), "tools": _tools(req.tools), "tool_choice": choice,
             "parallel_tool_calls": parallel, "chat_template_kwargs": _thinking(req.thinking),
             "response_format": _response_format(req.output_config)}

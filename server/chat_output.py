@@ -13,17 +13,18 @@ it goes out as content.
 from __future__ import annotations
 
 from .reasoning import ReasoningStream, _held
-from .tools import marker, parse_calls, starts_anywhere
+from .tools import marker, parse_calls, partial_calls, starts_anywhere
 
 
 class ChatOutput:
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
                  prompt_text: str = "", reasoning_fields=("reasoning_content", "reasoning"),
-                 tool_names: set[str] | None = None):
+                 tool_names: set[str] | None = None, partial_calls: bool = False):
         self.reasoning = ReasoningStream(reasoning_parser, prompt_text) if reasoning_parser \
             else None
         self.tool_parser = tool_parser
         self.tool_names = tool_names      # calls naming another function are not calls
+        self.partial_calls = partial_calls    # a cut-off call is kept (what parses of it)
         self.reasoning_fields = reasoning_fields
         self.content, self.reasoning_text, self.tool_calls = "", "", []
         self._pending = ""          # content not yet sent: a possible marker, or the calls
@@ -53,7 +54,8 @@ class ChatOutput:
 
     def finish(self, truncated: bool = False) -> list[dict]:
         """The rest; `truncated`: the output was cut (max_tokens), so an unfinished call at its
-        end is dropped, never sent as content."""
+        end is dropped (kept as far as it parses, with `partial_calls`), never sent as
+        content."""
         return self.feed("", final=True, truncated=truncated)
 
     def message(self) -> dict:
@@ -95,10 +97,13 @@ class ChatOutput:
         if not final and self.tool_parser != "hermes":
             return []                 # whole-output formats are parsed at the end
         text = self._pending
-        if not final or (truncated and self.tool_parser == "hermes"):   # the calls closed so far
-            end = text.rfind("</tool_call>")
-            text = text[:end + len("</tool_call>")] if end >= 0 else ""
-        calls = parse_calls(self.tool_parser, text) if text else None
+        if final and truncated and self.partial_calls:
+            calls = partial_calls(self.tool_parser, text, self.tool_names)
+        else:
+            if not final or (truncated and self.tool_parser == "hermes"):   # the calls closed
+                end = text.rfind("</tool_call>")
+                text = text[:end + len("</tool_call>")] if end >= 0 else ""
+            calls = parse_calls(self.tool_parser, text) if text else None
         if calls and self.tool_names is not None and any(
                 c["function"]["name"] not in self.tool_names for c in calls):
             calls = None

@@ -77,8 +77,10 @@ class ChatTurn:
 
     def __init__(self, st: ServerState, req: ChatCompletionRequest, rid: str, t0: float,
                  lora: str | None, tools: ToolSetup | None, prompt: list[int], prompt_text: str,
-                 params: SamplingParams, images: list | None = None):
+                 params: SamplingParams, images: list | None = None,
+                 partial_calls: bool = False):
         self.st, self.req, self.rid, self.t0, self.lora = st, req, rid, t0, lora
+        self.partial_calls = partial_calls
         self.images = images or None
         self.tools, self.prompt, self.prompt_text, self.params = tools, prompt, prompt_text, params
         self.created = int(time.time())
@@ -89,16 +91,22 @@ class ChatTurn:
 
     @classmethod
     async def prepare(cls, st: ServerState, req: ChatCompletionRequest, rid: str, t0: float,
-                      lora: str | None = None) -> "ChatTurn":
-        """Everything that can fail on the request's own fields, before any engine work."""
+                      lora: str | None = None, clamp: bool = False,
+                      partial_calls: bool = False) -> "ChatTurn":
+        """Everything that can fail on the request's own fields, before any engine work.
+        `clamp`: a max_tokens over what the prompt leaves is cut to it (default_max_tokens);
+        `partial_calls`: a call cut off by max_tokens is kept, with the arguments that parse
+        (Anthropic's partial tool_use), not dropped."""
         tools = tool_setup(req, st.tool_parser)
         prompt, prompt_text, images = await chat_prompt(st, req, tools)
-        max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens)
+        max_new = default_max_tokens(st, [prompt], req.max_completion_tokens or req.max_tokens,
+                                     clamp=clamp)
         params = sampling_params(st, req, max_new, bool(req.logprobs), req.top_logprobs or 0)
         params.structured_output = chat_constraint(st, params, tools, prompt_text)
         if tools and tools.parser == "mistral":
             params.skip_special_tokens = False      # [TOOL_CALLS] is a special token
-        return cls(st, req, rid, t0, lora, tools, prompt, prompt_text, params, images)
+        return cls(st, req, rid, t0, lora, tools, prompt, prompt_text, params, images,
+                   partial_calls)
 
     async def __aenter__(self) -> "ChatTurn":
         st, req = self.st, self.req
@@ -117,7 +125,8 @@ class ChatTurn:
     def _parser(self) -> ChatOutput:
         return ChatOutput(self.st.reasoning_parser, self.tools.parser if self.tools else None,
                           self.prompt_text, self.st.cfg.reasoning_fields(),
-                          {f["name"] for f in self.tools.functions} if self.tools else None)
+                          {f["name"] for f in self.tools.functions} if self.tools else None,
+                          self.partial_calls)
 
     @property
     def choices(self) -> list[Choice]:

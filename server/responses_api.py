@@ -26,6 +26,8 @@ from .response_store import ResponseStore
 from .responses_request import (OutputItems, ResponsesRequest, _id, input_items,
                                 listed_item, message_deltas, renamed, response_object,
                                 response_usage, to_chat)
+from .responses_tools import dropped_tools, function_tools
+from .tools import dropped_tools_header
 
 RESPONSES = web.AppKey("maxjax_responses", ResponseStore)
 
@@ -117,7 +119,10 @@ async def _fitted_turn(st, req: ResponsesRequest, prior: list[dict], rid: str, t
             chat = to_chat(req, prior, images, drop)
         except ValidationError as e:
             raise validation_error(e) from None
-        return await ChatTurn.prepare(st, chat, rid, t0, lora)
+        # no max_output_tokens (Codex sends none), or too many: what the prompt leaves
+        t = await ChatTurn.prepare(st, chat, rid, t0, lora, clamp=True)
+        t.headers.update(dropped_tools_header(dropped_tools(req.tools)))
+        return t
 
     def fits(t: ChatTurn) -> bool:
         return len(t.prompt) + (req.max_output_tokens or 1) <= st.engine.max_length
@@ -169,7 +174,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
         if not req.stream:
             final = (await turn.collect())[0]
-            out = OutputItems()
+            out = OutputItems(function_tools(req.tools)[1])
             for d in message_deltas(final.message):
                 out.feed(d)
             out.finish(truncated=final.finish_reason == FinishReason.LENGTH)
@@ -186,7 +191,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
         await emit({"type": "response.created", "response": response("in_progress", [])})
         await emit({"type": "response.in_progress", "response": response("in_progress", [])})
-        out, finish = OutputItems(), FinishReason.STOP
+        out, finish = OutputItems(function_tools(req.tools)[1]), FinishReason.STOP
         try:
             async for ev in turn.events():
                 for d in ev.deltas:

@@ -14,6 +14,7 @@ from pydantic import Field
 
 from . import json_body
 from .protocol import APIError, ChatCompletionRequest, _Strict
+from .responses_tools import BUILT_IN_TOOLS, flat_name, function_tools
 
 _CHAT = ChatCompletionRequest.model_fields
 
@@ -60,6 +61,7 @@ class ResponsesRequest(_Strict):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     moderation: Any = None
+    client_metadata: dict[str, Any] | None = None     # Codex's: who is asking, for logs
     # Extensions: chat's sampling fields.
     seed: int | None = _CHAT["seed"]
     stop: str | list[str] | None = None
@@ -169,8 +171,11 @@ def item_messages(items: list, where, images: bool = False) -> list[dict]:
             msgs.append({"role": role, "content": _text(it.get("content"), f"{p}.content",
                                                         images=images and role == "user")})
         elif kind == "function_call":
+            name = _string(it, "name", p)
+            if it.get("namespace") is not None:
+                name = flat_name(_string(it, "namespace", p), name)
             call = {"id": _string(it, "call_id", p), "type": "function",
-                    "function": {"name": _string(it, "name", p),
+                    "function": {"name": name,
                                  "arguments": _arguments(it, p)}}
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
@@ -189,15 +194,9 @@ def item_messages(items: list, where, images: bool = False) -> list[dict]:
 
 
 def _tools(tools: list) -> list[dict]:
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise _bad(f"tools[{i}].type", f"only function tools are supported (got {kind!r})")
-        out.append({"type": "function", "function": {
-            k: t[k] for k in ("name", "description", "parameters", "strict")
-            if t.get(k) is not None}})
-    return out
+    return [{"type": "function", "function": {
+        k: t[k] for k in ("name", "description", "parameters", "strict")
+        if t.get(k) is not None}} for t in function_tools(tools)[0]]
 
 
 def _tool_choice(choice, tools: list[dict]):
@@ -205,6 +204,9 @@ def _tool_choice(choice, tools: list[dict]):
     if not isinstance(choice, dict):
         return choice, tools
     kind = choice.get("type")
+    if kind in BUILT_IN_TOOLS:
+        raise _bad("tool_choice", f"{kind!r} is a built-in tool (OpenAI runs it); this server "
+                                  "cannot run it")
     if kind == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}, tools
     if kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and \
@@ -326,7 +328,10 @@ class OutputItems:
     return the stream events they add (without sequence_number). The whole (non-streamed)
     output goes through the same calls, so both are one rendering."""
 
-    def __init__(self):
+    def __init__(self, namespaced: dict[str, tuple[str, str]] | None = None):
+        """`namespaced`: function_tools'; a call of a flattened name goes out as its
+        namespace's (namespace and name)."""
+        self.namespaced = namespaced or {}
         self.items: list[dict] = []
         self.open: dict | None = None          # the item taking deltas
         self.calls: dict[int, dict] = {}       # tool call index -> its function_call item
@@ -377,8 +382,12 @@ class OutputItems:
         for tc in delta.get("tool_calls") or []:
             fn = tc.get("function") or {}
             if "id" in tc:
-                ev += self._added({"id": _id("fc"), "type": "function_call", "call_id": tc["id"],
-                                   "name": fn.get("name", ""), "arguments": ""}, None)
+                name = fn.get("name", "")
+                call = {"id": _id("fc"), "type": "function_call", "call_id": tc["id"],
+                        "name": name, "arguments": ""}
+                if name in self.namespaced:
+                    call["namespace"], call["name"] = self.namespaced[name]
+                ev += self._added(call, None)
                 self.calls[tc["index"]] = self.open
             item = self.calls[tc["index"]]
             if fn.get("arguments"):
@@ -466,7 +475,7 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": [{"type": "function", "name": t.get("name"),
                    "description": t.get("description"), "parameters": t.get("parameters"),
-                   "strict": t.get("strict")} for t in req.tools or []],
+                   "strict": t.get("strict")} for t in function_tools(req.tools)[0]],
         "top_logprobs": req.top_logprobs or 0,
         "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,

@@ -12,12 +12,14 @@ from .structured import grammar_spec
 
 
 def default_max_tokens(st: ServerState, prompts: list[list[int]], max_tokens: int | None,
-                       most: int | None = None) -> int:
+                       most: int | None = None, clamp: bool = False) -> int:
     """max_tokens, or what the longest prompt leaves of the maximum length, up to `most` (at
-    least 1, so a prompt that does not fit is the error the engine reports)."""
-    if max_tokens is not None:
-        return max_tokens
+    least 1, so a prompt that does not fit is the error the engine reports). `clamp`: a
+    max_tokens over what is left is cut to it (the APIs whose clients send a large default
+    whatever the model: Anthropic Messages, Responses), not the engine's 400."""
     left = max(st.engine.max_length - max(map(len, prompts)), 1)
+    if max_tokens is not None:
+        return min(max_tokens, left) if clamp else max_tokens
     return left if most is None else min(left, most)
 
 

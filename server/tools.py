@@ -41,6 +41,15 @@ def _bad(param: str, reason: str) -> APIError:
     return APIError(400, f"{param}: {reason}", param=param)
 
 
+DROPPED_TOOLS_HEADER = "X-Dropped-Tools"
+
+
+def dropped_tools_header(dropped: list[str]) -> dict[str, str]:
+    """The header naming the built-in tools (web search and the like: the provider runs them)
+    a request listed and this server left out, as `tools[i] (type)`; none: no header."""
+    return {DROPPED_TOOLS_HEADER: ", ".join(dropped)} if dropped else {}
+
+
 @dataclass
 class ToolSetup:
     parser: str

@@ -295,8 +295,12 @@ def test_errors_in_anthropic_shape(client, server, engine):
         {"type": "tool_result", "tool_use_id": "toolu_1",
          "content": [{"type": "document", "source": {}}]}]}])
     assert e.body["error"]["param"] == "messages[0].content[0].content[0].type"
-    e = bad_request(client, tools=[{"type": "web_search_20250305", "name": "web_search"}])
-    assert e.body["error"]["param"] == "tools[0].type" and "server tools" in e.message
+    search = {"type": "web_search_20250305", "name": "web_search"}
+    e = bad_request(client, tools=[WEATHER, search],
+                    tool_choice={"type": "tool", "name": "web_search"})
+    assert e.body["error"]["param"] == "tool_choice.name" and "server tool" in e.message
+    e = bad_request(client, tools=[{"type": "bash_20250124", "name": "bash"}])
+    assert e.body["error"]["param"] == "tools[0].type"
     e = bad_request(client, tools=[{**WEATHER, "input_schema": {"type": "string"}}])
     assert e.body["error"]["param"] == "tools[0].input_schema.type"
     e = bad_request(client, tools=[{**WEATHER, "name": "bad name!"}])

@@ -386,7 +386,12 @@ def test_engine_failure(server, engine):
 # ---- bad requests -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "x"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "namespace", "name": "n", "description": "",
+                                "tools": [{"type": "custom", "name": "x"}]}]},
+     "tools[0].tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input[0].content[0].type"),
