@@ -34,7 +34,7 @@ class ResponsesRequest(_Strict):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = _CHAT["temperature"]
     top_p: float | None = _CHAT["top_p"]
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = _CHAT["top_logprobs"]
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     store: bool | None = True
@@ -42,14 +42,14 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # What each names is absent here (no built-in tools, no encrypted reasoning), but for
-    # logprobs, which unsupported() refuses.
+    # logprobs (logprobs_included()).
     include: list[Literal["file_search_call.results", "web_search_call.results",
                           "web_search_call.action.sources", "message.input_image.image_url",
                           "computer_call_output.output.image_url",
                           "code_interpreter_call.outputs", "reasoning.encrypted_content",
                           "message.output_text.logprobs"]] | None = None
+    background: bool | None = None      # run on after the answer (server/responses_run.py)
     # Accepted at their "off" value only (unsupported()).
-    background: bool | None = None
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     context_management: list[dict[str, Any]] | None = None
@@ -77,19 +77,23 @@ class ResponsesRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.background:
-            return "background", "background responses are not supported"
+        if self.background and self.store is False:
+            return "background", "a background response must be stored (store: false)"
+        if self.background and self.stream:
+            return "background", "a background response is not streamed here (poll GET " \
+                                 "/v1/responses/{id})"
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
         if self.conversation is not None:
             return "conversation", "conversations are not supported (use previous_response_id)"
         if self.context_management:
             return "context_management", "context management is not supported"
-        if self.top_logprobs:
-            return "top_logprobs", "logprobs are not supported on /v1/responses"
-        if "message.output_text.logprobs" in (self.include or ()):
-            return "include", "logprobs are not supported on /v1/responses"
         return None
+
+    def logprobs_included(self) -> bool:
+        """Whether the output text carries its tokens' logprobs (with top_logprobs
+        alternatives each): only with this `include`, as OpenAI and vLLM return them."""
+        return "message.output_text.logprobs" in (self.include or ())
 
 
 def _bad(param: str, reason: str) -> APIError:
@@ -273,6 +277,8 @@ def to_chat(req: ResponsesRequest, prior: list[dict], images: bool = False, drop
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos, logit_bias=req.logit_bias, cache_salt=req.cache_salt,
         chat_template_kwargs=req.chat_template_kwargs)
+    if req.logprobs_included():
+        fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     return ChatCompletionRequest.model_validate({k: v for k, v in fields.items()
                                                  if v is not None})
 
@@ -350,7 +356,8 @@ class OutputItems:
                        "part": dict(part)})
         return ev
 
-    def _text(self, kind: str, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str, logprobs: list[dict] | None = None) -> list[dict]:
+        """`logprobs`: the LogProb entries of the tokens that wrote `text` (message text)."""
         ev = []
         item = self.open
         if item is None or item["type"] != kind:
@@ -362,23 +369,27 @@ class OutputItems:
                 ev += self._added({"id": _id("rs"), "type": "reasoning", "summary": [],
                                    "content": []}, {"type": "reasoning_text", "text": ""})
             item = self.open
-        item["content"][0]["text"] += text
+        part = item["content"][0]
+        part["text"] += text
+        if logprobs:      # a new list: the events copied the part before
+            part["logprobs"] = part["logprobs"] + logprobs
         if not text:
             return ev
         e = {"type": "response.output_text.delta" if kind == "message" else
              "response.reasoning_text.delta", "item_id": item["id"],
              "output_index": len(self.items) - 1, "content_index": 0, "delta": text}
         if kind == "message":
-            e["logprobs"] = []
+            e["logprobs"] = event_logprobs(logprobs or [])
         return ev + [e]
 
-    def feed(self, delta: dict) -> list[dict]:
+    def feed(self, delta: dict, logprobs: list[dict] | None = None) -> list[dict]:
+        """`logprobs`: those of the delta's content."""
         ev = []
         r = delta.get("reasoning_content", delta.get("reasoning"))
         if r:
             ev += self._text("reasoning", r)
         if delta.get("content"):
-            ev += self._text("message", delta["content"])
+            ev += self._text("message", delta["content"], logprobs)
         for tc in delta.get("tool_calls") or []:
             fn = tc.get("function") or {}
             if "id" in tc:
@@ -412,7 +423,7 @@ class OutputItems:
                     "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
                     "content_index": 0, "text": part["text"]}
             if item["type"] == "message":
-                done["logprobs"] = []
+                done["logprobs"] = event_logprobs(part["logprobs"])
             ev += [done, {"type": "response.content_part.done", "item_id": item["id"],
                           "output_index": i, "content_index": 0, "part": dict(part)}]
         item["status"] = status
@@ -428,21 +439,12 @@ class OutputItems:
         return ev + self.close_open("incomplete" if truncated else "completed")
 
 
-def message_deltas(message: dict) -> list[dict]:
-    """A whole message (ChatOutput.message()) as the deltas that stream it."""
-    deltas = []
-    r = message.get("reasoning_content", message.get("reasoning"))
-    if r:
-        deltas.append({"reasoning": r})
-    if message.get("content"):
-        deltas.append({"content": message["content"]})
-    for i, tc in enumerate(message.get("tool_calls") or []):
-        deltas += [{"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
-                                    "function": {"name": tc["function"]["name"],
-                                                 "arguments": ""}}]},
-                   {"tool_calls": [{"index": i, "function": {
-                       "arguments": tc["function"]["arguments"]}}]}]
-    return deltas
+def event_logprobs(entries: list[dict]) -> list[dict]:
+    """LogProb entries (an output_text part's) as a text event carries them (the spec's
+    ResponseLogProb: no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
+                              for t in e["top_logprobs"]]} for e in entries]
 
 
 def response_usage(prompt: int, completion: int, cached: int) -> dict:
@@ -454,7 +456,8 @@ def response_usage(prompt: int, completion: int, cached: int) -> dict:
 
 def response_object(req: ResponsesRequest, rid: str, created: int, model: str, status: str,
                     output: list[dict], usage: dict | None = None) -> dict:
-    """The spec's Response; `status`: in_progress, completed, incomplete or failed."""
+    """The spec's Response; `status`: queued, in_progress, completed, incomplete, failed or
+    cancelled."""
     reasoning = None
     if req.reasoning:
         reasoning = {"effort": req.reasoning.get("effort"),
@@ -462,7 +465,7 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
     return {
         "id": rid, "object": "response", "created_at": created, "status": status,
         "completed_at": int(time.time()) if status == "completed" else None,
-        "error": None, "background": False,
+        "error": None, "background": bool(req.background),
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
         else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

@@ -191,3 +191,62 @@ def test_hf_download_as_the_readme_shows_it():
     r = subprocess.run([hf, "download", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "repo_id" in r.stdout.lower().replace("-", "_"), r.stderr
     assert "hf download HuggingFaceTB/SmolLM2-360M-Instruct" in (ROOT / "README.md").read_text()
+
+
+def _requests(text: str):
+    """(method, path, body or None, the sample that follows or '') for each `curl` of
+    http://127.0.0.1:8000 in a code block, without a pipe; the sample is the next block if it is
+    JSON."""
+    blocks = re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S)
+    for i, (_, code) in enumerate(blocks):
+        for cmd in re.split(r"\n(?=curl )", code.replace("\\\n", " ")):
+            m = re.match(r"curl [^\n]*?http://127\.0\.0\.1:8000(/[\w/.-]*)", cmd)
+            if not m or "|" in cmd.splitlines()[0]:
+                continue
+            body = re.search(r"-d '(.*?)'", cmd, flags=re.S)
+            sample = blocks[i + 1][1] if i + 1 < len(blocks) and blocks[i + 1][0] == "json" else ""
+            yield ("POST" if body else "GET"), m.group(1), body and json.loads(body.group(1)), sample
+
+
+def _keys(obj) -> set[str]:
+    if isinstance(obj, dict):
+        return set(obj).union(*(_keys(v) for v in obj.values()))
+    if isinstance(obj, list):
+        return set().union(*(_keys(v) for v in obj))
+    return set()
+
+
+def _python_snippets(text: str):
+    for code in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        if 'base_url="http://127.0.0.1:8000' in code:
+            yield code
+
+
+@pytest.mark.slow
+def test_the_docs_requests_run_against_a_server(smollm2_chat):
+    """Every curl and client snippet the README and docs/ show for the embedded model runs
+    against a server of it: a 200 (exit 0), and a response with every key its sample shows."""
+    import httpx
+    _, server = smollm2_chat
+    ran, wrong = 0, []
+    for page in FRONT:
+        text = page.read_text().replace("SmolLM2-135M-Instruct", "smollm2")
+        for method, path, body, sample in _requests(text):
+            if path in ("/v1/load_lora_adapter",) or (body or {}).get("model", "smollm2") != "smollm2":
+                continue
+            r = httpx.request(method, server.url + path, json=body, timeout=300)
+            ran += 1
+            if r.status_code != 200:
+                wrong.append(f"{page.name}: {method} {path}: {r.status_code} {r.text[:200]}")
+                continue
+            missing = set(re.findall(r'"(\w+)":', sample)) - _keys(r.json())
+            if missing:
+                wrong.append(f"{page.name}: {path}: the sample's {sorted(missing)} not in the response")
+        for code in _python_snippets(text):
+            code = code.replace("http://127.0.0.1:8000", server.url)
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=300)
+            ran += 1
+            if r.returncode != 0:
+                wrong.append(f"{page.name}: a snippet failed: {r.stderr[-400:]}")
+    assert ran >= 8 and not wrong, wrong
