@@ -49,9 +49,9 @@ class ServeConfig:
         "help": "Serve /v1/completions' echo (the prompt before the completion, with its "
                 "logprobs when asked; --no-...: a request with echo gets a 400)"})
     allow_unsupported_logprobs: bool = field(default=False, metadata={
-        "help": "A request asking for logprobs where the server cannot return them "
-                "(top_logprobs on /v1/responses) is served without them, with a warning in "
-                "the log, instead of a 400"})
+        "help": "A request asking for logprobs where the server cannot return them is "
+                "served without them instead of a 400 (MAX's flag; every route returns the "
+                "logprobs it is asked for now, so it changes nothing)"})
     allow_extra_request_fields: bool = field(default=False, metadata={
         "help": "Drop unknown top-level request fields with a warning instead of answering 400"})
     temperature: float | None = field(default=None, metadata={

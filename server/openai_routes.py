@@ -22,7 +22,7 @@ from .protocol import (COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest, C
 from .responses import ChatCompletion, ChatCompletionChunk, Completion
 from .sampling_request import (COMPLETION_ERROR_NAMES, default_max_tokens, per_choice,
                                sampling_params)
-from .state import COMPLETED, STATE, ServerState, log, parse_request, read_json
+from .state import COMPLETED, STATE, ServerState, parse_request, read_json
 from .structured import unenforced_notes, warning_headers
 
 _DONE = b"data: [DONE]\n\n"
@@ -143,14 +143,6 @@ async def _accept(request: web.Request, model_cls):
     st.check_ready()
     lora = st.check_model(req.model)
     bad = req.unsupported()
-    while bad and bad[0] in ("top_logprobs", "include") and \
-            st.cfg.allow_unsupported_logprobs:
-        log.warning("serving a request without the logprobs it asked for: %s", bad[1])
-        if bad[0] == "top_logprobs":
-            req.top_logprobs = None
-        else:
-            req.include = [v for v in req.include if v != "message.output_text.logprobs"]
-        bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
     return st, req, lora

@@ -1,12 +1,12 @@
-"""The OpenAI Responses API: POST /v1/responses (whole, or streamed as typed SSE events),
-GET and DELETE /v1/responses/{id}. A request is translated into a ChatCompletionRequest
-(server/responses_request.py) and runs as any chat turn (server/chat_run.py); ChatOutput's
-deltas become output items and events. Stored responses (`store`, `previous_response_id`) live
-in a bounded in-memory ResponseStore (server/response_store.py). Registered by server/app.py
-through add_routes()."""
+"""The OpenAI Responses API: POST /v1/responses (whole, streamed as typed SSE events, or in the
+background), GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel. A request is
+translated into a ChatCompletionRequest (server/responses_request.py) and runs as any chat turn
+(server/chat_run.py); ChatOutput's deltas become output items and events (server/
+responses_run.py). Stored responses (`store`, `previous_response_id`) live in a bounded
+in-memory ResponseStore (server/response_store.py). Registered by server/app.py through
+add_routes()."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import time
@@ -16,20 +16,18 @@ from aiohttp import web
 from pydantic import ValidationError
 from typing_extensions import NotRequired, TypedDict
 
-from maxjax.engine.types import FinishReason
-
 from .chat_run import ChatTurn
 from .openai_routes import SSE, _accept
 from .openapi import describe
 from .protocol import APIError, validation_error
 from .response_store import ResponseStore
-from .responses_request import (OutputItems, ResponsesRequest, _id, input_items,
-                                listed_item, message_deltas, renamed, response_object,
-                                response_usage, to_chat)
-from .responses_tools import dropped_tools, function_tools
+from .responses_request import ResponsesRequest, _id, input_items, listed_item, renamed, to_chat
+from .responses_run import BackgroundRuns, ResponseRun
+from .responses_tools import dropped_tools
 from .tools import dropped_tools_header
 
 RESPONSES = web.AppKey("maxjax_responses", ResponseStore)
+BACKGROUND = web.AppKey("maxjax_background_responses", BackgroundRuns)
 
 
 class ResponseObject(TypedDict):
@@ -38,7 +36,7 @@ class ResponseObject(TypedDict):
     object: Literal["response"]
     created_at: int
     completed_at: int | None
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     error: dict[str, Any] | None
     incomplete_details: dict[str, Any] | None
     instructions: str | None
@@ -83,27 +81,31 @@ class ResponseDeleted(TypedDict):
 
 def add_routes(app: web.Application, store: ResponseStore | None = None) -> None:
     app[RESPONSES] = store if store is not None else ResponseStore()
+    app[BACKGROUND] = BackgroundRuns()
+    app.on_shutdown.append(lambda app: app[BACKGROUND].cancel_all())
     app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/v1/responses/input_tokens", count_input_tokens)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
 
 
 def _stored(request: web.Request, rid: str, param: str) -> tuple[dict, list[dict]]:
+    """(response, conversation items) of a stored or still running (background) response;
+    a running one cannot be continued yet."""
+    live = request.app[BACKGROUND].live.get(rid)
+    if live is not None:
+        run = live[0]
+        if param == "previous_response_id":
+            raise APIError(400, f"{param}: response {rid!r} is still {run.status} (background); "
+                                "continue it once it has finished", param=param)
+        return run.response(), run.conversation
     hit = request.app[RESPONSES].get(rid)
     if hit is None:
         raise APIError(404, f"{param}: no stored response {rid!r} (never stored, store: false, "
                             "deleted, or evicted)", param=param, code="not_found")
     return hit
-
-
-def _drop_none_user(resp: dict) -> dict:
-    if resp.get("user") is None:
-        resp.pop("user", None)
-    if resp.get("usage") is None:
-        resp.pop("usage", None)
-    return resp
 
 
 async def _fitted_turn(st, req: ResponsesRequest, prior: list[dict], rid: str, t0: float,
@@ -154,74 +156,80 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         prior = prev_items + prev["output"]
     conversation = prior + input_items(req)
     rid = _id("resp")
-    async with contextlib.AsyncExitStack() as stack:
-        try:
-            turn = await _fitted_turn(st, req, prior, rid, t0, lora)
-            await stack.enter_async_context(turn)
-        except APIError as e:
-            raise renamed(e) from None
-
-        def response(status: str, items: list[dict], usage: dict | None = None) -> dict:
-            return _drop_none_user(response_object(req, rid, turn.created, lora or st.model_id,
-                                                   status, items, usage))
-
-        def done(finish: FinishReason, out: OutputItems) -> dict:
-            status = "incomplete" if finish == FinishReason.LENGTH else "completed"
-            resp = response(status, out.items, response_usage(*turn.usage_counts()))
-            if req.store is not False:
-                store.put(resp, conversation)
-            return resp
-
+    try:
+        turn = await _fitted_turn(st, req, prior, rid, t0, lora)
+    except APIError as e:
+        raise renamed(e) from None
+    run = ResponseRun(st, req, rid, turn, lora or st.model_id, store, conversation)
+    if req.background:
+        return web.json_response(request.app[BACKGROUND].start(run), headers=turn.headers)
+    try:
+        await turn.__aenter__()
+    except APIError as e:
+        raise renamed(e) from None
+    try:
         if not req.stream:
-            final = (await turn.collect())[0]
-            out = OutputItems(function_tools(req.tools)[1])
-            for d in message_deltas(final.message):
-                out.feed(d)
-            out.finish(truncated=final.finish_reason == FinishReason.LENGTH)
-            return web.json_response(done(final.finish_reason, out), headers=turn.headers)
+            async for _ in run.events():
+                pass
+            return web.json_response(run.done(), headers=turn.headers)
+        return await _stream(request, run)
+    finally:
+        await turn.__aexit__(None, None, None)
 
-        sse = await SSE(request, turn.headers).start()
-        seq = itertools.count()
 
-        async def emit(ev: dict, last: bool = False) -> None:
-            ev["sequence_number"] = next(seq)
-            body = (b"event: " + ev["type"].encode() + b"\ndata: " +
-                    json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
-            await (sse.finish(body) if last else sse.write(body))
+async def _stream(request: web.Request, run: ResponseRun) -> web.StreamResponse:
+    sse = await SSE(request, run.turn.headers).start()
+    seq = itertools.count()
 
-        await emit({"type": "response.created", "response": response("in_progress", [])})
-        await emit({"type": "response.in_progress", "response": response("in_progress", [])})
-        out, finish = OutputItems(function_tools(req.tools)[1]), FinishReason.STOP
-        try:
-            async for ev in turn.events():
-                for d in ev.deltas:
-                    for e in out.feed(d):
-                        await emit(e)
-                finish = ev.finish_reason or finish
-        except APIError as e:
-            await emit({"type": "error", "code": e.code, "message": e.message,
-                        "param": e.param})
-            failed = response("failed", out.items)
-            failed["error"] = {"code": "server_error" if e.status >= 500 else "invalid_prompt",
-                               "message": e.message}
-            await emit({"type": "response.failed", "response": failed}, last=True)
-            return sse.resp
-        for e in out.finish(truncated=finish == FinishReason.LENGTH):
+    async def emit(ev: dict, last: bool = False) -> None:
+        ev["sequence_number"] = next(seq)
+        body = (b"event: " + ev["type"].encode() + b"\ndata: " +
+                json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
+        await (sse.finish(body) if last else sse.write(body))
+
+    await emit({"type": "response.created", "response": run.response()})
+    await emit({"type": "response.in_progress", "response": run.response()})
+    try:
+        async for e in run.events():
             await emit(e)
-        resp = done(finish, out)
-        await emit({"type": f"response.{resp['status']}", "response": resp}, last=True)
+    except APIError as e:
+        await emit({"type": "error", "code": e.code, "message": e.message, "param": e.param})
+        await emit({"type": "response.failed", "response": run.failed(e)}, last=True)
         return sse.resp
+    resp = run.done()
+    await emit({"type": f"response.{resp['status']}", "response": resp}, last=True)
+    return sse.resp
 
 
 @describe(response=ResponseObject)
 async def get_response(request: web.Request) -> web.Response:
-    """A stored response (404 when unknown, not stored or evicted)."""
+    """A stored response, or a background one as it stands (404 when unknown, not stored or
+    evicted)."""
     rid = request.match_info["response_id"]
     if request.query.get("stream", "false").lower() not in ("false", "0"):
-        raise APIError(400, "stream: a stored response is retrieved whole (streaming one back "
-                            "is for background responses, which this server does not run)",
+        raise APIError(400, "stream: a response is retrieved whole here (poll a background "
+                            "one until its status is no longer queued or in_progress)",
                        param="stream")
     return web.json_response(_stored(request, rid, "response_id")[0])
+
+
+@describe(response=ResponseObject)
+async def cancel_response(request: web.Request) -> web.Response:
+    """Cancel a background response that is still running: its generation is aborted and it
+    ends `cancelled` (cancelling it again answers the same); a response that did not run in the
+    background cannot be cancelled (400), nor one that has already ended."""
+    rid = request.match_info["response_id"]
+    cancelled = await request.app[BACKGROUND].cancel(rid)
+    if cancelled is not None:
+        return web.json_response(cancelled)
+    resp = _stored(request, rid, "response_id")[0]
+    if not resp["background"]:
+        raise APIError(400, "response_id: Cannot cancel a synchronous response.",
+                       param="response_id")
+    if resp["status"] != "cancelled":
+        raise APIError(400, f"response_id: the response has already ended ({resp['status']})",
+                       param="response_id")
+    return web.json_response(resp)
 
 
 @describe(response=InputItemList)
@@ -279,8 +287,9 @@ async def count_input_tokens(request: web.Request) -> web.Response:
 
 @describe(response=ResponseDeleted)
 async def delete_response(request: web.Request) -> web.Response:
-    """Forget a stored response."""
+    """Forget a stored response (a running background one is cancelled first)."""
     rid = request.match_info["response_id"]
+    await request.app[BACKGROUND].cancel(rid)
     if not request.app[RESPONSES].delete(rid):
         _stored(request, rid, "response_id")
     return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})

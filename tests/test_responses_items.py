@@ -1,13 +1,20 @@
 """The Responses API around a response (server/responses_api.py): its input items listed, a
-request's input counted, truncation "auto", and the `include` values. The mock engine's byte
-tokenizer makes a token of each byte, so lengths here are the prompts' bytes."""
+request's input counted, truncation "auto", the `include` values, the output text's logprobs
+(whole and streamed), and background responses (polled, cancelled, deleted, bounded, ended at
+shutdown). The mock engine's byte tokenizer makes a token of each byte, so lengths here are the
+prompts' bytes and a text's logprobs are one per character."""
+import time
+
 import openai
 import pydantic
 import pytest
-from mock_engine import MockEngine
+from mock_engine import MockEngine, token_logprob
 from openai.types.responses import ResponseItem
 from openai.types.responses.input_token_count_response import InputTokenCountResponse
-from server_harness import ServerThread, http
+from server_harness import ServerThread, http, validate
+from test_responses_api import CALL, WEATHER_TOOL, check_order, events_of
+
+from maxjax.server.config import ServeConfig
 
 MAX_LENGTH = 600
 
@@ -31,7 +38,7 @@ def client(server):
 
 @pytest.fixture(autouse=True)
 def reset(engine):
-    engine.script = "Hello there."
+    engine.script, engine.delay = "Hello there.", 0.0
     yield
     assert engine.pages_used == 0 and not engine.running
 
@@ -128,10 +135,11 @@ def test_truncation_auto_leaves_no_orphan_tool_output(server, engine):
 
 
 def test_include_values(server):
-    ok = http("POST", server.url + "/v1/responses", {
-        "model": "mock-model", "input": "Hi", "include": ["reasoning.encrypted_content"]})
-    assert ok.status_code == 200, ok.text
-    for bad in (["bogus"], ["message.output_text.logprobs"]):
+    for include in (["reasoning.encrypted_content"], ["message.output_text.logprobs"]):
+        ok = http("POST", server.url + "/v1/responses", {
+            "model": "mock-model", "input": "Hi", "include": include})
+        assert ok.status_code == 200, ok.text
+    for bad in (["bogus"],):
         r = http("POST", server.url + "/v1/responses", {"model": "mock-model", "input": "Hi",
                                                         "include": bad})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("include"), r.text
@@ -142,3 +150,178 @@ def test_a_stored_response_is_not_streamed_back(client, server):
     got = http("GET", f"{server.url}/v1/responses/{r.id}?stream=true")
     assert got.status_code == 400 and got.json()["error"]["param"] == "stream"
     assert http("GET", f"{server.url}/v1/responses/{r.id}?stream=false").status_code == 200
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+
+LOGPROBS = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+
+
+def create(server, body: dict):
+    r = http("POST", server.url + "/v1/responses", {"model": "mock-model", **body})
+    if r.status_code == 200 and not body.get("stream"):
+        validate(r.json(), "Response")
+    return r
+
+
+def expected_logprobs(text: str) -> list[dict]:
+    """The mock's: a token per byte, logprob -(t % 10) / 10, alternatives t + 1, t + 2..."""
+    def entry(t, lp):
+        return {"token": chr(t), "logprob": lp, "bytes": [t]}
+    return [{**entry(t, token_logprob(t)),
+             "top_logprobs": [entry(t + j, token_logprob(t) - j) for j in range(2)]}
+            for t in text.encode()]
+
+
+def test_output_text_logprobs_whole_and_streamed(server, engine):
+    whole = create(server, {"input": "Hi", **LOGPROBS}).json()
+    part = whole["output"][0]["content"][0]
+    validate(part, "OutputTextContent")
+    assert part["logprobs"] == expected_logprobs("Hello there.") and whole["top_logprobs"] == 2
+    p = engine.requests[-1][2]
+    assert (p.logprobs, p.top_logprobs) == (True, 2)
+    events = events_of(create(server, {"input": "Hi", "stream": True, **LOGPROBS}).text)
+    final = check_order(events)
+    assert final["output"][0]["content"][0]["logprobs"] == part["logprobs"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [e["logprobs"] for e in deltas] == [
+        [{"token": d["delta"], "logprob": token_logprob(ord(d["delta"])),
+          "top_logprobs": [{"token": chr(ord(d["delta"]) + j),
+                            "logprob": token_logprob(ord(d["delta"])) - j} for j in range(2)]}]
+        for d in deltas]
+    done, = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == [lp for e in deltas for lp in e["logprobs"]]
+
+
+def test_logprobs_only_when_included(server, engine):
+    """As OpenAI and vLLM: top_logprobs alone returns none (and asks the engine for none)."""
+    r = create(server, {"input": "Hi", "top_logprobs": 3}).json()
+    assert r["output"][0]["content"][0]["logprobs"] == [] and r["top_logprobs"] == 3
+    assert engine.requests[-1][2].logprobs is False
+    r = create(server, {"input": "Hi", "include": ["message.output_text.logprobs"]}).json()
+    assert [e["top_logprobs"] for e in r["output"][0]["content"][0]["logprobs"]] == [[]] * 12
+
+
+def test_logprobs_are_the_message_texts_tokens():
+    """The tokens of a tool call or of reasoning (its end tag too) are not the text's."""
+    engine = MockEngine(max_length=4096)         # room for the tool prompt
+    s = ServerThread(engine, ServeConfig(reasoning_parser="qwen3"))
+    try:
+        for script, body, text in [
+                ("Let me check.\n" + CALL, {"tools": [WEATHER_TOOL]}, "Let me check.\n"),
+                ("<think>Paris is in France.</think>It is Paris.", {}, "It is Paris.")]:
+            engine.script = script
+            for stream in (False, True):
+                r = create(s, {"input": "Hi", "stream": stream, **body, **LOGPROBS})
+                out = check_order(events_of(r.text)) if stream else r.json()
+                msg, = [it for it in out["output"] if it["type"] == "message"]
+                assert len(out["output"]) == 2 and msg["content"][0]["text"] == text
+                assert msg["content"][0]["logprobs"] == expected_logprobs(text), (script, stream)
+    finally:
+        s.close()
+    assert engine.pages_used == 0
+
+
+# ---- background ----------------------------------------------------------------------------------
+
+def wait_for(cond, what: str, timeout: float = 30.0):
+    end = time.monotonic() + timeout
+    while not (got := cond()):
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return got
+
+
+def retrieve(server, rid: str):
+    r = http("GET", f"{server.url}/v1/responses/{rid}")
+    if r.status_code == 200:
+        validate(r.json(), "Response")
+    return r
+
+
+def test_background_runs_on_and_is_polled(client, server, engine):
+    engine.delay = 0.02
+    r = create(server, {"input": "Hi", "background": True})
+    queued = r.json()
+    assert r.status_code == 200 and queued["background"] is True
+    assert queued["status"] in ("queued", "in_progress") and queued["output"] == []
+    done = wait_for(lambda: (j := retrieve(server, queued["id"]).json())["status"] not in
+                    ("queued", "in_progress") and j, "the background response to end")
+    assert done["status"] == "completed" and done["background"] is True
+    assert done["output"][0]["content"][0]["text"] == "Hello there."
+    assert done["usage"]["output_tokens"] == 12
+    # answered (its connection closed) before any output, it ran on to its end
+    assert f"{queued['id']}-0" in engine.finished and f"{queued['id']}-0" not in engine.aborted
+    assert client.responses.retrieve(queued["id"]).output_text == "Hello there."
+    nxt = create(server, {"input": "And?", "previous_response_id": queued["id"]})
+    assert nxt.status_code == 200 and "Hello there." in engine.tokenizer.decode(
+        engine.requests[-1][1])
+
+
+def test_cancel_aborts_and_frees_pages(client, server, engine):
+    engine.script, engine.delay = None, 0.02
+    rid = create(server, {"input": "Hi", "background": True, "max_output_tokens": 400,
+                          **LOGPROBS}).json()["id"]
+    wait_for(lambda: engine.pages_used > 0 and retrieve(server, rid).json()["output"],
+             "tokens held in pages")
+    running = retrieve(server, rid).json()
+    assert running["status"] == "in_progress" and running["output"][0]["content"][0]["text"]
+    follow = create(server, {"input": "More", "previous_response_id": rid})
+    assert follow.status_code == 400 and follow.json()["error"]["param"] == \
+        "previous_response_id"
+    r = http("POST", f"{server.url}/v1/responses/{rid}/cancel")
+    assert r.status_code == 200, r.text
+    validate(r.json(), "Response")
+    cancelled = r.json()
+    assert cancelled["status"] == "cancelled" and cancelled["id"] == rid
+    assert engine.pages_used == 0 and not engine.running and f"{rid}-0" in engine.aborted
+    text = cancelled["output"][0]["content"][0]["text"]
+    assert 0 < len(text) < 400 and cancelled["usage"]["output_tokens"] >= len(text)
+    assert len(cancelled["output"][0]["content"][0]["logprobs"]) == len(text)
+    assert retrieve(server, rid).json() == cancelled
+    assert http("POST", f"{server.url}/v1/responses/{rid}/cancel").json() == cancelled
+    assert client.responses.cancel(rid).status == "cancelled"
+
+
+def test_cancel_errors(server, engine):
+    sync = create(server, {"input": "Hi"}).json()["id"]
+    r = http("POST", f"{server.url}/v1/responses/{sync}/cancel")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
+    assert "Cannot cancel a synchronous response." in r.json()["error"]["message"]
+    validate(r.json(), "ErrorResponse")
+    finished = create(server, {"input": "Hi", "background": True}).json()["id"]
+    wait_for(lambda: retrieve(server, finished).json()["status"] == "completed", "the end")
+    r = http("POST", f"{server.url}/v1/responses/{finished}/cancel")
+    assert r.status_code == 400 and "completed" in r.json()["error"]["message"]
+    r = http("POST", f"{server.url}/v1/responses/resp_nope/cancel")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+
+
+def test_delete_cancels_a_running_response(server, engine):
+    engine.script, engine.delay = None, 0.02
+    rid = create(server, {"input": "Hi", "background": True, "max_output_tokens": 400}
+                 ).json()["id"]
+    wait_for(lambda: engine.pages_used > 0, "the generation to run")
+    r = http("DELETE", f"{server.url}/v1/responses/{rid}")
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert engine.pages_used == 0 and f"{rid}-0" in engine.aborted
+    assert retrieve(server, rid).status_code == 404
+
+
+def test_background_is_bounded_and_ends_at_shutdown(engine):
+    """No more run at once than the store keeps; a server that stops cancels what still
+    runs (its pages freed)."""
+    from maxjax.server.responses_api import RESPONSES
+    s = ServerThread(engine)
+    engine.script, engine.delay = None, 0.02
+    try:
+        s.app[RESPONSES].max_count = 1
+        first = create(s, {"input": "Hi", "background": True, "max_output_tokens": 400})
+        assert first.status_code == 200
+        r = create(s, {"input": "Hi", "background": True})
+        assert r.status_code == 429 and r.json()["error"]["param"] == "background"
+        wait_for(lambda: engine.pages_used > 0, "the generation to run")
+    finally:
+        s.close()
+    assert engine.pages_used == 0 and f"{first.json()['id']}-0" in engine.aborted
+
