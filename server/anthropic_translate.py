@@ -68,7 +68,7 @@ _UNSERVED = {"document": "document input",
 
 
 def _refuse_block(param: str, kind) -> APIError:
-    what = _UNSERVED.get(kind)
+    what = _UNSERVED.get(kind) if isinstance(kind, str) else None
     if what:
         return _bad(f"{param}.type", f"{what} ({kind!r} blocks) is not supported by this server")
     return _bad(f"{param}.type", f"content block type {kind!r} is not supported here (text, "

@@ -123,6 +123,7 @@ def _text(content, param: str, allow_none: bool = False, images: bool = False):
     texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None     # a list or an object: no type
         key = _TEXT_PARTS.get(kind)
         if kind == "input_image" and images:
             if not isinstance(part.get("image_url"), str):

@@ -7,7 +7,9 @@ traffic beside them."""
 import json
 import os
 import sys
+import types
 
+import numpy as np
 import pytest
 from mock_engine import MockEngine
 from server_harness import ServerThread, http, validate
@@ -104,6 +106,28 @@ def test_tool_call_arguments_nesting_too_deep_on_chat(server, args):
     openai_error(r, "messages[1].tool_calls[0].function.arguments", "nests deeper than 64")
 
 
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": ["x"]}]}]},
+     "input[0].content[0].type"),
+    ("/v1/messages", {"system": [{"type": ["x"], "text": "a"}],
+                      "messages": [{"role": "user", "content": "hi"}]}, "system[0].type"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]},
+     "messages[0].content[0].type"),
+    ("/v1/messages/count_tokens", {"messages": [
+        {"role": "assistant", "content": [{"type": ["a"]}]}, {"role": "user", "content": "x"}]},
+     "messages[0].content[0].type"),
+])
+def test_a_block_type_that_is_a_list_or_an_object(server, route, body, param):
+    """Found by the shaped fuzz: a content part or block whose type is a list or an object
+    was looked up in a dict (`unhashable type`)."""
+    if route.startswith("/v1/messages"):
+        body = {"model": "mock-model", **({"max_tokens": 2} if route == "/v1/messages" else {}),
+                **body}
+        anthropic_error(post(server, route, body), param)
+    else:
+        openai_error(post(server, route, body), param)
+
+
 def test_the_depth_limit_is_the_bodys_on_every_route(server):
     """One limit where the body is parsed: a field nesting past 64 levels is a 400 naming it,
     in each route's shape; arguments nesting 60 levels are served."""
@@ -127,3 +151,37 @@ def test_the_depth_limit_is_the_bodys_on_every_route(server):
             "name": "f", "arguments": json.dumps({"a": fine})}}]},
         {"role": "tool", "tool_call_id": "c", "content": "x"}]})
     assert r.status_code == 200, r.text
+
+
+class VisionMock(MockEngine):
+    """The mock engine as an image-text model: images are decoded (Pillow) and preprocessed
+    into placeholder features, so image parts reach the whole server path."""
+    vision = types.SimpleNamespace(config=None, processor=None, spec=types.SimpleNamespace(
+        preprocess=lambda config, processor, image: np.zeros((2, 2), np.float32),
+        expand_prompt=lambda config, tokenizer, text, images: text))
+
+    def generate(self, *args, images=None, **kw):
+        return super().generate(*args, **kw)
+
+
+@pytest.mark.slow     # ~80 s: the raw cases wait out the idle timeouts
+def test_every_route_is_fuzz_clean_with_valid_traffic_beside():
+    """tools/fuzz.py against the mock engine: schema-driven and route-shaped cases over every
+    POST route (Responses, Messages, embeddings and image parts included) and the raw-body
+    cases on each generation route: no 5xx, every error in its route's envelope, every 200
+    valid, the valid traffic beside all served, nothing leaked."""
+    s = ServerThread(VisionMock(delay=0.001, max_length=8192), ServeConfig(
+        http_idle_timeout=2.0, http_body_timeout=2.0, max_request_body_bytes=1 << 20))
+    try:
+        report = run_fuzz(s.url, cases=300, shaped=900, seed=7, streams=2,
+                          limits={"http_idle_timeout": 2.0, "max_request_body_bytes": 1 << 20,
+                                  "max_connections": 100})
+    finally:
+        s.close()
+    statuses = report["statuses"]
+    for route in ("/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/chat/completions"):
+        assert statuses.get(f"{route} 200", 0) > 5, statuses     # cases reach the engine
+    assert not report["failures"], report["failures"]
+    assert report["valid"]["errors"] == 0, report["valid"]["error_examples"]
+    assert report["valid"]["requests"] > 0
+    assert not report["leaks"]["problems"], report["leaks"]

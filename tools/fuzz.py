@@ -6,27 +6,28 @@ requests run beside it:
 1. Schema-driven cases from the server's own GET /openapi.json, with hypothesis: for every POST
    route, bodies whose fields are drawn from their schema or replaced by hostile values (wrong
    types, huge or negative numbers, lone surrogates, NUL bytes, deep nesting, long strings).
+   Then as many route-shaped cases (tools/fuzz_shapes.py): chat, Responses, Messages and
+   embeddings bodies of the shape clients send (items, content blocks, image parts, tools and
+   their schemas, tool calls, structured output), broken at their leaves.
 2. Raw HTTP cases: truncated, oversized and chunked bodies, wrong content types, invalid UTF-8,
-   half-sent headers and bodies (slow clients), abandoned clients, disconnects mid-stream, and
-   thousands of concurrent connections.
+   deep nesting (on each generation route), half-sent headers and bodies (slow clients),
+   abandoned clients, disconnects mid-stream, and thousands of concurrent connections.
 3. Valid traffic beside it all (streamed and not, chat and completions), each answer checked.
 
-Pass: no 5xx, no hang, every error in the OpenAI envelope, every 200 valid against the route's
-response schema, every valid request served, and nothing leaked afterwards (engine requests, KV
+Pass: no 5xx, no hang, every error in the route's envelope (tools/fuzz_checks.py: Anthropic's on
+/v1/messages, OpenAI's elsewhere), every 200 valid against the route's response schema, every valid request served, and nothing leaked afterwards (engine requests, KV
 pages beyond what the prefix cache holds, asyncio tasks, file descriptors). Prints a report
 (cases, answers by status, failures by class) and exits 1 when the pass fails."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import http.client
 import json
 import os
 import re
 import socket
 import sys
-import threading
 import time
 import warnings
 from urllib.parse import urlsplit
@@ -36,7 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hypothesis.errors import HypothesisWarning  # noqa: E402
 from hypothesis import HealthCheck, given, seed as seed_of, settings, strategies as st  # noqa: E402
 
-from reliability import (SMOLLM2_FLAGS, Schemas, ServeProcess, ValidTraffic, get,  # noqa: E402
+from fuzz_checks import Findings, _message  # noqa: E402
+from fuzz_shapes import shaped_cases  # noqa: E402
+from reliability import (SMOLLM2_FLAGS, ServeProcess, ValidTraffic, get,  # noqa: E402
                          leak_report, metrics, wait_idle)
 
 from maxjax.server.config import ServeConfig  # noqa: E402
@@ -129,93 +132,6 @@ def bodies(schema: dict, comps: dict) -> st.SearchStrategy:
                      st.integers(0, 9).map(lambda i: i == 7)).map(mutate)   # not 0: its minimum
 
 
-# ---- checking answers --------------------------------------------------------------------------
-
-class Findings:
-    """Answers by (route, status), and failures by class: (what, route, status, message shape)."""
-
-    def __init__(self, doc: dict):
-        self.doc, self.cases = doc, 0
-        self.statuses: collections.Counter = collections.Counter()
-        self.failures: dict[tuple, dict] = {}
-        self.lock = threading.Lock()
-        self.schemas = Schemas(doc)
-
-    def schema_of(self, route: str, stream: bool) -> str | None:
-        op = self.doc["paths"].get(route, {}).get("post") or {}
-        content = op.get("responses", {}).get("200", {}).get("content", {})
-        entry = content.get("text/event-stream" if stream else "application/json") or {}
-        ref = entry.get("x-event-schema" if stream else "schema", {}).get("$ref", "")
-        return ref.rsplit("/", 1)[1] if ref else None
-
-    def check(self, name: str, obj) -> str | None:
-        return self.schemas.problem(name, obj)
-
-    def fail(self, what: str, route: str, status, message: str, case=None) -> None:
-        shape = re.sub(r"\d+", "N", message)[:90]
-        with self.lock:
-            f = self.failures.setdefault((what, route, str(status), shape),
-                                         {"count": 0, "example": repr(case)[:600]})
-            f["count"] += 1
-
-    def answer(self, route: str, status: int, body: bytes, case, stream: bool = False) -> None:
-        with self.lock:
-            self.cases += 1
-            self.statuses[f"{route} {status}"] += 1
-        text = body.decode("utf-8", "replace")
-        if status >= 500:
-            self.fail("5xx", route, status, _message(text), case)
-        if "Traceback" in text:
-            self.fail("traceback", route, status, "a traceback in the answer", case)
-        if status >= 400:
-            try:
-                problem = self.check("ErrorResponse", json.loads(body))
-            except ValueError:
-                problem = "not JSON"
-            if problem:
-                self.fail("envelope", route, status, problem, case)
-        elif status == 200 and stream:
-            for problem in self._stream_problems(route, text):
-                self.fail("bad stream", route, status, problem, case)
-        elif status == 200 and self.schema_of(route, False):
-            try:
-                problem = self.check(self.schema_of(route, False), json.loads(body))
-            except ValueError:
-                problem = "not JSON"
-            if problem:
-                self.fail("bad answer", route, status, problem, case)
-
-    def _stream_problems(self, route: str, text: str):
-        events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
-        if events and events[-1] == "[DONE]":
-            events.pop()
-        else:
-            yield "the stream does not end with [DONE]"
-        for e in events:
-            try:
-                obj = json.loads(e)
-            except ValueError:
-                yield "an event is not JSON"
-                continue
-            problem = self.check("ErrorResponse" if "error" in obj
-                                 else self.schema_of(route, True), obj)
-            if problem:
-                yield problem
-            if "error" in obj and str(obj["error"].get("type")) == "server_error":
-                yield f"5xx in the stream: {_message(e)}"
-
-    def report(self) -> dict:
-        return {"cases": self.cases, "statuses": dict(sorted(self.statuses.items())),
-                "failures": [{"class": list(k), **v} for k, v in sorted(self.failures.items())]}
-
-
-def _message(text: str) -> str:
-    try:
-        return json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return text[:120]
-
-
 # ---- 1. schema-driven cases ---------------------------------------------------------------------
 
 def post(url: str, route: str, raw: bytes, headers=None, timeout=HANG_S):
@@ -276,15 +192,17 @@ def send_case(url: str, path: str, body: dict, findings: Findings, headers=None)
         return
     if time.monotonic() - t0 > HANG_S / 2:
         findings.fail("slow", path, status, f"answered after > {HANG_S / 2:.0f} s", body)
-    findings.answer(path, status, answer, body, bool(body.get("stream") is True))
+    stream = body.get("stream") is True and not path.endswith(("/input_tokens", "/count_tokens"))
+    findings.answer(path, status, answer, body, stream)
 
 
 def schema_cases(url: str, doc: dict, findings: Findings, cases: int, seed: int,
-                 headers=None, workers: int = 8) -> None:
-    """The generated cases, `workers` at a time (so hostile requests share engine steps with
-    each other and with the valid traffic)."""
+                 headers=None, workers: int = 8, shaped: int = 0) -> None:
+    """The generated cases and `shaped` route-shaped ones, `workers` at a time (so hostile
+    requests share engine steps with each other and with the valid traffic)."""
     from concurrent.futures import ThreadPoolExecutor
-    todo = generate_cases(doc, cases, seed)
+    model = json.loads(get(url + "/v1/models", headers))["data"][0]["id"]
+    todo = generate_cases(doc, cases, seed) + shaped_cases(shaped, seed, model)
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(lambda c: send_case(url, c[0], c[1], findings, headers), todo))
 
@@ -332,6 +250,8 @@ def _request(path: str, body: bytes, ctype="application/json", length: int | Non
 
 
 PROTOCOL_ERRORS = ("huge header", "many headers", "bad request line")
+RAW_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+              "/v1/messages/count_tokens", "/v1/embeddings", "/v1/tokenize")
 CHAT = json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}).encode()
 
 
@@ -350,10 +270,9 @@ async def _raw_bodies(url: str, findings: Findings, limits: dict, headers=None) 
     u = urlsplit(url)
     host, port = u.hostname, u.port
     auth = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
-    body_limit, idle = limits["max_request_body_bytes"], limits["http_idle_timeout"]
-    route = "/v1/chat/completions"
+    body_limit = limits["max_request_body_bytes"]
 
-    async def expect(name, data, ok=(400, 413, 415), **kw):
+    async def expect(name, data, ok=(400, 413, 415), route="/v1/chat/completions", **kw):
         t0 = time.monotonic()
         raw = await _exchange(host, port, data, **kw)
         status, body = _status(raw)
@@ -370,19 +289,29 @@ async def _raw_bodies(url: str, findings: Findings, limits: dict, headers=None) 
         if status not in ok:
             findings.fail("raw", route, status, f"{name}: expected one of {ok}", data[:200])
 
+    def body_cases(route):      # each route's own body reading, its errors in its envelope
+        return [
+            ("invalid JSON", _request(route, b'{"messages": [', extra=auth), (400,)),
+            ("invalid UTF-8", _request(route, b'{"messages": [{"role": "user", "content": "'
+                                              b'\xff\xfe"}]}', extra=auth), (400,)),
+            ("a JSON array", _request(route, b"[1, 2]", extra=auth), (400,)),
+            ("oversized body", _request(route, b" " * (body_limit + 1), extra=auth), (413,)),
+            ("deep nesting", _request(route, b"[" * 100_000 + b"]" * 100_000, extra=auth),
+             (400, 413)),
+            ("deep objects", _request(route, b'{"input": ' + b'{"a": ' * 500 + b"1"
+                                      + b"}" * 501, extra=auth), (400,)),
+            ("NaN", _request(route, b'{"input": NaN, "messages": NaN}', extra=auth), (400,)),
+            ("a lone surrogate", _request(route, b'{"input": "\\ud800", "messages": [{"role": '
+                                                 b'"user", "content": "\\ud800"}]}', extra=auth),
+             (400,))]
+
+    route = "/v1/chat/completions"
     cases = [
-        ("invalid JSON", _request(route, b'{"messages": [', extra=auth), (400,)),
-        ("invalid UTF-8", _request(route, b'{"messages": [{"role": "user", "content": "\xff\xfe'
-                                          b'"}]}', extra=auth), (400,)),
-        ("a JSON array", _request(route, b"[1, 2]", extra=auth), (400,)),
         ("wrong content type", _request(route, CHAT, "text/plain", extra=auth), (200, 415)),
         ("form content type", _request(route, b"a=1&b=2", "application/x-www-form-urlencoded",
                                        extra=auth), (400, 415)),
-        ("oversized body", _request(route, b" " * (body_limit + 1), extra=auth), (413,)),
         ("oversized Content-Length", _request(route, b"{}", length=body_limit * 4, extra=auth),
          (413,)),
-        ("deep nesting", _request(route, b"[" * 100_000 + b"]" * 100_000, extra=auth),
-         (400, 413)),
         ("gzip body claims", _request(route, b"not gzip", extra=auth + b"Content-Encoding: gzip"
                                       b"\r\n"), (400, 415)),
         ("huge header", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000
@@ -393,6 +322,9 @@ async def _raw_bodies(url: str, findings: Findings, limits: dict, headers=None) 
     ]
     for name, data, ok in cases:
         await expect(name, data, ok)
+    for other in RAW_ROUTES:
+        for name, data, ok in body_cases(other):
+            await expect(name, data, ok, other)
     chunked = (f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                "Transfer-Encoding: chunked\r\nConnection: close\r\n").encode() + auth + b"\r\n"
     big = b"".join(b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
@@ -476,8 +408,9 @@ async def _many_connections(url: str, findings: Findings, limits: dict, headers=
 # ---- the run -------------------------------------------------------------------------------------
 
 def run_fuzz(url: str, cases: int = 1200, seed: int = 0, headers: dict | None = None,
-             streams: int = 4, limits: dict | None = None) -> dict:
-    """Fuzz the server at `url`; the report, with "passed". `limits`: the server's
+             streams: int = 4, limits: dict | None = None, shaped: int | None = None) -> dict:
+    """Fuzz the server at `url`; the report, with "passed". `shaped`: route-shaped cases beside
+    the `cases` schema-driven ones (default: as many). `limits`: the server's
     max_request_body_bytes, http_idle_timeout (default: ServeConfig's) and how many
     connections to open at once (max_connections)."""
     doc = json.loads(get(url + "/openapi.json", headers))
@@ -489,7 +422,8 @@ def run_fuzz(url: str, cases: int = 1200, seed: int = 0, headers: dict | None = 
     findings = Findings(doc)
     t0 = time.monotonic()
     with ValidTraffic(url, streams, seed, headers) as traffic:
-        schema_cases(url, doc, findings, cases, seed, headers)
+        schema_cases(url, doc, findings, cases, seed, headers,
+                     shaped=cases if shaped is None else shaped)
         asyncio.run(raw_cases(url, findings, limits, headers))
     wait_idle(url, headers)
     report = findings.report()
@@ -504,6 +438,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (default: start `maxjax serve SERVE FLAGS`)")
     p.add_argument("--cases", type=int, default=1200, help="schema-driven cases over all routes")
+    p.add_argument("--shaped", type=int, help="route-shaped cases (default: --cases)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--streams", type=int, default=4, help="valid streams running beside")
     p.add_argument("--api-key", default=os.environ.get("MAXJAX_API_KEY"))
@@ -522,10 +457,10 @@ def main(argv=None) -> int:
     if a.idle_timeout:
         limits["http_idle_timeout"] = a.idle_timeout
     if a.url:
-        report = run_fuzz(a.url, a.cases, a.seed, headers, a.streams, limits)
+        report = run_fuzz(a.url, a.cases, a.seed, headers, a.streams, limits, a.shaped)
     else:
         with ServeProcess(flags or SMOLLM2_FLAGS) as server:
-            report = run_fuzz(server.url, a.cases, a.seed, headers, a.streams, limits)
+            report = run_fuzz(server.url, a.cases, a.seed, headers, a.streams, limits, a.shaped)
     text = json.dumps(report, indent=1)
     if a.json:
         with open(a.json, "w") as f:
