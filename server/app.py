@@ -191,9 +191,11 @@ async def tokenize(request: web.Request) -> web.Response:
         st.check_fits(req.prompt, "prompt")
         ids = await st.in_tokenizer_thread(lambda: tok.encode(req.prompt,
                                                               add_special_tokens=special))
+    # the tokenizer's own token strings ("Ġis"), as vLLM returns them, not decoded text
+    strs = await st.in_tokenizer_thread(tok.convert_ids_to_tokens, ids) \
+        if req.return_token_strs else None
     return web.json_response({"count": len(ids), "max_model_len": st.engine.max_length,
-                              "tokens": ids, "token_strs":
-                              [st.token_str(t) for t in ids] if req.return_token_strs else None})
+                              "tokens": ids, "token_strs": strs})
 
 
 @describe(request=DetokenizeRequest, response=DetokenizeResponse)

@@ -413,6 +413,14 @@ def test_tokenize_detokenize(server):
                         "token_strs": None}
     r = post(server, "/tokenize", {"messages": MSGS})
     assert r.json()["count"] == chat_prompt_len(MSGS)
+    # token_strs: the tokenizer's own tokens (vLLM's convert_ids_to_tokens), a byte-level
+    # space as "Ġ" and each byte of "é" as its byte's character, not decoded text ("\ufffd")
+    r = post(server, "/tokenize", {"prompt": "a é", "return_token_strs": True})
+    assert r.json()["tokens"] == [97, 32, 0xC3, 0xA9]
+    assert r.json()["token_strs"] == ["a", "Ġ", "Ã", "©"]
+    r = post(server, "/v1/tokenize", {"messages": MSGS, "return_token_strs": True})
+    assert r.json()["token_strs"] == server.engine.tokenizer.convert_ids_to_tokens(
+        r.json()["tokens"]) and "<|im_start|>" in r.json()["token_strs"]
     r = post(server, "/v1/detokenize", {"tokens": [72, 105]})
     assert r.json() == {"prompt": "Hi"}
     r = post(server, "/v1/detokenize", {"tokens": [10**6]})

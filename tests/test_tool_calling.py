@@ -108,8 +108,10 @@ def test_tool_result_renders_in_the_next_turn(client, server):
     call = first.choices[0].message.tool_calls[0]
     turn = MSGS + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                    {"role": "tool", "tool_call_id": call.id, "content": "RESULT-1234"}]
-    tok = http("POST", server.url + "/tokenize", {"messages": turn, "return_token_strs": True})
-    text, bare = "".join(tok.json()["token_strs"]), tok.json()["count"]
+    tok = http("POST", server.url + "/tokenize", {"messages": turn})
+    bare = tok.json()["count"]
+    text = http("POST", server.url + "/detokenize", {"tokens": tok.json()["tokens"]}
+                ).json()["prompt"]
     assert "RESULT-1234" in text and call.function.name in text
     r = client.chat.completions.create(model="smollm2", messages=turn, tools=TOOLS,
                                        max_tokens=8, temperature=0)

@@ -42,8 +42,8 @@ def client(server):
 
 
 def prompt_text(server, messages, **kw) -> str:
-    r = http("POST", server.url + "/tokenize", {"messages": messages, "return_token_strs": True})
-    return "".join(r.json()["token_strs"])
+    ids = http("POST", server.url + "/tokenize", {"messages": messages}).json()["tokens"]
+    return http("POST", server.url + "/detokenize", {"tokens": ids}).json()["prompt"]
 
 
 def test_auto_parses_hermes_output(client, server):
