@@ -530,14 +530,20 @@ def test_smollm2_whole_and_streamed(smollm2):
     eng, s = smollm2
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
     kw = dict(model="smollm2", input="What is the capital of France?", max_output_tokens=12,
-              temperature=0, instructions="Answer in one short sentence.")
+              temperature=0, instructions="Answer in one short sentence.",
+              include=["message.output_text.logprobs"], top_logprobs=2)
     whole = client.responses.create(**kw)
     validate(whole.model_dump(exclude_unset=True), "Response")
     assert whole.output_text.strip() and whole.status in ("completed", "incomplete")
     assert whole.usage.output_tokens <= 12
+    logprobs = whole.output[0].content[0].logprobs     # the text's tokens, the argmax each
+    assert "".join(lp.token for lp in logprobs) == whole.output_text
+    assert all(lp.top_logprobs[0].token == lp.token for lp in logprobs)
     r = http("POST", s.url + "/v1/responses", {**kw, "stream": True}, timeout=120)
     final = check_order(events_of(r.text))
     assert final["output"][0]["content"][0]["text"] == whole.output_text
+    assert [e["token"] for e in final["output"][0]["content"][0]["logprobs"]] == \
+        [lp.token for lp in logprobs]
     assert final["status"] == whole.status
     st = eng.core.stats()
     assert st.kv.pages_used == 0 and st.scheduler.running == 0
