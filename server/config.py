@@ -55,9 +55,11 @@ class ServeConfig:
     allow_extra_request_fields: bool = field(default=False, metadata={
         "help": "Drop unknown top-level request fields with a warning instead of answering 400"})
     temperature: float | None = field(default=None, metadata={
-        "help": "Default sampling temperature for requests that do not set one (default 1.0)"})
+        "help": "Default sampling temperature for requests that do not set one, over the "
+                "model's (default: --generation-config's)"})
     top_k: int | None = field(default=None, metadata={
-        "help": "Default top-k for requests that do not set one (default: off)"})
+        "help": "Default top-k for requests that do not set one, over the model's (default: "
+                "--generation-config's)"})
     max_request_body_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "Largest accepted request body; larger ones get HTTP 413"})
     http_idle_timeout: float = field(default=15.0, metadata={
