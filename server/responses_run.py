@@ -86,8 +86,9 @@ class ResponseRun:
 
     def failed(self, e: APIError) -> dict:
         resp = self.response("failed")
-        resp["error"] = {"code": "server_error" if e.status >= 500 else "invalid_prompt",
-                         "message": e.message}
+        code = "server_error" if e.status >= 500 else (
+            "rate_limit_exceeded" if e.status == 429 else "invalid_prompt")
+        resp["error"] = {"code": code, "message": e.message}
         return self._end(resp) if self.req.background else resp
 
     def cancelled(self) -> dict:

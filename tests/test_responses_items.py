@@ -38,7 +38,7 @@ def client(server):
 
 @pytest.fixture(autouse=True)
 def reset(engine):
-    engine.script, engine.delay = "Hello there.", 0.0
+    engine.script, engine.delay, engine.fail_on = "Hello there.", 0.0, None
     yield
     assert engine.pages_used == 0 and not engine.running
 
@@ -295,6 +295,14 @@ def test_cancel_errors(server, engine):
     assert r.status_code == 400 and "completed" in r.json()["error"]["message"]
     r = http("POST", f"{server.url}/v1/responses/resp_nope/cancel")
     assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+
+
+def test_a_failed_background_response_says_why(server, engine):
+    engine.fail_on = "boom"
+    rid = create(server, {"input": "boom", "background": True}).json()["id"]
+    failed = wait_for(lambda: (j := retrieve(server, rid).json())["status"] == "failed" and j,
+                      "the failure")
+    assert failed["error"]["code"] == "server_error" and "engine" in failed["error"]["message"]
 
 
 def test_delete_cancels_a_running_response(server, engine):
