@@ -15,9 +15,10 @@ requests run beside it:
 3. Valid traffic beside it all (streamed and not, chat and completions), each answer checked.
 
 Pass: no 5xx, no hang, every error in the route's envelope (tools/fuzz_checks.py: Anthropic's on
-/v1/messages, OpenAI's elsewhere), every 200 valid against the route's response schema, every valid request served, and nothing leaked afterwards (engine requests, KV
-pages beyond what the prefix cache holds, asyncio tasks, file descriptors). Prints a report
-(cases, answers by status, failures by class) and exits 1 when the pass fails."""
+/v1/messages, OpenAI's elsewhere), every 200 valid against the route's response schema, every
+valid request served, and nothing leaked afterwards (engine requests, KV pages beyond what the
+prefix cache holds, asyncio tasks, file descriptors). Prints a report (cases, answers by status,
+failures by class) and exits 1 when the pass fails."""
 from __future__ import annotations
 
 import argparse
