@@ -15,6 +15,7 @@ from server_harness import ServerThread, http
 from tiny_llama import write_tiny_gguf, write_tiny_llama
 
 from maxjax import cli
+from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
 from maxjax.models import sampling_defaults as sd
 from maxjax.models.loader import embedded_model_path
@@ -70,8 +71,12 @@ def test_gguf_metadata_over_llama_cpp_defaults(tmp_path):
 
 def test_the_embedded_model_takes_its_card_over_llama_cpp():
     got = sd.read(embedded_model_path())
-    assert got.values == {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
+    assert got.values == {"temperature": 0.2, "top_p": 0.9, "min_p": 0.05}
     assert "SmolLM2-135M-Instruct's model card" in got.source
+    # a request's own temperature 1, top_p 1 and min_p 0 leave nothing of them: the raw
+    # distribution (no top_k default is left over)
+    assert got.params(temperature=1.0, top_p=1.0, min_p=0.0) == SamplingParams(
+        temperature=1.0, top_p=1.0, min_p=0.0)
 
 
 def test_the_flag_picks_the_source(tmp_path):
@@ -196,6 +201,6 @@ def test_suggest_shows_them(capsys, tmp_path):
     assert got == {**RAW, **sd.LLAMA_CPP, "source": "llama.cpp's server defaults"}
     assert cli.main(["suggest"]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sampling ")]
-    assert line == ["sampling       temperature 0.2 top_p 0.9 top_k 40 min_p 0.05 "
-                    "repetition_penalty 1 (SmolLM2-135M-Instruct's model card over llama.cpp's "
-                    "server defaults)"]
+    assert line == ["sampling       temperature 0.2 top_p 0.9 top_k 0 min_p 0.05 "
+                    "repetition_penalty 1 (SmolLM2-135M-Instruct's model card, llama.cpp's "
+                    "min_p)"]

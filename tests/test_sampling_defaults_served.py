@@ -1,7 +1,7 @@
 """Sampling defaults on real engines (maxjax/models/sampling_defaults.py): a tiny random HF
 checkpoint's generation_config.json reaches the offline LLM and the server's requests that set no
-sampling field; the embedded SmolLM2's defaults (its card's temperature 0.2 and top_p 0.9 over
-llama.cpp's top_k 40 and min_p 0.05) hold token by token on seeded greetings, and a request's own
+sampling field; the embedded SmolLM2's defaults (its card's temperature 0.2 and top_p 0.9 with
+llama.cpp's min_p 0.05) hold token by token on seeded greetings, and a request's own
 temperature 1, top_p 1, min_p 0 samples past them."""
 from __future__ import annotations
 
@@ -108,12 +108,13 @@ def test_embedded_greetings_keep_to_the_default_min_p(smollm2_chat):
     p_T(a) / p_T(b) = exp((l_a - l_b) / T) = exp((logprob_a - logprob_b) / T), so a kept token
     has logprob >= top logprob + T * ln(min_p): at the card's T 0.2 and llama.cpp's min_p 0.05,
     within 0.6 nats of the step's top token. A request's own temperature 1, top_p 1 and min_p 0
-    (top_k 40 stays the model's) samples tokens far below that bound."""
+    gets the raw distribution (the embedded model has no top_k default) and samples tokens far
+    below that bound."""
     _, server = smollm2_chat
     card = http("GET", server.url + "/v1/models").json()["data"][0]["sampling_defaults"]
-    assert card == {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
-                    "repetition_penalty": 1.0, "source": "SmolLM2-135M-Instruct's model card "
-                                                         "over llama.cpp's server defaults"}
+    assert card == {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.05,
+                    "repetition_penalty": 1.0, "source": "SmolLM2-135M-Instruct's model card, "
+                                                         "llama.cpp's min_p"}
     bound = card["temperature"] * math.log(card["min_p"])
     tokens = all_greetings(server.url)
     assert len(tokens) >= 100

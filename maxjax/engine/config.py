@@ -122,7 +122,7 @@ class EngineConfig:
                 "min_p or repetition_penalty (vLLM's flag): auto, the model's (an HF "
                 "checkpoint's generation_config.json; a GGUF's general.sampling.* metadata over "
                 "llama.cpp's server defaults, top_k 40, top_p 0.95, min_p 0.05, temperature 0.8; "
-                "the embedded SmolLM2's model card over those); vllm, OpenAI's (temperature 1, "
+                "the embedded SmolLM2's model card, temperature 0.2 top_p 0.9, with min_p 0.05); vllm, OpenAI's (temperature 1, "
                 "no top-k, top-p or min-p); or a directory's generation_config.json. "
                 "/v1/models and `maxjax suggest` show them"})
     enable_penalties: bool = field(default=True, metadata={

@@ -22,9 +22,11 @@ FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 CHOICES = ("auto", "vllm")
 # llama.cpp's server (common/common.h: common_params_sampling) for any GGUF
 LLAMA_CPP = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
-# HuggingFaceTB/SmolLM2-135M-Instruct's model card samples with these (its generation_config.json
-# sets none)
-EMBEDDED_CARD = {"temperature": 0.2, "top_p": 0.9}
+# The embedded SmolLM2-135M-Instruct: its model card samples with temperature 0.2 and top_p 0.9
+# (its generation_config.json sets none), with llama.cpp's min_p. No top_k: at T 0.2 min_p 0.05
+# keeps tokens within 0.6 nats of the top one, which top_k 40 seldom cuts further, and a request
+# that sets temperature 1, top_p 1 and min_p 0 then gets the raw distribution.
+EMBEDDED = {"temperature": 0.2, "top_p": 0.9, "min_p": 0.05}
 GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
              "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
              "general.sampling.penalty_repeat": "repetition_penalty"}
@@ -111,17 +113,16 @@ def _gguf(path: str) -> SamplingDefaults:
     from maxjax.models.gguf import GGUFFile
     meta = GGUFFile(path).metadata
     own = _checked({f: (k, meta.get(k)) for k, f in GGUF_KEYS.items()}, path)
-    card = EMBEDDED_CARD if _is_embedded(path) else {}
-    source = "llama.cpp's server defaults"
-    if card:
-        source = f"SmolLM2-135M-Instruct's model card over {source}"
+    base, source = LLAMA_CPP, "llama.cpp's server defaults"
+    if _is_embedded(path):
+        base, source = EMBEDDED, "SmolLM2-135M-Instruct's model card, llama.cpp's min_p"
     if own:
         source = f"the GGUF's general.sampling.* over {source}"
-    return SamplingDefaults({**LLAMA_CPP, **card, **own}, source)
+    return SamplingDefaults({**base, **own}, source)
 
 
 def _is_embedded(path: str) -> bool:
-    from maxjax.models.loader import embedded_model_path
+    from maxjax.models.source import embedded_model_path
     try:
         return os.path.samefile(path, embedded_model_path())
     except (UserError, OSError):
