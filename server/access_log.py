@@ -97,7 +97,13 @@ def line(remote: str | None, method: str, path: str, status: int, rec: Record,
             f"duration={time.perf_counter() - rec.t0:.3f}s")
 
 
-def write(request, status: int, rec: Record, served_model: str) -> None:
-    if log.isEnabledFor(logging.INFO):
-        log.info("%s", line(request.remote, request.method, request.path, status, rec,
-                            served_model))
+def write(request, status: int, rec: Record, served_model) -> None:
+    """`served_model()`: the served model's id, asked only for a body that named none (a
+    server still loading has none yet, and its 503 must stay a 503)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    try:
+        served = served_model() if rec.read_body and not rec.model else "-"
+    except Exception:
+        served = "-"
+    log.info("%s", line(request.remote, request.method, request.path, status, rec, served))

@@ -28,6 +28,7 @@ from .openapi import describe, openapi_json
 from .protocol import (APIError, ChatCompletionRequest, DetokenizeRequest, LoadLoraRequest,
                        TokenizeRequest, UnloadLoraRequest, error_body, model_card, now)
 from .responses import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
+from .router import ModelRouter, RoutedState
 from .state import COMPLETED, STATE, ServerState, log, parse_request, read_json
 from .tools import tool_setup
 from .webui import OPEN_PREFIXES, PAGES, add_routes as add_webui_routes
@@ -49,6 +50,7 @@ async def _middleware(request: web.Request, handler):
     status = 500
     json_error = anthropic_json_error if is_anthropic(request.path) else _json_error
     record = access_log.begin()
+    st.begin_request()
     try:
         open_path = request.path in _OPEN_PATHS or request.path.startswith(OPEN_PREFIXES)
         if key and not open_path:
@@ -90,8 +92,9 @@ async def _middleware(request: web.Request, handler):
     finally:
         st.metrics.requests.labels(endpoint, str(status)).inc()
         if not st.cfg.disable_log_requests:
-            access_log.write(request, status, access_log.current(), st.model_id)
+            access_log.write(request, status, access_log.current(), lambda: st.model_id)
         access_log.end(record)
+        st.end_request()
 
 
 @describe(response=Health)
@@ -213,12 +216,17 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": text})
 
 
-def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Application:
+def build_app(engine: EngineClient | ModelRouter,
+              cfg: ServeConfig | None = None) -> web.Application:
+    """`engine`: the one model's, or a ModelRouter of several (server/router.py)."""
     cfg = cfg or ServeConfig()
     app = web.Application(middlewares=[_middleware], client_max_size=cfg.max_request_body_bytes)
-    m = ServerMetrics(engine)
-    state = ServerState(engine=engine, cfg=cfg, metrics=m,
-                        admission=AdmissionState(cfg.max_queue_size, m), created=now())
+    if isinstance(engine, ModelRouter):
+        state = RoutedState(engine, cfg)
+    else:
+        m = ServerMetrics(engine)
+        state = ServerState(engine=engine, cfg=cfg, metrics=m,
+                            admission=AdmissionState(cfg.max_queue_size, m), created=now())
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -227,8 +235,12 @@ def build_app(engine: EngineClient, cfg: ServeConfig | None = None) -> web.Appli
     add_responses_routes(app)
     app.router.add_post("/v1/messages", anthropic_messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    if isinstance(engine, ModelRouter):
+        from .model_routes import add_routes as add_model_routes
+        add_model_routes(app)
+    else:
+        app.router.add_get("/v1/models", list_models)
+        app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/health", health)
