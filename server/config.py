@@ -79,6 +79,15 @@ class ServeConfig:
                 "model, prompt, completion and cached tokens, time to first token, duration "
                 "(499: the client went away)"})
 
+    models_file: str | None = field(default=None, metadata={
+        "help": "YAML or JSON file of the models one server serves: a list of {name, model, any "
+                "model or engine flag, tool_parser, reasoning_parser}, each its own engine, "
+                "picked by a request's \"model\" (or repeat --model; docs/serving.md)"})
+    max_loaded_models: int | None = field(default=None, metadata={
+        "help": "With several models: how many stay loaded at once; a request for another "
+                "unloads the least recently used one once its requests have finished "
+                "(default: all of them)"})
+
     webui: bool = field(default=True, metadata={
         "help": "Serve the browser playground and engine dashboard at / (--no-webui: / is a 404; "
                 "/stats and /stats/stream stay)"})
@@ -122,6 +131,8 @@ class ServeConfig:
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0 seconds "
                                 f"(got {getattr(self, name)})")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise UserError(f"--max-loaded-models must be >= 1 (got {self.max_loaded_models})")
         for name in ("max_queue_size", "max_pending_requests", "shutdown_grace_period"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0 "

@@ -12,7 +12,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from maxjax.engine.stats import EngineStats, ReplicaStats, SpecStats
+from maxjax.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -73,60 +73,86 @@ def _family(kind: str, name: str, doc: str, labels=None):
 
 
 class _EngineCollector:
+    """One engine's metrics, or with several models (a ModelRouter: `loaded_engines`) each loaded
+    one's under a `model` label; the process-wide ones (XLA compiles) once, unlabelled."""
+
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
-        try:
-            stats = self.engine.stats() or EngineStats()
-        except Exception:   # a scrape must not fail because the engine is mid-restart
-            log.exception("engine.stats() failed")
-            stats = EngineStats()
+        models = getattr(self.engine, "loaded_engines", None)
+        pairs = models() if models is not None else [(None, self.engine)]
+        lead = ["model"] if models is not None else []
+        all_stats = [([name] if lead else [], _stats_of(e)) for name, e in pairs]
         for path, name, kind, doc in _ENGINE_METRICS:
             if path.startswith(_PER_REPLICA):
                 continue
-            family = _family(kind, name, doc)
-            family.add_metric([], float(attrgetter(path)(stats)))
+            if lead and path in _PER_PROCESS:
+                from maxjax.engine import compile_counter
+                family = _family(kind, name, doc)
+                family.add_metric([], float(max((attrgetter(path)(s) for _, s in all_stats),
+                                                default=compile_counter.count())))
+                yield family
+                continue
+            family = _family(kind, name, doc, lead or None)
+            for labels, stats in all_stats:
+                family.add_metric(labels, float(attrgetter(path)(stats)))
             yield family
         phases = CounterMetricFamily(
             "maxjax_step_phase_seconds", "Engine step time by phase: schedule, build_inputs, "
             "device_step (the compiled step and its transfer back), update, detokenize",
-            labels=["phase"])
-        for phase, seconds in stats.step_seconds.items():
-            phases.add_metric([phase], float(seconds))
+            labels=[*lead, "phase"])
+        for labels, stats in all_stats:
+            for phase, seconds in stats.step_seconds.items():
+                phases.add_metric([*labels, phase], float(seconds))
         yield phases
-        yield from _spec_metrics(stats.spec)
-        yield from _replica_metrics(stats.replicas)
+        yield from _spec_metrics(all_stats, lead)
+        yield from _replica_metrics(all_stats, lead)
 
 
-def _replica_metrics(replicas: tuple[ReplicaStats, ...]):
-    if not replicas:
+_PER_PROCESS = ("xla_compiles",)
+
+
+def _stats_of(engine) -> EngineStats:
+    try:
+        return engine.stats() or EngineStats()
+    except Exception:   # a scrape must not fail because the engine is mid-restart
+        log.exception("engine.stats() failed")
+        return EngineStats()
+
+
+def _replica_metrics(all_stats, lead: list[str]):
+    if not any(stats.replicas for _, stats in all_stats):
         return
     for path, name, kind, doc in _ENGINE_METRICS:
         if not path.startswith(_PER_REPLICA):
             continue
-        family = _family(kind, name, doc, labels=["replica"])
+        family = _family(kind, name, doc, labels=[*lead, "replica"])
         get = attrgetter(path.removeprefix(_PER_REPLICA))
-        for i, s in enumerate(replicas):
-            family.add_metric([str(i)], float(get(s)))
+        for labels, stats in all_stats:
+            for i, s in enumerate(stats.replicas):
+                family.add_metric([*labels, str(i)], float(get(s)))
         yield family
 
 
-def _spec_metrics(spec: SpecStats):
+def _spec_metrics(all_stats, lead: list[str]):
     """Acceptance by draft position (0: the first draft after the row's last token)."""
     per_pos = CounterMetricFamily("maxjax_spec_decode_num_accepted_tokens_per_pos",
                                   "Speculative decoding: draft tokens accepted, by position",
-                                  labels=["position"])
+                                  labels=[*lead, "position"])
     rate = GaugeMetricFamily("maxjax_spec_decode_acceptance_rate",
                              "Speculative decoding: accepted / verified drafts, by position",
-                             labels=["position"])
-    for j, (d, a) in enumerate(zip(spec.drafted_at, spec.accepted_at)):
-        per_pos.add_metric([str(j)], float(a))
-        rate.add_metric([str(j)], a / d if d else 0.0)
-    rows = spec.rows_verified
+                             labels=[*lead, "position"])
     mean = GaugeMetricFamily("maxjax_spec_decode_mean_accepted_tokens",
-                             "Speculative decoding: drafts accepted per verifying row and step")
-    mean.add_metric([], spec.accepted_tokens / rows if rows else 0.0)
+                             "Speculative decoding: drafts accepted per verifying row and step",
+                             labels=lead or None)
+    for labels, stats in all_stats:
+        spec = stats.spec
+        for j, (d, a) in enumerate(zip(spec.drafted_at, spec.accepted_at)):
+            per_pos.add_metric([*labels, str(j)], float(a))
+            rate.add_metric([*labels, str(j)], a / d if d else 0.0)
+        rows = spec.rows_verified
+        mean.add_metric(labels, spec.accepted_tokens / rows if rows else 0.0)
     yield from (per_pos, rate, mean)
 
 
@@ -138,22 +164,26 @@ def _task_count() -> int:
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    """`model_label`: a server of several models (server/router.py), whose token counters and
+    latencies carry the model's name (ModelMetrics hands one model's out)."""
+
+    def __init__(self, engine, model_label: bool = False):
         self.registry = r = CollectorRegistry()
+        by = ["model"] if model_label else []
         self.requests = Counter("maxjax_requests", "Finished HTTP requests",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("maxjax_prompt_tokens", "Prompt tokens processed",
-                                     registry=r)
+                                     by, registry=r)
         self.generation_tokens = Counter("maxjax_generation_tokens", "Tokens generated",
-                                         registry=r)
+                                         by, registry=r)
         self.ttft = Histogram("maxjax_time_to_first_token_seconds",
-                              "Time from request arrival to its first token",
+                              "Time from request arrival to its first token", by,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("maxjax_inter_token_latency_seconds",
-                             "Time between consecutive generated tokens",
+                             "Time between consecutive generated tokens", by,
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("maxjax_request_latency_seconds",
-                             "Time from request arrival to its last token",
+                             "Time from request arrival to its last token", by,
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.server_waiting = Gauge("maxjax_server_requests_waiting",
                                     "Engine requests submitted that have no token yet", registry=r)
@@ -180,3 +210,17 @@ class ServerMetrics:
                 else:
                     out[s.name] = s.value
         return out
+
+
+class ModelMetrics:
+    """One model's view of a several-model server's ServerMetrics: what the routes update,
+    labelled with its name; the rest shared."""
+    _LABELLED = ("prompt_tokens", "generation_tokens", "ttft", "itl", "e2e")
+
+    def __init__(self, parent: ServerMetrics, model: str):
+        self.parent = parent
+        for name in self._LABELLED:
+            setattr(self, name, getattr(parent, name).labels(model))
+
+    def __getattr__(self, name):
+        return getattr(self.parent, name)

@@ -108,6 +108,17 @@ class ServerState:
         raise APIError(404, f"model {model!r} does not exist; this server serves "
                             f"{self.model_id!r}", param="model", code="model_not_found")
 
+    # With several models the app's state is a RoutedState (server/router.py), which picks
+    # the model a request names; with one there is nothing to pick.
+    def begin_request(self) -> None:
+        pass
+
+    async def pick_model(self, model) -> None:
+        pass
+
+    def end_request(self) -> None:
+        pass
+
     def check_ready(self) -> None:
         if getattr(self.engine, "dead", None) is not None:
             raise APIError(503, "the engine thread died; the server is shutting down")
@@ -146,6 +157,7 @@ async def read_json(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     access_log.note_body(body)
+    await request.app[STATE].pick_model(body.get("model"))
     return body
 
 

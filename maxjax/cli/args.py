@@ -52,6 +52,15 @@ class BoolFlag(argparse.Action):
         setattr(namespace, self.dest, False if negated else (True if value is None else value))
 
 
+class RepeatedFlag(argparse.Action):
+    """A flag whose last value is its value, as a plain one's, with every value given kept in
+    `{dest}_all` (`serve --model A --model B`: several models)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        setattr(namespace, f"{self.dest}_all", [*getattr(namespace, f"{self.dest}_all", []), value])
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None = None) -> None:
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(title or cls.__name__)
@@ -67,6 +76,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str | None =
         kw = dict(dest=f.name, help=help_text, default=argparse.SUPPRESS)
         if base is bool:
             kw["action"] = BoolFlag
+        elif f.metadata.get("repeatable"):
+            kw.update(action=RepeatedFlag, type=base)
         elif kind == "list":
             kw.update(action="extend", nargs="+", type=base)
         else:
@@ -94,17 +105,26 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
     any of a flag's names (dashes or underscores, `model` as `model-path`); a value goes through
     the flag's own parsing (its type, choices, true/false words; a single value is a one-item
     list). A key no flag of `parser` has, or a value its flag refuses, is one line naming it."""
-    text = read_user_file(path, "--config-file")
-    try:
-        if path.endswith(".json"):
-            data = json.loads(text)
-        else:
-            import yaml
-            data = yaml.safe_load(text)
-    except Exception as e:
-        raise UserError(f"--config-file {path}: cannot parse: {e}") from e
+    data = read_yaml_or_json(path, "--config-file")
     if not isinstance(data, dict):
         raise UserError(f"--config-file {path}: expected a mapping of flag names to values")
+    return config_values(data, parser, f"--config-file {path}")
+
+
+def read_yaml_or_json(path: str, flag: str):
+    """The file's data (JSON when it ends in .json, else YAML); a UserError naming `flag`."""
+    text = read_user_file(path, flag)
+    try:
+        if path.endswith(".json"):
+            return json.loads(text)
+        import yaml
+        return yaml.safe_load(text)
+    except Exception as e:
+        raise UserError(f"{flag} {path}: cannot parse: {e}") from e
+
+
+def config_values(data: dict, parser: argparse.ArgumentParser, where: str) -> dict:
+    """{flag name: value} (YAML's or JSON's) as `parser`'s flags parse them: {dest: value}."""
     flags = {}
     for a in parser._actions:
         for opt in a.option_strings:
@@ -113,14 +133,14 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
                 flags[opt[2:].replace("-", "_")] = a
     unknown = sorted(str(k) for k in data if str(k).replace("-", "_") not in flags)
     if unknown:
-        raise UserError(f"--config-file {path}: unknown settings: {', '.join(unknown)}")
+        raise UserError(f"{where}: unknown settings: {', '.join(unknown)}")
     out = {}
     for key, value in data.items():
         a = flags[str(key).replace("-", "_")]
         try:
             out[a.dest] = _flag_value(a, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
-            raise UserError(f"--config-file {path}: {key}: {e}") from None
+            raise UserError(f"{where}: {key}: {e}") from None
     return out
 
 
@@ -154,8 +174,9 @@ def _flag_value(a: argparse.Action, value):
 @dataclass
 class ModelOptions:
     model_path: str | None = field(default=None, metadata={
-        "args": ["--model-path", "--model"],
-        "help": "HF repo id, HF directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)"})
+        "args": ["--model-path", "--model"], "repeatable": True,
+        "help": "HF repo id, HF directory or GGUF file (default: the embedded SmolLM2-135M-Instruct); "
+                "`serve` given it more than once serves each (docs/serving.md)"})
     # The rest of the model's source (maxjax/models/source.py; the draft's twins in EngineConfig).
     huggingface_model_revision: str | None = field(default=None, metadata={
         "help": "Branch, tag or commit of the Hugging Face repo (config, tokenizer and weights)"})

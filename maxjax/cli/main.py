@@ -51,7 +51,6 @@ def _setup(args, register: bool = True) -> tuple[ModelOptions, EngineConfig]:
     devices.select_platform(engine_cfg.devices,
                             start=group and (lambda: distributed.initialize(group)),
                             draft=engine_cfg.draft_devices)
-    engine_cfg = engine_cfg.for_platform(None)
     if engine_cfg.draft_devices is not None:     # another platform, or devices it lacks: now
         from maxjax.engine.draft import draft_mesh
         draft_mesh(engine_cfg)
@@ -221,13 +220,19 @@ def cmd_serve(args) -> int:
 
 def _serve(args) -> int:
     model_opts, engine_cfg = _setup(args)
+    from maxjax.server.config import ServeConfig
+    base = _config_file(args)
+    serve_cfg = build(ServeConfig, args, base)
+    from maxjax.cli import multi_model
+    specs = multi_model.model_specs(args, model_opts, engine_cfg, serve_cfg)
+    if specs is not None:
+        if args.group is not None:
+            raise UserError("--num-processes: a multi-host group serves one model")
+        return multi_model.serve_models(specs, serve_cfg)
     if args.group is None:
         from maxjax.engine.build import prefetch_early
         prefetch_early(model_opts.source(), engine_cfg, model_opts.chat_template,
                        model_opts.compile_cache, model_opts.precompiled_artifacts)
-    from maxjax.server.config import ServeConfig
-    base = _config_file(args)
-    serve_cfg = build(ServeConfig, args, base)
     if args.pretty_print_config:
         print(json.dumps({"model": dataclasses.asdict(model_opts), "engine": dataclasses.asdict(engine_cfg),
                           "server": {k: ("***" if k == "api_key" and v else v)
