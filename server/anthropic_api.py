@@ -1,8 +1,8 @@
 """The Anthropic Messages API: POST /v1/messages (whole, or streamed as Anthropic's typed SSE
 events) and POST /v1/messages/count_tokens. The request becomes a ChatCompletionRequest
 (server/anthropic_translate.py) and runs as a ChatTurn (server/chat_run.py), as every chat API
-does; here ChatOutput's message fields and deltas are rendered as content blocks: thinking (from
---reasoning-parser), text, tool_use. Errors on these routes are in Anthropic's envelope
+does; here its typed parts and message (server/chat_events.py) are rendered as content blocks:
+thinking (from --reasoning-parser), text, tool_use. Errors on these routes are in Anthropic's envelope
 (server/app.py's middleware picks it by `is_anthropic`). Registered by server/app.py."""
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from maxjax.engine.types import FinishReason
 
 from .anthropic_translate import (CountTokensRequest, MessagesRequest, anthropic_names,
                                   error_body, server_tools, to_chat)
+from .chat_events import (ChatMessage, ChatPart, Finish, Reasoning, Text, ToolCallArgs,
+                          ToolCallStart)
 from .chat_prompt import chat_prompt
 from .chat_run import ChatTurn
 from .openai_routes import SSE, _accept
@@ -41,10 +43,6 @@ def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _reasoning(fields: dict) -> str | None:
-    return fields.get("reasoning_content", fields.get("reasoning"))
-
-
 def _usage(turn: ChatTurn) -> dict:
     """Anthropic counts cache reads apart from input_tokens (their sum is the prompt)."""
     prompt, completion, cached = turn.usage_counts()
@@ -52,13 +50,13 @@ def _usage(turn: ChatTurn) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-async def _stop_reason(st: ServerState, turn: ChatTurn, finish: FinishReason,
+async def _stop_reason(st: ServerState, turn: ChatTurn, finish: Finish,
                        stops: list[str]) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence). The engine drops a matched stop string from the text but
     not from the tokens, so the sequence is the stop string the decoded tokens hold right after
     the text; none there (EOS): end_turn."""
-    if finish != FinishReason.STOP or not stops:
-        return _STOP[finish], None
+    if finish.reason != FinishReason.STOP or not stops:
+        return _STOP[finish.reason], None
     c = turn.choices[0]
     text = "".join(c.text)
     full = await st.in_tokenizer_thread(
@@ -75,24 +73,22 @@ def _message(rid: str, model: str, content: list[dict], stop_reason, stop_sequen
             "usage": usage}
 
 
-def content_blocks(message: dict) -> list[dict]:
-    """ChatOutput.message() as content blocks: thinking, text, tool_use."""
+def content_blocks(message: ChatMessage) -> list[dict]:
+    """A whole message as content blocks: thinking, text, tool_use."""
     blocks = []
-    reasoning = _reasoning(message)
-    if reasoning:
-        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or []:
-        fn = call["function"]
-        blocks.append({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": fn["name"],
-                       "input": json.loads(fn["arguments"] or "{}")})
+    if message.reasoning:
+        blocks.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
+    if message.content:
+        blocks.append({"type": "text", "text": message.content})
+    for call in message.tool_calls:
+        blocks.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
+                       "input": call.args})
     return blocks
 
 
 class BlockStream:
-    """ChatOutput deltas -> content_block_start / _delta / _stop events: a block opens when a
-    delta of another kind (thinking, text, a new tool call) arrives and closes the one before."""
+    """Chat parts -> content_block_start / _delta / _stop events: a block opens when a part of
+    another kind (thinking, text, a new tool call) arrives and closes the one before."""
 
     def __init__(self, sse: SSE):
         self.sse, self.index, self.kind = sse, -1, None
@@ -118,25 +114,22 @@ class BlockStream:
         await self.event("content_block_stop", {"index": self.index})
         self.kind = None
 
-    async def feed(self, d: dict) -> None:
-        reasoning = _reasoning(d)
-        if reasoning:
-            if self.kind != "thinking":
-                await self._open("thinking", {"type": "thinking", "thinking": "",
-                                              "signature": ""})
-            await self._delta({"type": "thinking_delta", "thinking": reasoning})
-        elif d.get("content"):
-            if self.kind != "text":
-                await self._open("text", {"type": "text", "text": ""})
-            await self._delta({"type": "text_delta", "text": d["content"]})
-        elif d.get("tool_calls"):
-            tc = d["tool_calls"][0]
-            if "id" in tc:
-                await self._open("tool_use", {"type": "tool_use", "id": _tool_use_id(tc["id"]),
-                                              "name": tc["function"]["name"], "input": {}})
-            elif tc["function"].get("arguments"):
-                await self._delta({"type": "input_json_delta",
-                                   "partial_json": tc["function"]["arguments"]})
+    async def feed(self, part: ChatPart) -> None:
+        match part:
+            case Reasoning(text) if text:
+                if self.kind != "thinking":
+                    await self._open("thinking", {"type": "thinking", "thinking": "",
+                                                  "signature": ""})
+                await self._delta({"type": "thinking_delta", "thinking": text})
+            case Text(text) if text:
+                if self.kind != "text":
+                    await self._open("text", {"type": "text", "text": ""})
+                await self._delta({"type": "text_delta", "text": text})
+            case ToolCallStart(_, call_id, name):
+                await self._open("tool_use", {"type": "tool_use", "id": _tool_use_id(call_id),
+                                              "name": name, "input": {}})
+            case ToolCallArgs(_, args) if args:
+                await self._delta({"type": "input_json_delta", "partial_json": args})
 
 
 async def _accept_messages(request: web.Request, model_cls):
@@ -162,7 +155,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             if req.stream:
                 return await _stream(request, st, req, turn, rid, stops)
             final = (await turn.collect())[0]
-            reason, seq = await _stop_reason(st, turn, final.finish_reason, stops)
+            reason, seq = await _stop_reason(st, turn, final.finish, stops)
             return web.json_response(_message(rid, req.model, content_blocks(final.message),
                                               reason, seq, _usage(turn)),
                                      headers=turn.headers)
@@ -184,13 +177,13 @@ async def _stream(request, st, req, turn, rid, stops) -> web.StreamResponse:
             await blocks.event("message_start", {"message": _message(
                 rid, req.model, [], None, None, {**_usage(turn), "output_tokens": 0})})
             await blocks.event("ping", {})
-    finish = FinishReason.STOP
+    finish = Finish(FinishReason.STOP, FinishReason.STOP)
     try:
         async for ev in turn.events():
             await start()
-            for d in ev.deltas:
-                await blocks.feed(d)
-            finish = ev.finish_reason or finish
+            for part in ev.parts:
+                await blocks.feed(part)
+            finish = ev.finish or finish
         await start()
     except APIError as e:
         e = anthropic_names(e)

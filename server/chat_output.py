@@ -1,70 +1,62 @@
-"""One chat choice's output text -> OpenAI message fields, streamed or whole by the same code:
-reasoning (server/reasoning.py) first, then tool calls (server/tools.py) in what is content.
-`feed(text)` returns the deltas new since the last call, `finish()` the rest; `message()` the
-non-streamed fields. So streamed deltas reassemble to the non-streamed message by construction.
+"""One chat choice's output text -> typed chat parts (server/chat_events.py), streamed or whole
+by the same code: reasoning (server/reasoning.py) first, then tool calls (server/tools.py) in what
+is content. `feed(text)` returns the parts new since the last call, `finish()` the rest;
+`message()` the whole. So streamed parts reassemble to the whole message by construction.
 
-Deltas: {"reasoning_content" and/or "reasoning": text}, {"content": text}, and per tool call
-{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]} followed by
-{"tool_calls": [{"index", "function": {"arguments": "<the JSON>"}}]}. A call's arguments go out
-whole, once the call is complete (partial-JSON diffs break clients). Text that may be the start of
-a tool call is held back, so no partial tag reaches `content`; if it turns out not to be a call
-it goes out as content.
+Parts: Reasoning, Text, and per tool call a ToolCallStart followed by one ToolCallArgs. A call's
+arguments go out whole, once the call is complete (partial-JSON diffs break clients). Text that
+may be the start of a tool call is held back, so no partial tag reaches the content; if it turns
+out not to be a call it goes out as content.
 """
 from __future__ import annotations
 
+from .chat_events import ChatMessage, ChatPart, Reasoning, Text, ToolCallArgs, ToolCallStart
 from .reasoning import ReasoningStream, _held
 from .tools import marker, parse_calls, partial_calls, starts_anywhere
 
 
 class ChatOutput:
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
-                 prompt_text: str = "", reasoning_fields=("reasoning_content", "reasoning"),
-                 tool_names: set[str] | None = None, partial_calls: bool = False):
+                 prompt_text: str = "", tool_names: set[str] | None = None, partial_calls: bool = False):
         self.reasoning = ReasoningStream(reasoning_parser, prompt_text) if reasoning_parser \
             else None
         self.tool_parser = tool_parser
         self.tool_names = tool_names      # calls naming another function are not calls
         self.partial_calls = partial_calls    # a cut-off call is kept (what parses of it)
-        self.reasoning_fields = reasoning_fields
         self.content, self.reasoning_text, self.tool_calls = "", "", []
         self._pending = ""          # content not yet sent: a possible marker, or the calls
         self._in_calls = False
         self._sent_calls = 0
 
-    def feed(self, text: str, final: bool = False, truncated: bool = False) -> list[dict]:
-        deltas = []
+    def feed(self, text: str, final: bool = False, truncated: bool = False) -> list[ChatPart]:
+        parts = []
         if self.reasoning is not None:
             r, text = self.reasoning.feed(text, final)
             if r:
                 self.reasoning_text += r
-                deltas.append({f: r for f in self.reasoning_fields})
+                parts.append(Reasoning(r))
         if self.tool_parser is None:
             if text:
                 self.content += text
-                deltas.append({"content": text})
-            return deltas
+                parts.append(Text(text))
+            return parts
         self._pending += text
         out = self._content_part(final)
         if out:
             self.content += out
-            deltas.append({"content": out})
+            parts.append(Text(out))
         if self._in_calls:
-            deltas += self._call_deltas(final, truncated)
-        return deltas
+            parts += self._call_parts(final, truncated)
+        return parts
 
-    def finish(self, truncated: bool = False) -> list[dict]:
+    def finish(self, truncated: bool = False) -> list[ChatPart]:
         """The rest; `truncated`: the output was cut (max_tokens), so an unfinished call at its
         end is dropped (kept as far as it parses, with `partial_calls`), never sent as
         content."""
         return self.feed("", final=True, truncated=truncated)
 
-    def message(self) -> dict:
-        msg = {"content": self.content or (None if self.tool_calls else "")}
-        if self.reasoning is not None and self.reasoning_text:
-            msg.update({f: self.reasoning_text for f in self.reasoning_fields})
-        if self.tool_calls:
-            msg["tool_calls"] = self.tool_calls
-        return msg
+    def message(self) -> ChatMessage:
+        return ChatMessage(self.content, self.reasoning_text, list(self.tool_calls))
 
     # ---- tool calls in the content ----------------------------------------------------------
     def _content_part(self, final: bool) -> str:
@@ -93,7 +85,7 @@ class ChatOutput:
         self._pending = self._pending[len(out):]
         return out
 
-    def _call_deltas(self, final: bool, truncated: bool = False) -> list[dict]:
+    def _call_parts(self, final: bool, truncated: bool = False) -> list[ChatPart]:
         if not final and self.tool_parser != "hermes":
             return []                 # whole-output formats are parsed at the end
         text = self._pending
@@ -105,28 +97,25 @@ class ChatOutput:
                 text = text[:end + len("</tool_call>")] if end >= 0 else ""
             calls = parse_calls(self.tool_parser, text) if text else None
         if calls and self.tool_names is not None and any(
-                c["function"]["name"] not in self.tool_names for c in calls):
+                c.name not in self.tool_names for c in calls):
             calls = None
         if calls is None:
             if final and not truncated:   # not calls after all: it was content
                 self.content += self._pending
                 out, self._pending = self._pending, ""
-                return [{"content": out}] if out else []
+                return [Text(out)] if out else []
             if final:
                 self._pending = ""
             return []
-        deltas = []
+        parts = []
         for call in calls[self._sent_calls:]:
-            fn = call["function"]
-            if any(c["function"] == fn for c in self.tool_calls):
+            if any((c.name, c.arguments) == (call.name, call.arguments)
+                   for c in self.tool_calls):
                 continue      # the same call again in one turn (small models repeat) adds nothing
             i = len(self.tool_calls)
             self.tool_calls.append(call)
-            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                           "function": {"name": fn["name"], "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {
-                "arguments": fn["arguments"]}}]})
+            parts += [ToolCallStart(i, call.id, call.name), ToolCallArgs(i, call.arguments)]
         self._sent_calls = len(calls)
         if final:
             self._pending = ""
-        return deltas
+        return parts

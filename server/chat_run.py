@@ -1,16 +1,16 @@
 """One chat turn, the same under every API that speaks chat (OpenAI chat completions, the
 Responses API, Anthropic Messages): a ChatCompletionRequest -> tool setup, prompt (chat template),
-SamplingParams and grammar -> Generation -> each choice's text parsed by ChatOutput into message
-fields. A route translates its own request shape into a ChatCompletionRequest and renders the
-`ChoiceEvent`s (streamed) or `FinalChoice`s (whole) back into its shapes; nothing here knows
-which API asked."""
+SamplingParams and grammar -> Generation -> each choice's text parsed by ChatOutput into typed
+parts (server/chat_events.py). A route translates its own request shape into a
+ChatCompletionRequest and renders the `ChoiceEvent`s (streamed) or `FinalChoice`s (whole) into its
+shapes; nothing here knows which API asked."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from maxjax.engine.types import FinishReason, SamplingParams, TokenLogprob
+from maxjax.engine.types import FinishReason, SamplingParams
 
+from .chat_events import ChoiceEvent, FinalChoice, Finish
 from .chat_output import ChatOutput
 from .chat_prompt import chat_prompt
 from .generation import Choice, Generation
@@ -22,35 +22,17 @@ from .structured import unenforced_notes, warning_headers
 from .tools import ToolSetup, tool_setup
 
 
-@dataclass
-class ChoiceEvent:
-    """What one engine output of choice `index` adds: message deltas (ChatOutput's), the new
-    tokens' logprobs, and the finish reason on the last."""
-    index: int
-    deltas: list[dict]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: FinishReason | None
-
-
-@dataclass
-class FinalChoice:
-    index: int
-    message: dict               # content, reasoning fields, tool_calls (ChatOutput.message())
-    finish_reason: FinishReason    # STOP, LENGTH or TOOL_CALLS
-    logprobs: list[TokenLogprob]
-
-
 def _own_spec(params: SamplingParams):
     """The request's own grammar (not a tool call's)."""
     spec = params.structured_output
     return spec if spec is not None and spec.param != "tools" else None
 
 
-def finish_reason(c: Choice, out: ChatOutput) -> FinishReason:
+def finish(c: Choice, out: ChatOutput) -> Finish:
     """A cut-off output is LENGTH even when it holds complete calls before the cut."""
-    if out.tool_calls and c.finish_reason != FinishReason.LENGTH:
-        return FinishReason.TOOL_CALLS
-    return c.finish_reason
+    raw = c.finish_reason
+    calls = out.tool_calls and raw != FinishReason.LENGTH
+    return Finish(FinishReason.TOOL_CALLS if calls else raw, raw)
 
 
 def chat_constraint(st: ServerState, params: SamplingParams, tools: ToolSetup | None,
@@ -124,8 +106,7 @@ class ChatTurn:
 
     def _parser(self) -> ChatOutput:
         return ChatOutput(self.st.reasoning_parser, self.tools.parser if self.tools else None,
-                          self.prompt_text, self.st.cfg.reasoning_fields(),
-                          {f["name"] for f in self.tools.functions} if self.tools else None,
+                          self.prompt_text, {f["name"] for f in self.tools.functions} if self.tools else None,
                           self.partial_calls)
 
     @property
@@ -143,13 +124,12 @@ class ChatTurn:
         want_lp = bool(self.req.logprobs)
         async for c, out in self.gen.events():
             o = self.outputs[c.index]
-            deltas = o.feed(self._strip_eos(out.new_text))
+            parts = o.feed(self._strip_eos(out.new_text))
             if out.finished:
-                deltas += o.finish(truncated=c.finish_reason == FinishReason.LENGTH)
+                parts += o.finish(truncated=c.finish_reason == FinishReason.LENGTH)
             lps = out.new_logprobs if want_lp else None
-            if deltas or out.finished or lps:
-                yield ChoiceEvent(c.index, deltas, lps,
-                                  finish_reason(c, o) if out.finished else None)
+            if parts or out.finished or lps:
+                yield ChoiceEvent(c.index, parts, lps, finish(c, o) if out.finished else None)
 
     async def collect(self) -> list[FinalChoice]:
         async for _ in self.gen.events():
@@ -159,7 +139,7 @@ class ChatTurn:
             o = self.outputs[c.index]
             o.feed(self._strip_eos("".join(c.text)))
             o.finish(truncated=c.finish_reason == FinishReason.LENGTH)
-            finals.append(FinalChoice(c.index, o.message(), finish_reason(c, o), c.logprobs))
+            finals.append(FinalChoice(c.index, o.message(), finish(c, o), c.logprobs))
         return finals
 
     def usage_counts(self) -> tuple[int, int, int]:

@@ -189,8 +189,7 @@ class Generation:
         c.completion_tokens = max(out.completion_tokens, len(c.token_ids))
         c.cached_tokens = max(c.cached_tokens, out.cached_tokens)
         if out.finished:
-            c.finish_reason = (FinishReason.LENGTH if out.finish_reason == FinishReason.LENGTH
-                               else FinishReason.STOP)
+            c.finish_reason = out.finish_reason or FinishReason.STOP      # the engine's own
             self.metrics.e2e.observe(now - self.t_arrival)
 
     def abort_unfinished(self) -> int:

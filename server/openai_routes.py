@@ -13,6 +13,8 @@ from aiohttp import web
 
 from maxjax.engine.types import TokenLogprob
 
+from . import chat_render
+from .chat_render import logprob_entries
 from .chat_run import ChatTurn
 from .generation import Generation
 from .openapi import describe
@@ -52,15 +54,7 @@ async def completion_prompts(st: ServerState, prompt) -> tuple[list[list[int]], 
 # ---- logprobs -----------------------------------------------------------------------------------
 
 def chat_logprobs(st: ServerState, lps: list[TokenLogprob] | None, top_n: int) -> dict:
-    def entry(tid, lp):
-        s = st.token_str(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-    content = []
-    for t in lps or []:
-        e = entry(t.token_id, t.logprob)
-        e["top_logprobs"] = [entry(i, lp) for i, lp in t.top[:top_n]]
-        content.append(e)
-    return {"content": content, "refusal": None}
+    return {"content": logprob_entries(st.token_str, lps, top_n), "refusal": None}
 
 
 class CompletionLogprobs:
@@ -157,9 +151,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top_n = req.top_logprobs or 0
     turn = await ChatTurn.prepare(st, req, rid, t0, lora)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    fields = st.cfg.reasoning_fields()
     async with turn:
         if not req.stream:
-            choices = [chat_choice(f.index, f.message, f.finish_reason,
+            choices = [chat_choice(f.index, chat_render.message(f.message, fields),
+                                   f.finish.reason,
                                    chat_logprobs(st, f.logprobs, top_n) if req.logprobs else None)
                        for f in await turn.collect()]
             return web.json_response(chat_response(rid, model, turn.created, choices,
@@ -175,12 +171,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         try:
             async for ev in turn.events():
                 lp = chat_logprobs(st, ev.logprobs, top_n) if ev.logprobs else None
-                deltas = ev.deltas or [{}]
-                for j, delta in enumerate(deltas):
-                    last = j == len(deltas) - 1
-                    await sse.send(chunk([chat_chunk_choice(
-                        ev.index, delta, ev.finish_reason if last else None,
-                        lp if j == 0 else None)]))
+                for choice in chat_render.chunk_choices(ev, fields, lp):
+                    await sse.send(chunk([choice]))
         except APIError as e:
             return await sse.error(e)
         if include_usage:

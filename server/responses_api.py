@@ -1,7 +1,7 @@
 """The OpenAI Responses API: POST /v1/responses (whole, streamed as typed SSE events, or in the
 background), GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel. A request is
 translated into a ChatCompletionRequest (server/responses_request.py) and runs as any chat turn
-(server/chat_run.py); ChatOutput's deltas become output items and events (server/
+(server/chat_run.py); its typed parts become output items and events (server/
 responses_run.py). Stored responses (`store`, `previous_response_id`) live in a bounded
 in-memory ResponseStore (server/response_store.py). Registered by server/app.py through
 add_routes()."""

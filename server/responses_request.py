@@ -1,6 +1,6 @@
 """The Responses API's shapes: its request (`CreateResponse` of the OpenAI spec) translated into a
-ChatCompletionRequest, and ChatOutput's message deltas rendered back as output items (message,
-function_call, reasoning) and stream events; the response object. Used by
+ChatCompletionRequest, and a chat turn's typed parts (server/chat_events.py) rendered as output
+items (message, function_call, reasoning) and stream events; the response object. Used by
 server/responses_api.py, which runs the translated request as any chat turn."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from . import json_body
+from .chat_events import ChatPart, Reasoning, Text, ToolCallArgs, ToolCallStart
 from .protocol import APIError, ChatCompletionRequest, _Strict
 from .responses_tools import BUILT_IN_TOOLS, flat_name, function_tools
 
@@ -331,7 +332,7 @@ def _id(prefix: str) -> str:
 
 
 class OutputItems:
-    """The output items of one response, built from ChatOutput's deltas; `feed` and `finish`
+    """The output items of one response, built from a chat turn's parts; `feed` and `finish`
     return the stream events they add (without sequence_number). The whole (non-streamed)
     output goes through the same calls, so both are one rendering."""
 
@@ -383,31 +384,27 @@ class OutputItems:
             e["logprobs"] = event_logprobs(logprobs or [])
         return ev + [e]
 
-    def feed(self, delta: dict, logprobs: list[dict] | None = None) -> list[dict]:
-        """`logprobs`: those of the delta's content."""
-        ev = []
-        r = delta.get("reasoning_content", delta.get("reasoning"))
-        if r:
-            ev += self._text("reasoning", r)
-        if delta.get("content"):
-            ev += self._text("message", delta["content"], logprobs)
-        for tc in delta.get("tool_calls") or []:
-            fn = tc.get("function") or {}
-            if "id" in tc:
-                name = fn.get("name", "")
-                call = {"id": _id("fc"), "type": "function_call", "call_id": tc["id"],
+    def feed(self, part: ChatPart, logprobs: list[dict] | None = None) -> list[dict]:
+        """`logprobs`: those of a Text part's tokens."""
+        match part:
+            case Reasoning(text) if text:
+                return self._text("reasoning", text)
+            case Text(text) if text:
+                return self._text("message", text, logprobs)
+            case ToolCallStart(index, call_id, name):
+                call = {"id": _id("fc"), "type": "function_call", "call_id": call_id,
                         "name": name, "arguments": ""}
                 if name in self.namespaced:
                     call["namespace"], call["name"] = self.namespaced[name]
-                ev += self._added(call, None)
-                self.calls[tc["index"]] = self.open
-            item = self.calls[tc["index"]]
-            if fn.get("arguments"):
-                item["arguments"] += fn["arguments"]
-                ev.append({"type": "response.function_call_arguments.delta",
-                           "item_id": item["id"], "output_index": self.items.index(item),
-                           "delta": fn["arguments"]})
-        return ev
+                ev = self._added(call, None)
+                self.calls[index] = self.open
+                return ev
+            case ToolCallArgs(index, args) if args:
+                item = self.calls[index]
+                item["arguments"] += args
+                return [{"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                         "output_index": self.items.index(item), "delta": args}]
+        return []
 
     def close_open(self, status: str = "completed") -> list[dict]:
         item, self.open = self.open, None

@@ -12,8 +12,9 @@ import logging
 
 from maxjax.engine.types import FinishReason
 
+from .chat_events import Finish, Text
+from .chat_render import logprob_entries
 from .chat_run import ChatTurn
-from .openai_routes import chat_logprobs
 from .protocol import APIError
 from .response_store import ResponseStore
 from .responses_request import OutputItems, ResponsesRequest, response_object, response_usage
@@ -29,7 +30,7 @@ class ResponseRun:
         self.st, self.req, self.rid, self.turn, self.model = st, req, rid, turn, model
         self.store, self.conversation = store, conversation
         self.out = OutputItems(function_tools(req.tools)[1])   # namespaced calls split back
-        self.finish = FinishReason.STOP
+        self.finish = Finish(FinishReason.STOP, FinishReason.STOP)
         self.status = "queued" if req.background else "in_progress"
         self.final: dict | None = None          # the response once it has ended
 
@@ -53,21 +54,21 @@ class ResponseRun:
         top_n = self.req.top_logprobs or 0
         pending: list[dict] = []
         async for ev in self.turn.events():
-            texts = [d for d in ev.deltas if d.get("content")]
+            texts = [p for p in ev.parts if isinstance(p, Text) and p.text]
             if texts and self.out.open is not None and self.out.open["type"] != "message":
                 pending = []
             if ev.logprobs:
-                pending += chat_logprobs(self.st, ev.logprobs, top_n)["content"]
-            for d in ev.deltas:
+                pending += logprob_entries(self.st.token_str, ev.logprobs, top_n)
+            for p in ev.parts:
                 lps = None
-                if texts and d is texts[0]:
+                if texts and p is texts[0]:
                     lps, pending = pending, []
-                for e in self.out.feed(d, lps):
+                for e in self.out.feed(p, lps):
                     yield e
-            if ev.deltas and not texts:
+            if ev.parts and not texts:
                 pending = []
-            self.finish = ev.finish_reason or self.finish
-        for e in self.out.finish(truncated=self.finish == FinishReason.LENGTH):
+            self.finish = ev.finish or self.finish
+        for e in self.out.finish(truncated=self.finish.reason == FinishReason.LENGTH):
             yield e
 
     def _usage(self) -> dict | None:
@@ -81,7 +82,7 @@ class ResponseRun:
 
     def done(self) -> dict:
         """The finished response (completed, or incomplete when max_output_tokens cut it)."""
-        status = "incomplete" if self.finish == FinishReason.LENGTH else "completed"
+        status = "incomplete" if self.finish.reason == FinishReason.LENGTH else "completed"
         return self._end(self.response(status, self._usage()))
 
     def failed(self, e: APIError) -> dict:

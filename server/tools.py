@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import json
-import uuid
 from dataclasses import dataclass
 
 import pydantic_core
@@ -20,6 +19,7 @@ import pydantic_core
 from maxjax.structured.spec import GrammarSpec
 
 from . import json_body
+from .chat_events import ToolCall
 from .protocol import APIError
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -347,12 +347,7 @@ def lazy_tool_grammar(parser: str, functions: list[dict], parallel: bool,
 
 # ---- parsing the output ------------------------------------------------------------------------
 
-def new_call(name: str, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-
-
-def _json_calls(items, key: str) -> list[dict] | None:
+def _json_calls(items, key: str) -> list[ToolCall] | None:
     calls = []
     for it in items:
         if not isinstance(it, dict) or not isinstance(it.get("name"), str):
@@ -360,7 +355,7 @@ def _json_calls(items, key: str) -> list[dict] | None:
         args = it.get(key, it.get("arguments", it.get("parameters", {})))
         if not isinstance(args, dict):
             return None
-        calls.append(new_call(it["name"], args))
+        calls.append(ToolCall.new(it["name"], args))
     return calls
 
 
@@ -374,7 +369,7 @@ def _pythonic_value(node):
     return ast.literal_eval(node)
 
 
-def parse_calls(parser: str, text: str) -> list[dict] | None:
+def parse_calls(parser: str, text: str) -> list[ToolCall] | None:
     """The calls in `text`, which starts at the parser's marker; None: not well-formed calls."""
     text = text.strip()
     try:
@@ -406,7 +401,7 @@ def parse_calls(parser: str, text: str) -> list[dict] | None:
         for c in tree.elts:
             if not isinstance(c, ast.Call) or not isinstance(c.func, ast.Name) or c.args:
                 return None
-            calls.append(new_call(c.func.id, {k.arg: _pythonic_value(k.value)
+            calls.append(ToolCall.new(c.func.id, {k.arg: _pythonic_value(k.value)
                                               for k in c.keywords}))
         return calls
     except (ValueError, SyntaxError):
@@ -435,7 +430,7 @@ def _cut_objects(text: str) -> list:
     return items
 
 
-def partial_calls(parser: str, text: str, names: set[str] | None) -> list[dict] | None:
+def partial_calls(parser: str, text: str, names: set[str] | None) -> list[ToolCall] | None:
     """The calls in `text` (from the parser's marker) when the output was cut off inside one:
     the last call's arguments as far as they parse, its name the only function there is when
     the cut came inside the name; calls naming no known function are left out. JSON formats
@@ -460,7 +455,7 @@ def partial_calls(parser: str, text: str, names: set[str] | None) -> list[dict] 
         if not isinstance(name, str) or (names is not None and name not in names):
             continue
         args = it.get("arguments", it.get("parameters", {}))
-        calls.append(new_call(name, args if isinstance(args, dict) else {}))
+        calls.append(ToolCall.new(name, args if isinstance(args, dict) else {}))
     return calls or None
 
 

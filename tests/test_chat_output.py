@@ -11,6 +11,7 @@ import pytest
 from mock_engine import MockEngine
 from server_harness import ServerThread
 
+from maxjax.server import chat_render
 from maxjax.server.chat_output import ChatOutput
 from maxjax.server.config import ServeConfig
 from maxjax.server.tools import format_calls, parse_calls, tool_grammar
@@ -24,11 +25,14 @@ FNS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
 
 
 def whole_and_streamed(text, **kw):
+    """The whole message and the streamed deltas, as chat completions renders them."""
+    fields = ("reasoning_content", "reasoning")
     whole = ChatOutput(**kw)
     whole.feed(text)
     whole.finish()
     st = ChatOutput(**kw)
-    deltas = [d for ch in text for d in st.feed(ch)] + st.finish()
+    deltas = [chat_render.delta(p, fields) for ch in text for p in st.feed(ch)] + [
+        chat_render.delta(p, fields) for p in st.finish()]
     got = {"content": "", "reasoning": "", "calls": {}}
     for d in deltas:
         assert set(d) <= {"content", "reasoning", "reasoning_content", "tool_calls"}, d
@@ -39,7 +43,7 @@ def whole_and_streamed(text, **kw):
                 got["calls"][tc["index"]] = [tc["function"]["name"], ""]
             else:
                 got["calls"][tc["index"]][1] += tc["function"]["arguments"]
-    m = whole.message()
+    m = chat_render.message(whole.message(), fields)
     assert got["content"] == (m["content"] or "")
     assert got["reasoning"] == m.get("reasoning", "")
     assert list(got["calls"].values()) == [[c["function"]["name"], c["function"]["arguments"]]
