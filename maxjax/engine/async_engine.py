@@ -32,6 +32,8 @@ from collections import deque
 from typing import AsyncIterator
 
 from maxjax.engine import faults
+from maxjax.engine.commands import (Abort, AddEmbedding, AddRequest, Call, Command, Intake,
+                                    Wake)
 from maxjax.engine.core import EngineCore
 from maxjax.graphs.attention import backend_named
 from maxjax.engine.output import merge_outputs
@@ -90,7 +92,7 @@ class AsyncEngine:
         self.max_length = core.max_length
         check_max_pending(max_pending_requests)
         self.max_pending_requests = max_pending_requests
-        self._intake: deque = deque()     # add/embed commands not yet handed to the scheduler
+        self._intake: deque[Intake] = deque()     # requests not yet handed to the scheduler
         core.sleep = self._run_commands_for
         self.is_ready = False
         self._commands: queue.Queue = queue.Queue()
@@ -112,7 +114,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         if self._thread:
             self._thread.join(timeout)
 
@@ -169,31 +171,38 @@ class AsyncEngine:
         for out in self._end_all(FinishReason.ABORT):
             self._deliver(out)
 
-    def _run_command(self, cmd) -> None:
-        kind = cmd[0]
-        if kind in ("add", "embed"):
-            self._intake.append(cmd)
-        elif kind == "lora":
-            _, fn, args, fut = cmd
-            _settle(fut, fn, *args)
-        elif kind == "abort":
-            held = next((c for c in self._intake if c[1] == cmd[1]), None)
-            if held is not None:    # handed over to be ended the usual way (its final output)
-                self._intake.remove(held)
-                self._hand_over(held)
-            out = self.core.abort(cmd[1])
-            self._stats = self.core.stats()
-            if out is not None:
-                self._deliver(out)
+    def _run_command(self, cmd: Command) -> None:
+        match cmd:
+            case AddRequest() | AddEmbedding():
+                self._intake.append(cmd)
+            case Call(fn, args, done):
+                _settle(done, fn, *args)
+            case Abort(rid):
+                self._abort(rid)
+            case Wake():
+                pass
+            case _:
+                raise TypeError(f"not an engine command: {cmd!r}")
 
-    def _hand_over(self, cmd) -> None:
-        """An add/embed command from the intake to the scheduler."""
-        if cmd[0] == "add":
-            _, rid, prompt, params, salt, grammar, lora, images, fut = cmd
-            _settle(fut, self.core.add_request, rid, prompt, params, salt, grammar, lora, images)
-        else:
-            _, rid, prompt, pooling, lora, fut = cmd
-            _settle(fut, self.core.add_embedding, rid, prompt, pooling, lora)
+    def _abort(self, rid: str) -> None:
+        held = next((c for c in self._intake if c.request_id == rid), None)
+        if held is not None:    # handed over to be ended the usual way (its final output)
+            self._intake.remove(held)
+            self._hand_over(held)
+        out = self.core.abort(rid)
+        self._stats = self.core.stats()
+        if out is not None:
+            self._deliver(out)
+
+    def _hand_over(self, cmd: Intake) -> None:
+        """A request from the intake to the scheduler."""
+        match cmd:
+            case AddRequest():
+                _settle(cmd.done, self.core.add_request, cmd.request_id, cmd.prompt, cmd.params,
+                        cmd.cache_salt, cmd.grammar, cmd.lora, cmd.images)
+            case AddEmbedding():
+                _settle(cmd.done, self.core.add_embedding, cmd.request_id, cmd.prompt,
+                        cmd.pooling_type, cmd.lora)
 
     def _pull(self) -> None:
         """Hand requests over in arrival order while the scheduler holds fewer than
@@ -233,7 +242,7 @@ class AsyncEngine:
 
     # ---- the caller's side --------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -271,7 +280,7 @@ class AsyncEngine:
 
     async def _on_engine_thread(self, fn, *args):
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("lora", fn, args, fut))
+        self._commands.put(Call(fn, args, fut))
         return await asyncio.wrap_future(fut)
 
     def _open_stream(self, request_id: str) -> asyncio.Queue:
@@ -295,8 +304,8 @@ class AsyncEngine:
         out = None
         try:
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("embed", request_id, list(prompt_token_ids), pooling_type, lora,
-                                fut))
+            self._commands.put(AddEmbedding(request_id, list(prompt_token_ids), pooling_type,
+                                            lora, fut))
             await asyncio.wrap_future(fut)
             out = await q.get()
         finally:
@@ -317,8 +326,8 @@ class AsyncEngine:
         try:
             grammar = await self._compile(params)
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt,
-                                grammar, lora, images, fut))
+            self._commands.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt,
+                                          grammar, lora, images, fut))
             await asyncio.wrap_future(fut)
             while not finished:
                 batch = [await q.get()]
