@@ -115,3 +115,36 @@ def write_tiny_gguf(path, qt, num_kv_heads=2, head_dim=64, seed=0) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def write_answering_llama(path, tokenizer, answer: str, window: int = 65536) -> str:
+    """write_tiny_llama's model (with `tokenizer`'s vocabulary and a `window`-token
+    max_position_embeddings) made to answer any prompt with `answer` then EOS, whatever the
+    sampling: every layer's o_proj and down_proj are zero, so the logits depend on the last token
+    alone (lm_head(norm(embed(token)))). The embedding puts each of the answer's tokens on a dim
+    of its own and every other token on dim 0; lm_head maps dim 0 to the answer's first token,
+    each answer token's dim to the next one and the last one's to EOS, with a logit margin of 40."""
+    from safetensors.numpy import load_file, save_file
+    write_tiny_llama(path, tokenizer=tokenizer, vocab_size=len(tokenizer))
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    assert len(set(ids)) == len(ids) and eos not in ids, ids
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name][:] = 0
+    embed = np.zeros_like(weights["model.embed_tokens.weight"])
+    embed[:, 0] = 1
+    embed[ids, 0] = 0
+    embed[ids, np.arange(1, len(ids) + 1)] = 1
+    head = np.zeros_like(embed)      # the final norm scales a one-hot row to 8: logits of 40
+    head[[*ids, eos], np.arange(len(ids) + 1)] = 5
+    weights.update({"model.embed_tokens.weight": embed, "lm_head.weight": head})
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(tie_word_embeddings=False, max_position_embeddings=window,
+               bos_token_id=tokenizer.bos_token_id, eos_token_id=eos)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
