@@ -226,7 +226,7 @@ def packed_linear(x, w, live=None, isa: str | None = None):
 
 
 def is_packed(w) -> bool:
-    from maxjax.graphs.quant import QuantizedWeight
+    from maxjax.graphs.quantized_weight import QuantizedWeight
     return isinstance(w, QuantizedWeight) and w.q.ndim == 4
 
 
@@ -238,7 +238,7 @@ def pack_weight(w, transposed: bool = False):
     packed rows 16b + 4p .. + 3, whose nibbles are inputs 32b + 4p + j and 32b + 16 + 4p + j);
     scale and `offset` (now the whole low end of the block, offset - 8 * scale) [out/64,
     in/32, 64]; no `requant`."""
-    from maxjax.graphs.quant import QuantizedWeight
+    from maxjax.graphs.quantized_weight import QuantizedWeight
     rows, cols = w.q.shape[::-1] if transposed else w.q.shape
     i, o = (rows * 2, cols) if w.bits == 4 else (rows, cols)
     if o % TILE or i % BLOCK:
@@ -266,7 +266,7 @@ def pack_q4_bytes(qs: np.ndarray, scale: np.ndarray, low: np.ndarray):
     [out, in/32], w = scale * nibble + low) packed for the 4-bit kernel without decoding: the
     bytes are the kernel's as they are. The same arrays as pack_weight of the decoded
     QuantizedWeight. None when the shape does not tile."""
-    from maxjax.graphs.quant import QuantizedWeight
+    from maxjax.graphs.quantized_weight import QuantizedWeight
     out, nb, _ = qs.shape
     if out % TILE:
         return None
@@ -278,7 +278,7 @@ def pack_q4_bytes(qs: np.ndarray, scale: np.ndarray, low: np.ndarray):
 
 def _packed_shapes(w, i: int, o: int):
     """pack_weight's result as ShapeDtypeStructs, for a weight of `i` inputs and `o` outputs."""
-    from maxjax.graphs.quant import QuantizedWeight
+    from maxjax.graphs.quantized_weight import QuantizedWeight
     sds = jax.ShapeDtypeStruct
     if w.bits == 8:
         return dataclasses.replace(w, q=sds((o // TILE, i // GROUP, TILE, GROUP), np.uint8))
@@ -289,7 +289,7 @@ def _packed_shapes(w, i: int, o: int):
 
 def pack_params(params: dict) -> dict:
     """The params with every quantized matrix packed (those whose shape does not tile stay)."""
-    from maxjax.graphs.quant import QuantizedWeight
+    from maxjax.graphs.quantized_weight import QuantizedWeight
 
     def conv(w):
         if isinstance(w, QuantizedWeight) and w.q.ndim == 2:

@@ -119,14 +119,6 @@ def split_fused(x, sizes, shards: int = 1):
     return [p.reshape(*x.shape[:-1], -1) for p in parts]
 
 
-def fuse_per_shard(w, sizes, shards: int):
-    """The inverse layout of `split_fused`: w [..., sum(sizes)] (parts one after the other) with
-    its last axis reordered into `shards` blocks of every part's slice (host numpy)."""
-    bounds = np.cumsum([0, *sizes])
-    parts = [w[..., a:b].reshape(*w.shape[:-1], shards, -1) for a, b in zip(bounds, bounds[1:])]
-    return np.concatenate(parts, axis=-1).reshape(w.shape)
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None):
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:

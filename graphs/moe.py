@@ -261,7 +261,4 @@ def stacked_experts(get, names: list[str], num_experts: int, put, quantizer=None
         raise UserError(f"--quantization-encoding {quantizer.encoding}: expert weights of a "
                         "mixture-of-experts model quantize to int8 only; supported: float32, "
                         "bfloat16, float16, int8")
-    from maxjax.models.quantize import int8_rows
-    qs, scales = zip(*(int8_rows(w.T) for w in stack))
-    return quant.QuantizedWeight(jax.device_put(np.ascontiguousarray(np.stack([q.T for q in qs]))),
-                                 jax.device_put(np.stack(scales)))
+    return quantizer.expert_stack(stack)

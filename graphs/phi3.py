@@ -73,9 +73,8 @@ class SplitFused:
 
 def params_from_hf(cfg, get, dtype, progress=None, quantizer=None):
     if quantizer is not None:
-        from maxjax.models.quantize import Quantizer
         raw = quantizer.raw and SplitFused(quantizer.raw, cfg)
-        quantizer = Quantizer(quantizer.encoding, SplitFused(quantizer.get, cfg), raw)
+        quantizer = quantizer.reading(SplitFused(quantizer.get, cfg), raw)
     return decoder.params_from_hf(cfg, SplitFused(get, cfg), dtype, progress, quantizer)
 
 

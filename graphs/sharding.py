@@ -167,6 +167,15 @@ def expert_parallel_rules(cfg, tp: int, ep: int) -> Rules:
             "expert_mlp": inner}
 
 
+def fuse_per_shard(w, sizes, shards: int):
+    """The inverse layout of graphs/layers.py `split_fused`: w [..., sum(sizes)] (parts one
+    after the other) with its last axis reordered into `shards` blocks of every part's slice
+    (host numpy)."""
+    bounds = np.cumsum([0, *sizes])
+    parts = [w[..., a:b].reshape(*w.shape[:-1], shards, -1) for a, b in zip(bounds, bounds[1:])]
+    return np.concatenate(parts, axis=-1).reshape(w.shape)
+
+
 def tensor_parallel_layout(cfg, params, degree: int, ep: int = 1):
     """(config, params) for `degree` devices (`ep` > 1: the model axis of a 2-D mesh): the
     fused q|k|v and gate|up weights whose axis is split reordered into per-device blocks
@@ -175,7 +184,6 @@ def tensor_parallel_layout(cfg, params, degree: int, ep: int = 1):
     fused gate|up too, and `expert_mesh` tells graphs/moe.py. Host arrays; `place` puts them on
     a mesh."""
     import dataclasses
-    from maxjax.graphs.layers import fuse_per_shard
     rules = tensor_parallel_rules(cfg, degree, ep)
     qkv = degree if rules["qkv"] else 1
     gate_up = degree if rules["gate_up"] else 1

@@ -1,5 +1,5 @@
 """maxjax: an OpenAI-compatible LLM inference server on JAX/XLA."""
-__version__ = "0.1.0"
+from maxjax.version import __version__  # noqa: E402
 
 from maxjax import xla_flags as _xla_flags  # noqa: E402
 

@@ -15,6 +15,7 @@ import pytest
 
 from maxjax import LLM
 from maxjax.engine.core import make_lora_manager
+from maxjax.engine.plan import lora_path_items
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import RequestError, UserError
@@ -222,13 +223,13 @@ def test_mismatched_adapters_are_refused(setup):
 def test_flag_errors_are_one_line(setup):
     cfg = EngineConfig(enable_lora=True, max_lora_rank=8, lora_paths=[f"x={setup.dir}/missing"])
     with pytest.raises(UserError, match=r"^--lora-paths x: \S+missing: no adapter_config.json") as e:
-        make_lora_manager(cfg, setup.model)
+        make_lora_manager(cfg, setup.model, lora_path_items(cfg))
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="PATH or NAME=PATH"):
-        make_lora_manager(EngineConfig(enable_lora=True, lora_paths=["=x"]), setup.model)
+        lora_path_items(EngineConfig(enable_lora=True, lora_paths=["=x"]))
     # a bare path, as max serve's --lora-paths takes it: the adapter is named by the path
-    bare = make_lora_manager(EngineConfig(enable_lora=True, max_lora_rank=8,
-                                          lora_paths=[setup.paths["a"]]), setup.model)
+    bare_cfg = EngineConfig(enable_lora=True, max_lora_rank=8, lora_paths=[setup.paths["a"]])
+    bare = make_lora_manager(bare_cfg, setup.model, lora_path_items(bare_cfg))
     assert bare.resolve(setup.paths["a"]) is not None
     from maxjax.engine.plan import check_flags
     with pytest.raises(UserError, match="needs --enable-lora"):

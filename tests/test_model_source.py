@@ -448,5 +448,5 @@ def test_draft_revisions_from_the_cache(tiny_repo, tmp_path):
     (dict(speculative_method="ngram", draft_sliding_window=4), "--draft-sliding-window")])
 def test_draft_flags_need_a_draft_model(options, flag):
     from maxjax.engine.config import EngineConfig
-    from maxjax.engine.speculative import draft_tokens
+    from maxjax.engine.spec_flags import draft_tokens
     one_line(f"{flag} goes with --draft-model-path", draft_tokens, EngineConfig(**options))

@@ -122,3 +122,11 @@ def test_flag_errors_come_before_the_weights(model_dir, monkeypatch):
                           "--device-memory-utilization: must be a number")):
         with pytest.raises(UserError, match=match):
             engine_build.build_core(model_dir, flags)
+
+
+def test_suggest_plans_what_llm_serves(model_dir, llm_plan):
+    """`maxjax suggest` plans from the checkpoint's header (an abstract model, no weight read)
+    the same Plan that LLM builds from the loaded weights."""
+    from maxjax.cli.suggest import suggested_plan
+    _, model_opts, flags = parsed("suggest", model_dir)
+    assert suggested_plan(model_opts, flags) == llm_plan

@@ -4,7 +4,7 @@ batched prompts of different lengths, with the prefix cache and with preemption,
 stop tokens inside an accepted run, logprobs, no compilation after warm-up, no leaked pages."""
 import pytest
 
-from maxjax.engine import speculative
+from maxjax.engine import spec_flags, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request
@@ -127,12 +127,12 @@ def test_greedy_only_and_grammar_requests_do_not_speculate():
 ])
 def test_bad_speculation_flags(options, message):
     with pytest.raises(UserError, match=message):
-        speculative.draft_tokens(EngineConfig(**options))
+        spec_flags.draft_tokens(EngineConfig(**options))
 
 
 def test_defaults_and_verification_buckets():
     from maxjax.engine.buckets import bucket_set
-    assert speculative.draft_tokens(EngineConfig(speculative_method="ngram")) == 7
+    assert spec_flags.draft_tokens(EngineConfig(speculative_method="ngram")) == 7
     buckets = bucket_set(32, 8, 8)
     assert [(b.num_tokens, b.num_rows, b.num_samples) for b in buckets if b.num_samples > b.num_rows] \
         == [(16, 8, 16), (32, 8, 32)]

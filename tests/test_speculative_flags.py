@@ -56,7 +56,8 @@ def speculator(**flags):
     cfg = EngineConfig(max_batch_size=ROWS, max_batch_input_tokens=BUDGET,
                        kv_cache_page_size=PAGE, speculative_method="ngram",
                        num_speculative_tokens=K, **flags)
-    spec = speculative.build(cfg, SimpleNamespace(buckets=bucket_set(BUDGET, ROWS, K + 1)))
+    spec = speculative.build(cfg, SimpleNamespace(buckets=bucket_set(BUDGET, ROWS, K + 1)),
+                             k=spec_flags.draft_tokens(cfg))
     spec.proposer = Oracle()
     return cfg, spec
 
@@ -223,7 +224,7 @@ def test_greedy_acceptance_verifies_greedy_requests_only(flags, greedy_only):
 def test_refused_values_are_one_line_errors(options, message):
     cfg = EngineConfig(**{"speculative_method": "ngram", **options})
     with pytest.raises(UserError, match=message) as e:
-        speculative.draft_tokens(cfg)
+        spec_flags.draft_tokens(cfg)
     assert "\n" not in str(e.value)
 
 
@@ -239,7 +240,7 @@ def test_speculative_flags_need_a_method(name, value):
     flag = "--" + name.replace("_", "-")
     with pytest.raises(UserError, match=f"^{flag} configures speculative decoding: it needs "
                                         f"--speculative-method$"):
-        speculative.draft_tokens(EngineConfig(**{name: value}))
+        spec_flags.draft_tokens(EngineConfig(**{name: value}))
 
 
 def test_flags_are_checked_before_the_weights_load(tmp_path):

@@ -106,6 +106,7 @@ def test_second_start_loads_every_graph_from_the_cache(starts):
                       r"placing ([\d.]+) s, graphs ([\d.]+) s, engine and KV pool ([\d.]+) s, "
                       r"warm-up ([\d.]+) s$", text, re.M)
     assert split, text
+    assert re.search(r"Plan made in [\d.]+ ms ", text), text     # BENCHMARKS.md
     total, *parts = map(float, split.groups())
     assert abs(sum(parts) - total) <= 0.1 * len(parts)     # every second named (each rounded)
     assert second["metrics"]["maxjax_xla_compiles_total"] == 0

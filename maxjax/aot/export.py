@@ -134,12 +134,12 @@ def build_entry(directory: str, model, plan, platforms: list[str],
     writes a whole directory of its own (a compile cache entry). Returns the manifest and
     {name: (compiled, "compiled", output_structure)} of the executables compiled for this
     machine (empty when it is not a target). A graph compiled before, by this process or in an
-    entry of the compile cache at `donor_root` (None: none read), is copied (cache.Donors)."""
-    from maxjax.aot import cache
+    entry of the compile cache at `donor_root` (None: none read), is copied (store.Donors)."""
+    from maxjax.aot import store
     local = jax.export.default_export_platform()
     compile_local = local in platforms
     layout = plan.layout
-    donors = cache.Donors(donor_root, graphs.execution_devices(layout)) if compile_local else None
+    donors = store.Donors(donor_root, graphs.execution_devices(layout)) if compile_local else None
     specs = graphs.graph_specs(model, layout)
     entries, compiled = {}, {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -189,8 +189,8 @@ def write_artifacts(directory: str, model, plan, platforms: list[str],
             os.path.join(directory, mf.MANIFEST)) and not (
             os.path.isdir(directory) and not os.listdir(directory)):
         raise UserError(f"--artifacts-dir {directory}: exists and is not an artifact directory")
-    from maxjax.aot import cache      # graphs compiled before, here or in the compile cache
-    donor_root = cache.directory() if cache.enabled(compile_cache) else None
+    from maxjax import cache_home    # graphs compiled before, here or in the compile cache
+    donor_root = cache_home.directory() if cache_home.enabled(compile_cache) else None
     tmp = group.temp_dir(parent, directory)
     try:
         with tqdm(desc="warm-cache", unit="graph", disable=not progress) as bar:

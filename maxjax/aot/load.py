@@ -195,16 +195,15 @@ def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = Fa
     return Artifacts(tuple(manifests), flags, manifests[0].data["engine"].get("platform"), fix)
 
 
-def load_planned(dirs, model, flags: EngineConfig, require_compiled: bool = False,
+def load_planned(dirs, model, flags, require_compiled: bool = False,
                  kernels: bool | None = None, preloaded: dict | None = None):
     """(EnginePlan, executables, kv_init) from artifact directories: opened, the plan made from
-    `flags` with what they pin (maxjax/engine/plan.py; `kernels` None: as they were built),
-    then loaded."""
-    from maxjax.engine.plan import choose_kernels, plan_engine
-    arts = open_artifacts(dirs, model, flags, require_compiled)
-    if kernels is None:
-        kernels = choose_kernels(arts.flags, pinned_kernels(dirs))
-    plan = plan_engine(arts.flags, model, platform=arts.platform, kernels=kernels)
+    the user's `flags` with what they pin (maxjax/engine/plan.py; `kernels` None: as they were
+    built), then loaded."""
+    from maxjax.engine.plan import plan_engine, prepare
+    prepared = prepare(flags, pinned_kernels=pinned_kernels(dirs), kernels=kernels)
+    arts = open_artifacts(dirs, model, prepared.config, require_compiled)
+    plan = plan_engine(prepared.adopt(arts.flags, arts.platform), model)
     return (plan, *load_for_engine(arts, model, plan, require_compiled, preloaded))
 
 

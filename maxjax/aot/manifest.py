@@ -60,7 +60,7 @@ def file_sha256(path: str) -> str:
 def versions() -> dict:
     import jaxlib
 
-    from maxjax import __version__
+    from maxjax.version import __version__
     return {"maxjax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
@@ -114,8 +114,7 @@ SOURCE_DIRS = {"maxjax.graphs": "graphs", "maxjax.server": "server"}
 
 def package_root() -> str:
     """The directory holding this maxjax's sources: the checkout, or site-packages."""
-    import maxjax
-    return os.path.dirname(os.path.dirname(os.path.abspath(maxjax.__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _module_file(root: str, name: str) -> str | None:

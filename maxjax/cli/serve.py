@@ -48,13 +48,20 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
     `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py);
     `on_death`: called once every replica's engine thread has died."""
     from maxjax.engine.build import build_core, load
-    from maxjax.engine.plan import replica_mesh
+    from maxjax.engine.plan import prepare, replica_mesh
     check_max_pending(serve_cfg.max_pending_requests)   # before anything loads
     model = model_opts.source()
     if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
-        model = load(model, engine_cfg.quantization_encoding, model_opts.chat_template,
-                     model_opts.precompiled_artifacts, progress,
-                     replica_mesh(engine_cfg) if model_opts.precompiled_artifacts else None)
+        arts = model_opts.precompiled_artifacts
+        pinned = None
+        if arts:
+            from maxjax.aot import load as aot_load
+            pinned = aot_load.pinned_kernels(arts)
+        # in the encoding build_core's plan picks (the kernels' choice decides a GGUF's)
+        prepared = prepare(engine_cfg, pinned_kernels=pinned, quiet=True)
+        model = load(model, prepared.config.quantization_encoding, model_opts.chat_template,
+                     arts, progress, replica_mesh(prepared.config) if arts else None,
+                     kernels=prepared.kernels)
     engines, pins = [], None
     for replica in range(engine_cfg.data_parallel_degree):
         if leader is not None:

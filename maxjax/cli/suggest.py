@@ -55,11 +55,7 @@ def inspect(model_opts, engine_cfg, given: dict) -> dict:
     customs = register_customs(model_opts.custom_architectures, notes, drop)
     files = source.resolve(model_opts.source(), engine_cfg.quantization_encoding)
     path = files.config
-    report = {"model": model_opts.model_path, "path": path,
-              "format": "gguf" if os.path.isfile(path) else "hf", "architecture": None,
-              "parameters": None, "encodings": None, "weights": None, "plan": None,
-              "compile_cache": None, "precompiled_artifacts": None, "sampling_defaults": None,
-              "notes": notes, "command": None}
+    report = empty_report(model_opts, path, notes)
     try:
         plan_into(report, model_opts, engine_cfg, customs, drop, files)
         report["sampling_defaults"] = sampling_entry(path, engine_cfg, given)
@@ -100,15 +96,32 @@ def register_customs(specs: list[str], notes: list, drop: set) -> dict[str, str]
     return customs
 
 
-def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, files) -> None:
-    """Fill `report` as serve would plan (maxjax/engine/build.py build_core's order)."""
+def empty_report(model_opts, path: str, notes: list) -> dict:
+    return {"model": model_opts.model_path, "path": path,
+            "format": "gguf" if os.path.isfile(path) else "hf", "architecture": None,
+            "parameters": None, "encodings": None, "weights": None, "plan": None,
+            "compile_cache": None, "precompiled_artifacts": None, "sampling_defaults": None,
+            "notes": notes, "command": None}
+
+
+def suggested_plan(model_opts, engine_cfg):
+    """The EnginePlan `maxjax suggest` reports for these flags (a UserError where serve would
+    refuse them): `plan_into`'s, made from the checkpoint's header alone."""
+    from maxjax.models import source
+    files = source.resolve(model_opts.source(), engine_cfg.quantization_encoding)
+    return plan_into(empty_report(model_opts, files.config, []), model_opts, engine_cfg, {},
+                     set(), files)
+
+
+def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, files):
+    """Fill `report` as serve would plan (maxjax/engine/build.py build_core's order); the
+    EnginePlan."""
     from maxjax.engine.build import on_devices
-    from maxjax.engine.plan import check_flags, choose_kernels, plan_engine
+    from maxjax.engine.plan import plan_engine, prepare
     from maxjax.models import quantize
     from maxjax.models.loader import abstract_model, model_name, serving_encoding
     notes, path = report["notes"], report["path"]
     artifacts = model_opts.precompiled_artifacts
-    check_flags(engine_cfg)
     from maxjax.aot import cache                    # the flags serve reads before any weight
     from maxjax.models.loader import read_chat_template_file
     cache.max_bytes(model_opts.compile_cache_max_size)
@@ -118,7 +131,8 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     if artifacts:
         from maxjax.aot import load as aot_load
         pinned = aot_load.pinned_kernels(artifacts)
-    kernels = choose_kernels(engine_cfg, pinned)
+    prepared = prepare(engine_cfg, pinned_kernels=pinned)
+    engine_cfg, kernels = prepared.config, prepared.kernels
     request = cache_request(model_opts, engine_cfg.replace(use_experimental_kernels=kernels), path)
     ckpt = open_or_explain(files, model_opts.source(), report, customs)
     report["parameters"] = sum(math.prod(s) for s in _leaves(ckpt.arch.param_shapes(ckpt.config)))
@@ -136,7 +150,7 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
                            "checkpoint": checkpoint_dtype(ckpt)}
     model = abstract_model(ckpt, encoding, model_name(model_opts.model_path, path))
     model = on_devices(model, engine_cfg, kernels=kernels)
-    plan = plan_engine(engine_cfg, model, kernels=kernels, resident=False)
+    plan = plan_engine(prepared, model, resident=False)
     engine_cfg, layout = plan.config, plan.layout
     report["weights"] = weights_entry(model, layout)
     report["plan"] = plan_entry(model, layout, engine_cfg)
@@ -147,6 +161,7 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     for a in report["precompiled_artifacts"] or ():
         if not a["matches"]:
             raise UserError(f"--precompiled-artifacts {a['path']}: {a['why']}")
+    return plan
 
 
 def _leaves(shapes) -> list:

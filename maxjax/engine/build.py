@@ -22,8 +22,8 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
-from maxjax.engine.plan import (EnginePlan, check_flags, check_mesh_flags,
-                                 choose_kernels, plan_engine, replica_mesh)
+from maxjax.engine.plan import (EnginePlan, check_mesh_flags, plan_engine, prepare,
+                                 replica_mesh)
 from maxjax.errors import UserError
 from maxjax.models import sampling_defaults
 from maxjax.models.sampling_defaults import describe
@@ -76,13 +76,16 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     `executor`: what the runner's calls go through (ModelRunner; None: this process's own)."""
     from maxjax.aot import cache
     clock = Clock()
-    flags = flags.for_platform(None).replace(**(pins or {}))
-    check_flags(flags)                          # before the weights load
+    t_plan = time.perf_counter()
     pinned_kernels = None
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
         pinned_kernels = aot_load.pinned_kernels(precompiled_artifacts)
-    kernels = choose_kernels(flags, pinned_kernels)          # builds their library once
+    # the plan's first half, before the weights load: flags checked once, the kernels (whose
+    # library builds once) chosen, since the weights' encoding follows them
+    prepared = prepare(flags, pins=pins, pinned_kernels=pinned_kernels)
+    plan_seconds = time.perf_counter() - t_plan
+    flags, kernels = prepared.config, prepared.kernels
     use_cache = cache.enabled(compile_cache)
     limit = cache.max_bytes(compile_cache_max_size)
     request = _request(model, flags.replace(use_experimental_kernels=kernels), chat_template) \
@@ -111,11 +114,16 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     t0 = time.perf_counter()
     loaded = ()
     if precompiled_artifacts:
-        plan, *loaded = aot_load.load_planned(
-            precompiled_artifacts, model, flags, require_compiled, kernels,
-            early.take(early.path) if early else None)
+        arts = aot_load.open_artifacts(precompiled_artifacts, model, flags, require_compiled)
+        t_plan = time.perf_counter()
+        plan = plan_engine(prepared.adopt(arts.flags, arts.platform), model)
+        plan_seconds += time.perf_counter() - t_plan
+        loaded = aot_load.load_for_engine(arts, model, plan, require_compiled,
+                                          early.take(early.path) if early else None)
     else:
-        plan = plan_engine(flags, model, kernels=kernels)
+        t_plan = time.perf_counter()
+        plan = plan_engine(prepared, model)
+        plan_seconds += time.perf_counter() - t_plan
         if use_cache:
             loaded = _from_cache(model, plan, limit, progress, early or None, request)
     clock.mark("graphs")
@@ -124,6 +132,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     model = dataclasses.replace(model, sampling_defaults=sampling_defaults.read(
         model.source, flags.generation_config, flags.enable_penalties))
     core = EngineCore(model, plan, *loaded, executor=executor, graphs=drafts)
+    core.plan_seconds = plan_seconds
     clock.mark("engine and KV pool")
     n = len(core.layout.buckets)
     with Heartbeat(progress and not loaded) as beat:
@@ -146,6 +155,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
         if clock.start is not None:
             log.info("Start-up %.1f s from process start: %s", since_process_start(),
                      ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items()))
+        log.info("Plan made in %.1f ms (flags, kernels, layout and pool; inside the phases "
+                 "above)", plan_seconds * 1e3)
     return core
 
 
@@ -165,20 +176,18 @@ def prefetch_early(model, flags: EngineConfig, chat_template: str | None = None,
     that itself)."""
     from maxjax.aot import cache, prefetch
     try:
-        flags = flags.for_platform(None)
-        check_flags(flags)
         if flags.data_parallel_degree > 1:
             return
         if artifacts:
             from maxjax.aot import load as aot_load
-            choose_kernels(flags, aot_load.pinned_kernels(artifacts), quiet=True)  # their FFI
+            prepare(flags, pinned_kernels=aot_load.pinned_kernels(artifacts), quiet=True)  # FFI
             request, started = _artifacts_key(artifacts), prefetch.of_artifacts(artifacts)
         elif not cache.enabled(compile_cache):
             return
         else:
-            kernels = choose_kernels(flags, quiet=True)
-            request = _request(model, flags.replace(use_experimental_kernels=kernels),
-                               chat_template)
+            prepared = prepare(flags, quiet=True)
+            request = _request(model, prepared.config.replace(
+                use_experimental_kernels=prepared.kernels), chat_template)
             started = request and prefetch.start(cache.directory(), request)
     except Exception as e:     # noqa: BLE001: build_core meets the same and says so
         log.debug("early prefetch skipped (%s)", e)

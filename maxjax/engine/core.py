@@ -24,7 +24,7 @@ from maxjax.engine import compile_counter, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logprobs
-from maxjax.engine.plan import EnginePlan, lora_path_items, plan_engine
+from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
 from maxjax.engine.scheduler import ScheduledRow, Scheduler
@@ -41,15 +41,16 @@ log = logging.getLogger("maxjax.engine")
 EMBEDDING_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
-def make_lora_manager(cfg: EngineConfig, model):
-    """The LoraManager for --enable-lora with its --lora-paths loaded, else None (UserError for
-    a bad adapter; the flags were checked by maxjax/engine/plan.py)."""
+def make_lora_manager(cfg: EngineConfig, model, items=()):
+    """The LoraManager for --enable-lora with the plan's --lora-paths adapters (`items`: (name,
+    path), maxjax/engine/plan.py lora_path_items) loaded, else None (UserError for a bad
+    adapter)."""
     if not cfg.enable_lora:
         return None
     from maxjax.lora.manager import LoraManager
     manager = LoraManager(model.config, model.compute_dtype, cfg.max_num_loras,
                           cfg.max_lora_rank, cfg.max_cpu_loras)
-    for name, path in lora_path_items(cfg):
+    for name, path in items:
         try:
             manager.load(name, path, "--lora-paths")
         except RequestError as e:
@@ -75,10 +76,10 @@ class EngineCore:
         self.layout = lay = plan.layout
         self.max_length = lay.max_length
         self.eos_token_ids = tuple(model.config.eos_token_ids)
-        self.lora = make_lora_manager(cfg, model)
+        self.lora = make_lora_manager(cfg, model, plan.lora_items)
         self.block_manager = BlockManager(lay.num_pages, lay.page_size, cfg.enable_prefix_caching,
                                           cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
-        self.speculator = speculative.build(cfg, lay, model, graphs)
+        self.speculator = speculative.build(cfg, lay, model, graphs, plan.draft_tokens, plan)
         self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids,
                                    self.speculator.k if self.speculator else 0, lora=self.lora)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,

@@ -283,7 +283,7 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
     entry, or compiled here (no collective runs while compiling: a process that compiles while
     another loads does not hold the group up beyond its compile time)."""
     from maxjax.engine.build import build_core, load, on_devices
-    from maxjax.engine.plan import plan_engine, replica_mesh
+    from maxjax.engine.plan import plan_engine, prepare, replica_mesh
     if model_opts.export_artifacts:
         raise UserError("--export-artifacts with --num-processes: not supported (every process "
                         "runs `maxjax warm-cache` with the group flags instead)")
@@ -291,16 +291,16 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
         raise UserError("--data-parallel-degree with --num-processes: not supported yet (run "
                         "one group per replica behind a load balancer)")
     artifacts = model_opts.precompiled_artifacts
-    flags = engine_cfg.for_platform(None)
     # The mesh spans the processes: the CPU kernels never run here (build_core says so).
+    prepared = prepare(engine_cfg, kernels=False)
+    flags = prepared.config
     model = load(model_opts.source(), flags.quantization_encoding, model_opts.chat_template,
                  artifacts, progress, replica_mesh(flags) if artifacts else None)
     model = on_devices(model, flags)
     pins = {}
     if isinstance(channel, Leader):
         if not artifacts:       # artifacts pin the layout for every process alike
-            plan = plan_engine(flags, model, kernels=False)
-            pins = plan.pins
+            pins = plan_engine(prepared, model).pins
         channel.send_layout(pins, bool(artifacts))
     else:
         pins = channel.receive_layout(bool(artifacts))

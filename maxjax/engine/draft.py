@@ -2,7 +2,7 @@
 usually smaller model with the target's vocabulary drafts k tokens greedily for each row.
 
 The draft keeps its own paged KV cache (its own BlockManager and ModelRunner, with the plain
-one-slot-per-row buckets of the engine's token budget: `draft_plan`; its graphs come from the
+one-slot-per-row buckets of the engine's token budget: maxjax/engine/plan.py `draft_plan`; its graphs come from the
 artifacts' draft/ directory or the compile cache, as the engine's builder says, else they compile
 at warm-up), holding for each
 request the tokens it has seen: `Request.draft_state` is the request's sequence in the draft's
@@ -15,14 +15,12 @@ not touch the draft's cache; a finished request's draft pages are freed on the n
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import jax
 
 from maxjax.engine.block_manager import BlockManager
-from maxjax.engine.buckets import bucket_set
-from maxjax.engine.plan import EnginePlan
+from maxjax.engine.plan import EnginePlan, draft_plan
 from maxjax.engine.request import Request
 from maxjax.engine.runner import ModelRunner, RowRequest
 from maxjax.engine.types import SamplingParams
@@ -77,30 +75,15 @@ def check_vocabulary(draft, target, path) -> None:
                         f"target's ({tv} ids): a draft model must share the target's tokenizer")
 
 
-def draft_plan(cfg, layout, draft) -> EnginePlan:
-    """What the draft's graphs are compiled for: the target's pool layout (`layout`) with the
-    plain buckets of its token budget, no LoRA, on the draft's mesh, with the attention backend
-    that fits the draft's heads (the CPU kernels' when they run and the draft is on one device)."""
-    from maxjax.graphs.attention import choose_backend
-    from maxjax.graphs.sharding import params_mesh
-    mc, mesh = draft.config, params_mesh(draft.params)
-    attention = choose_backend(layout.platform, mc.head_dim, layout.page_size,
-                               bool(cfg.use_experimental_kernels) and mesh is None,
-                               mc.attention_sinks, mc.bidirectional_images)
-    return EnginePlan(cfg, dataclasses.replace(
-        layout, buckets=bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size), lora_slots=0,
-        max_lora_rank=0, attention=attention.name, mesh=mesh, memory_report=""))
-
-
 class DraftProposer:
-    def __init__(self, draft, cfg, layout, graphs=None):
-        """`cfg`, `layout`: the engine's plan; `graphs`: (model, EnginePlan) -> (executables,
-        kv_init) from the artifacts or the compile cache (maxjax/engine/build.py `_draft_graphs`);
-        () or None: compiled at warm-up."""
+    def __init__(self, draft, plan: EnginePlan, graphs=None):
+        """`plan`: the engine's (the draft's sub-plan is maxjax/engine/plan.py `draft_plan`);
+        `graphs`: (model, EnginePlan) -> (executables, kv_init) from the artifacts or the
+        compile cache (maxjax/engine/build.py `_draft_graphs`); () or None: compiled at warm-up."""
         self.model = draft
-        self.max_rows = cfg.max_batch_size
-        self.budget = cfg.max_batch_input_tokens
-        self.plan = draft_plan(cfg, layout, draft)
+        self.max_rows = plan.config.max_batch_size
+        self.budget = plan.config.max_batch_input_tokens
+        self.plan = draft_plan(plan, draft)
         lay = self.plan.layout
         self.bm = BlockManager(lay.num_pages, lay.page_size, enable_prefix_caching=False)
         executables, kv_init = (graphs(draft, self.plan) if graphs else ())[:2] or (None, None)

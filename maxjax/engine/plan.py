@@ -1,12 +1,17 @@
 """The engine plan: one function from (flags, model facts, device facts, the artifacts' pins)
 to a frozen EnginePlan: the settings every flag resolves to (platform defaults, weight encoding,
-CPU kernels, pool size, max length) and the layout the graphs are built for (buckets, KV pool,
-attention backend, mesh). Every start path calls `plan_engine` (serve and its replicas, maxjax.LLM,
-warm-cache, each process of a multi-host group, `maxjax suggest`) and nothing writes a config
-afterwards; flag errors are raised by `check_flags` (before any weight is read) and here.
+CPU kernels, pool size, max length, speculation depth, LoRA adapters) and the layout the graphs
+are built for (buckets, KV pool, attention backend, mesh). It is made in two halves because the
+weights' encoding depends on whether the CPU kernels run: `prepare` (before any weight is read:
+the flags resolved for the platform, pins adopted, every flag check run once, the kernels chosen)
+and `plan_engine` (from the prepared half and the model's facts: the placed model, or its
+abstract one in `maxjax suggest`). Every start path calls both (serve and its replicas,
+maxjax.LLM, warm-cache, each process of a multi-host group, `maxjax suggest`) and nothing writes
+a config or derives a resolved value afterwards (tests/test_plan_once.py checks both).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -20,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.engine import memory, speculative
+from maxjax.engine import memory, spec_flags
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
@@ -38,9 +43,16 @@ PINNED_FIELDS = ("max_length", "num_kv_pages")
 @dataclass(frozen=True)
 class EnginePlan:
     """What an engine is built from. `config`: every setting resolved, for the engine's
-    managers; `layout`: what the graphs are compiled for (pinned in artifacts)."""
+    managers; `layout`: what the graphs are compiled for (pinned in artifacts);
+    `draft_tokens`: the most drafts a request verifies per step (0: no speculation);
+    `lora_items`: the (name, path) adapters loaded at start; `flags`: the user's, as given."""
     config: EngineConfig
     layout: "EngineLayout"
+    draft_tokens: int = 0
+    lora_items: tuple = ()
+    # the input, not a resolved value: two starts whose flags differ only in what resolves
+    # alike (an unset encoding and the one it resolves to) plan equal engines
+    flags: EngineConfig | None = field(default=None, compare=False)
 
     @property
     def kernels(self) -> bool:
@@ -53,33 +65,81 @@ class EnginePlan:
         return {k: getattr(self.config, k) for k in PINNED_FIELDS}
 
 
-def plan_engine(flags: EngineConfig, model, *, platform: str | None = None,
+@dataclass(frozen=True)
+class Prepared:
+    """The plan's first half, made before any weight is read (`prepare`)."""
+    flags: EngineConfig         # the user's, as given
+    config: EngineConfig        # resolved for `platform`, pinned values adopted, checked
+    platform: str               # where the graphs run (export platform name)
+    kernels: bool               # whether the CPU kernels run (the weights' encoding follows)
+    draft_tokens: int
+    lora_items: tuple
+
+    def adopt(self, config: EngineConfig, platform: str | None = None) -> Prepared:
+        """The same start with `config`: the flags with values artifacts pin adopted
+        (maxjax/aot/load.py open_artifacts checks them against the flags), planned for the
+        `platform` the artifacts were."""
+        check_layout_flags(config)
+        return dataclasses.replace(self, config=config, platform=platform or self.platform)
+
+
+def prepare(flags: EngineConfig, *, platform: str | None = None, pins: dict | None = None,
+            pinned_kernels: bool | None = None, platforms: Sequence[str] | None = None,
+            kernels: bool | None = None, quiet: bool = False) -> Prepared:
+    """The plan's first half for the user's `flags`: resolved for the `platform` the graphs run
+    on (None: this machine's) with `pins` adopted (a group's process 0, the first data-parallel
+    replica), every flag checked (a UserError naming the flag), the CPU kernels chosen
+    (`choose_kernels`: `pinned_kernels`, `platforms` the graphs are exported for; `kernels` a
+    choice made already)."""
+    platform = platform or local_platform()
+    cfg = flags.for_platform(platform).replace(**(pins or {}))
+    draft_tokens, lora_items = check_flags(cfg)
+    if kernels is None:
+        kernels = choose_kernels(cfg, pinned_kernels, platforms or [platform], quiet)
+    return Prepared(flags, cfg, platform, kernels, draft_tokens, tuple(lora_items))
+
+
+def plan_engine(flags: EngineConfig | Prepared, model, *, platform: str | None = None,
                 kernels: bool | None = None, resident: bool = True) -> EnginePlan:
     """The plan for `model` (its params placed where it runs: `maxjax/engine/build.py`
-    on_devices) from `flags` (the user's, with any pinned values adopted), for graphs
-    that run on `platform` (None: this machine's). `kernels`: whether the CPU kernels run, as
-    `choose_kernels` decided before the weights loaded (None: decide here). `resident` False:
+    on_devices) from `prepare`'s first half (or the user's flags: prepared here, for graphs
+    that run on `platform`, None: this machine's; `kernels` as `prepare`). `resident` False:
     the params are ShapeDtypeStructs (`maxjax suggest`)."""
-    platform = platform or local_platform()
-    cfg = flags.for_platform(platform)
-    check_flags(cfg)
-    if kernels is None:
-        kernels = choose_kernels(cfg, platforms=[platform])
+    if isinstance(flags, EngineConfig):
+        flags = prepare(flags, platform=platform, kernels=kernels)
+    cfg = flags.config
     check_mesh_flags(cfg, _params_mesh(model), model.config)
     check_model_flags(cfg, model.config)
-    cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=kernels)
-    layout = plan_layout(cfg, model, platform, resident)
+    cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=flags.kernels)
+    layout = plan_layout(cfg, model, flags.platform, resident, flags.draft_tokens)
     cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length)
-    return EnginePlan(cfg, layout)
+    return EnginePlan(cfg, layout, flags.draft_tokens, flags.lora_items, flags.flags)
 
 
-def check_flags(cfg: EngineConfig) -> None:
+def draft_plan(plan: EnginePlan, draft) -> EnginePlan:
+    """The draft model's sub-plan (maxjax/engine/draft.py): the target's pool layout with the
+    plain buckets of its token budget, no LoRA, on the draft's mesh, with the attention backend
+    that fits the draft's heads (the CPU kernels' when they run and the draft is on one device)."""
+    from maxjax.graphs.sharding import params_mesh
+    cfg, layout = plan.config, plan.layout
+    mc, mesh = draft.config, params_mesh(draft.params)
+    attention = choose_backend(layout.platform, mc.head_dim, layout.page_size,
+                               bool(cfg.use_experimental_kernels) and mesh is None,
+                               mc.attention_sinks, mc.bidirectional_images)
+    return EnginePlan(cfg, dataclasses.replace(
+        layout, buckets=tuple(bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size)),
+        lora_slots=0, max_lora_rank=0, attention=attention.name, mesh=mesh, memory_report=""),
+        flags=plan.flags)
+
+
+def check_flags(cfg: EngineConfig) -> tuple[int, list[tuple[str, str]]]:
     """Every start-up flag check that needs no model: a one-line UserError naming the flag.
-    Cheap; build_core runs it before the weights load, plan_engine again."""
+    Cheap; `prepare` runs it once, before the weights load. Returns what two of the checks
+    resolve: the speculation depth and the --lora-paths adapters."""
     from maxjax.engine.step_policy import check_flags as check_step_flags
     _check_types(cfg)
     check_step_flags(cfg)
-    speculative.draft_tokens(cfg)
+    draft_tokens = spec_flags.draft_tokens(cfg)
     check_layout_flags(cfg)
     lora_shape(cfg)
     if cfg.ep_size < 1:
@@ -89,12 +149,13 @@ def check_flags(cfg: EngineConfig) -> None:
                         f"fraction of the free memory, in (0, 1]")
     if cfg.lora_paths and not cfg.enable_lora:
         raise UserError("--lora-paths needs --enable-lora")
-    lora_path_items(cfg)
+    lora_items = lora_path_items(cfg)
     from maxjax.structured import backend
     backend.check_flags(cfg)
     if not 0 <= cfg.chunked_prefill_min_chunk_size <= cfg.max_batch_input_tokens:
         raise UserError(f"--chunked-prefill-min-chunk-size {cfg.chunked_prefill_min_chunk_size}:"
                         f" must be in [0, --max-batch-input-tokens {cfg.max_batch_input_tokens}]")
+    return draft_tokens, lora_items
 
 
 _SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -236,14 +297,14 @@ def choose_kernels(cfg: EngineConfig, pinned: bool | None = None,
     return why is None
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineLayout:
     """Sizes derived from the config and the machine; pinned in artifacts."""
     max_length: int
     page_size: int
     num_pages: int
     max_pages_per_row: int
-    buckets: list = field(default_factory=list)
+    buckets: tuple = ()
     platform: str = "cpu"            # where the graphs run (export platform name)
     attention: str = "query_blocks"  # the attention backend (graphs/attention.py)
     memory_report: str = field(default="", compare=False)   # how the pool was sized
@@ -278,11 +339,12 @@ def local_platform() -> str:
 
 
 def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
-                resident: bool = True) -> EngineLayout:
+                resident: bool = True, draft_tokens: int | None = None) -> EngineLayout:
     """The layout for graphs that run on `platform` (None: this machine's): its attention
     backend, and a pool sized from this machine's memory unless --num-kv-pages is set (another
     platform's memory cannot be measured here). `resident` False: the model's params are
-    ShapeDtypeStructs, not in memory yet (`maxjax suggest`, maxjax/cli/suggest.py)."""
+    ShapeDtypeStructs, not in memory yet (`maxjax suggest`, maxjax/cli/suggest.py).
+    `draft_tokens`: `prepare`'s (None: derived here, for a layout planned alone)."""
     from maxjax.graphs.sharding import params_mesh
     mc = model.config
     platform = platform or local_platform()
@@ -301,8 +363,9 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
                         f"(supported: {', '.join(KV_CACHE_FORMATS)})")
     page = cfg.kv_cache_page_size
     per_row = math.ceil(max_length / page)
-    buckets = bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size,
-                         speculative.draft_tokens(cfg) + 1)
+    if draft_tokens is None:
+        draft_tokens = spec_flags.draft_tokens(cfg)
+    buckets = tuple(bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size, draft_tokens + 1))
     kv_itemsize = jnp.dtype(kv_dtype).itemsize
     if cfg.num_kv_pages is not None:
         num_pages = cfg.num_kv_pages

