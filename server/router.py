@@ -145,7 +145,7 @@ class ModelRouter:
         self._shared = (metrics, admission, created)
         self._pool = pool
         for s in self.slots.values():
-            s.state = self._state(s, _Unloaded(s.name, self))
+            s.state = self._state(s, s.engine or _Unloaded(s.name, self))
 
     def _state(self, slot: ModelSlot, engine) -> ServerState:
         metrics, admission, created = self._shared
@@ -259,12 +259,11 @@ class RoutedState:
     def __init__(self, router: ModelRouter, cfg: ServeConfig):
         from concurrent.futures import ThreadPoolExecutor
         self.router = router
-        self.metrics = ServerMetrics(router, model_label=True)
-        self.admission = AdmissionState(cfg.max_queue_size, self.metrics)
-        self.shared_cfg = cfg
+        # the picked model's ServerState holds its view of these (ModelMetrics)
+        metrics = ServerMetrics(router, model_label=True)
         pool = ThreadPoolExecutor(1, thread_name_prefix="maxjax-tokenize")
         from .protocol import now
-        router.attach(cfg, self.metrics, self.admission, now(), pool)
+        router.attach(cfg, metrics, AdmissionState(cfg.max_queue_size, metrics), now(), pool)
         self.tokenizer_pool = pool
 
     def __getattr__(self, name):
