@@ -2,8 +2,8 @@
 events) and POST /v1/messages/count_tokens. The request becomes a ChatCompletionRequest
 (server/anthropic_translate.py) and runs as a ChatTurn (server/chat_run.py), as every chat API
 does; here its typed parts and message (server/chat_events.py) are rendered as content blocks:
-thinking (from --reasoning-parser), text, tool_use. Errors on these routes are in Anthropic's envelope
-(server/app.py's middleware picks it by `is_anthropic`). Registered by server/app.py."""
+thinking (from --reasoning-parser), text, tool_use. Errors on these routes are in Anthropic's
+envelope (server/app.py's middleware picks it by `is_anthropic`). Registered by server/app.py."""
 from __future__ import annotations
 
 import json

@@ -17,7 +17,8 @@ from .tools import marker, parse_calls, partial_calls, starts_anywhere
 
 class ChatOutput:
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
-                 prompt_text: str = "", tool_names: set[str] | None = None, partial_calls: bool = False):
+                 prompt_text: str = "", tool_names: set[str] | None = None,
+                 partial_calls: bool = False):
         self.reasoning = ReasoningStream(reasoning_parser, prompt_text) if reasoning_parser \
             else None
         self.tool_parser = tool_parser

@@ -106,7 +106,8 @@ class ChatTurn:
 
     def _parser(self) -> ChatOutput:
         return ChatOutput(self.st.reasoning_parser, self.tools.parser if self.tools else None,
-                          self.prompt_text, {f["name"] for f in self.tools.functions} if self.tools else None,
+                          self.prompt_text,
+                          {f["name"] for f in self.tools.functions} if self.tools else None,
                           self.partial_calls)
 
     @property

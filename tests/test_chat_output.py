@@ -111,6 +111,29 @@ def test_reasoning_split(parser, prompt, text, reasoning, content):
         assert m["reasoning_content"] == reasoning
 
 
+def test_typed_parts_carry_the_parsed_call():
+    """The parser's output is typed: a call is a start (id, name) then its arguments' JSON, and
+    the whole message keeps the parsed arguments (Anthropic's tool_use input is them, not a
+    re-parse of the JSON); a call's finish is TOOL_CALLS with the engine's STOP kept, unless
+    the output was cut (LENGTH)."""
+    from maxjax.engine.types import FinishReason
+    from maxjax.server.chat_events import Text, ToolCallArgs, ToolCallStart
+    from maxjax.server.chat_run import finish
+    from maxjax.server.generation import Choice
+    out = ChatOutput(tool_parser="hermes")
+    parts = out.feed('Hi <tool_call>\n{"name": "f", "arguments": {"x": [1, "é"]}}\n</tool_call>')
+    parts += out.finish()
+    call = out.message().tool_calls[0]
+    assert parts == [Text("Hi "), ToolCallStart(0, call.id, "f"),
+                     ToolCallArgs(0, '{"x": [1, "é"]}')]
+    assert call.args == {"x": [1, "é"]} and out.message().content == "Hi "
+    c = Choice(0, "r", 0, 1, finish_reason=FinishReason.STOP)
+    assert (finish(c, out).reason, finish(c, out).raw) == (FinishReason.TOOL_CALLS,
+                                                           FinishReason.STOP)
+    c.finish_reason = FinishReason.LENGTH
+    assert finish(c, out).reason == FinishReason.LENGTH and finish(c, out).truncated
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerThread(MockEngine(script="<think>a</think>b"), ServeConfig(reasoning_parser="qwen3"))
