@@ -20,7 +20,7 @@ PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glo
 FRONT = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MAXJAX_BIN = Path(sys.executable).parent / "maxjax"
 
-# Flags in backticks that are not maxjax's: other programs' (pip, pytest, XLA, tools/fuzz.py's
+# Flags in backticks that are not maxjax's: other programs' (pip, npm, pytest, XLA, tools/fuzz.py's
 # `--url`), or patterns (a `--draft-*` twin, a boolean's `--x` / `--no-x`).
 NOT_MAXJAX = {"--no-deps", "--collect-only", "--durations", "--xla_cpu_max_isa",
               "--xla_cpu_experimental_ynn_fusion_type", "--url", "--draft-", "--x", "--no-x"}
@@ -130,7 +130,7 @@ def test_every_flag_named_in_backticks_is_a_maxjax_flag(page):
     prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     unknown = set()
     for span in re.findall(r"`([^`\n]+)`", prose):
-        if re.search(r"tools/|pytest|pip |llama-server|XLA_FLAGS|compare_peers", span):
+        if re.search(r"tools/|pytest|pip |npm |llama-server|XLA_FLAGS|compare_peers", span):
             continue
         for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", span):
             if flag not in known and flag not in NOT_MAXJAX:
