@@ -24,13 +24,14 @@ def sample(t: int) -> Sample:
 
 
 def step(proc, req: Request, text: str, finish: str | None = None):
-    """What Scheduler.update would hand over after appending `text`'s bytes to `req`."""
+    """What Scheduler.update_from_output would hand over after appending `text`'s bytes to
+    `req`."""
     ids = list(text.encode())
     for t in ids:
         req.append_token(t)
     if finish:
         req.status, req.finish_reason = RequestStatus.FINISHED, finish
-    return proc.process([StepUpdate(req, ids)], {req.request_id: [sample(t) for t in ids]})[0]
+    return proc.process([StepUpdate(req, ids, [sample(t) for t in ids])])[0]
 
 
 def request(rid="r", **params) -> Request:
@@ -98,8 +99,8 @@ def test_logprobs_and_prompt_logprobs_with_the_first_output_only(proc):
 def test_a_failure_stays_with_its_request(proc):
     ok, bad = request("ok"), request("bad")
     bad.text = object()                 # a broken detokenizer state
-    outs = proc.process([StepUpdate(bad, [1]), StepUpdate(ok, [ord("x")])],
-                        {"bad": [sample(1)], "ok": [sample(ord("x"))]})
+    outs = proc.process([StepUpdate(bad, [1], [sample(1)]),
+                         StepUpdate(ok, [ord("x")], [sample(ord("x"))])])
     assert outs[0].finish_reason == "error" and "output processing failed" in outs[0].error
     assert not outs[1].finished and outs[1].new_text == "x"
 

@@ -1,8 +1,9 @@
-"""EngineCore: the synchronous engine. One `step()` = Scheduler.schedule -> ModelRunner.run ->
-Scheduler.update -> OutputProcessor.process, and returns the step's RequestOutputs. Not
+"""EngineCore: the synchronous engine. One `step()` = Scheduler.schedule -> ModelRunner.run (a
+StepOutput, maxjax/engine/step_io.py) -> Scheduler.update_from_output (the one reader of the
+result: StepUpdates) -> OutputProcessor.process, and returns the step's RequestOutputs. Not
 thread-safe: the AsyncEngine's loop thread (or LLM.generate) owns it. Embedding requests
 (`add_embedding`) ride the same steps as prompts that sample nothing: the runner hands back their
-rows' pooled hidden states, folded into the Request after each step.
+rows' pooled hidden states, folded into the Request by the scheduler after each step.
 
 A fault in a step fails only the requests it can be traced to, and the engine goes on:
   - an exception while building one row's inputs (host side) fails that row's request;
@@ -23,11 +24,12 @@ import numpy as np
 from maxjax.engine import compile_counter, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.output import OutputProcessor, final_output, keep_prompt_logprobs
+from maxjax.engine.output import OutputProcessor, final_output
 from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
-from maxjax.engine.scheduler import ScheduledRow, Scheduler
+from maxjax.engine.scheduler import Scheduler
+from maxjax.engine.step_io import ScheduledRow, StepOutput
 from maxjax.engine.stats import EngineStats, SpecStats
 from maxjax.engine.types import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from maxjax.engine.vision import ImageEncoder, image_rows, rope_rows
@@ -219,56 +221,47 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run, take the result in (the scheduler, once), make the outputs."""
         self._ce_delay()
         t0 = time.perf_counter()
-        if self.speculator:
-            before = compile_counter.count()
-            try:
-                self.speculator.propose(self.scheduler)
-            except Exception:     # the drafts are only a guess: none this step, nothing fails
-                log.exception("draft proposal failed: this step verifies no drafts")
-                self.speculator.reset(self.scheduler)
-            self.step_compiles += compile_counter.count() - before
+        self._propose()
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
             return []
         if plan.num_admitted:
             self._ce_waited = False
         t_sched = time.perf_counter() - t0
-        outputs: list[RequestOutput] = []          # first those of the requests that failed
-        steps: list[StepResult] = []               # the runner's, in order
-        results = self._run(plan.rows, outputs, steps)
+        out = self._run(plan.rows)
         t1 = time.perf_counter()
-        for row, res in zip(plan.rows, results):
-            if res is not None and res.prompt_logprobs is not None:
-                keep_prompt_logprobs(row.request, row.start_pos, len(row.token_ids),
-                                     res.prompt_logprobs)
-            if res is not None and res.pooled is not None:
-                row.request.add_pooled(row.start_pos, *res.pooled)
-        if self.speculator:
-            self.speculator.verify(plan.rows, results)
-        updates = self.scheduler.update(plan, [None if res is None else res.token_ids
-                                                for res in results])
+        updates = self.scheduler.update_from_output(plan, out)
         self._advance_grammars(updates)
         t2 = time.perf_counter()
-        samples = {row.request.request_id: res.samples
-                   for row, res in zip(plan.rows, results) if res is not None and row.sample}
-        processed = self.output.process(updates, samples)
+        processed = self.output.process(updates)
         t3 = time.perf_counter()
-        for out in processed:
-            if out.finished:   # a stop string (or a failure) ends a request the scheduler still runs
-                self.scheduler.finish(out.request_id, out.finish_reason)
+        for o in processed:
+            if o.finished:   # a stop string (or a failure) ends a request the scheduler still runs
+                self.scheduler.finish(o.request_id, o.finish_reason)
         if self.speculator:
-            bucket, seconds = (steps[-1].bucket, steps[-1].timing["device_step"]) if steps \
-                else (None, None)
-            self.speculator.observe(plan.rows, results, bucket, seconds)
+            self.speculator.observe(plan.rows, out.results, out.bucket, out.device_seconds)
         prof = self.profile
         prof["schedule"] += t_sched
         prof["update"] += t2 - t1 + time.perf_counter() - t3
         prof["detokenize"] += t3 - t2
         prof["steps"] += 1
         prof["tokens"] += plan.num_tokens
-        return outputs + processed
+        return out.failed + processed
+
+    def _propose(self) -> None:
+        """The speculator's drafts for this step's decodes (none when proposing fails)."""
+        if not self.speculator:
+            return
+        before = compile_counter.count()
+        try:
+            self.speculator.propose(self.scheduler)
+        except Exception:     # the drafts are only a guess: none this step, nothing fails
+            log.exception("draft proposal failed: this step verifies no drafts")
+            self.speculator.reset(self.scheduler)
+        self.step_compiles += compile_counter.count() - before
 
     def _ce_delay(self) -> None:
         """--ce-delay-ms: wait once before a step that begins a prefill batch, so requests
@@ -342,11 +335,12 @@ class EngineCore:
         return [prompt[p + 1] if p + 1 < len(prompt) else -1
                 for p in range(row.start_pos, row.start_pos + len(row.token_ids))]
 
-    def _run(self, rows: list[ScheduledRow], failed: list,
-             steps: list[StepResult]) -> list[RowResult | None]:
-        """The step's result per row; None where the row's request failed (its output appended
-        to `failed`) or went back to the queue. Each runner call that returned is appended to
-        `steps`."""
+    def _run(self, rows: list[ScheduledRow]) -> StepOutput:
+        """Run the rows: a RowResult per row, None where its request failed (its last output in
+        `failed`) or went back to the queue; with --synthetic-acceptance-rate, the samples
+        rewritten to keep drafts at that rate."""
+        failed: list[RequestOutput] = []
+        steps: list[StepResult] = []      # each runner call that returned, in order
         inputs = []
         try:
             masks = self._grammar_masks(rows, failed)
@@ -366,7 +360,12 @@ class EngineCore:
             except Exception as e:
                 failed.append(self._fail(row.request, "building its step inputs", e))
         got = dict(zip((id(row) for row, _ in inputs), self._execute(inputs, failed, steps)))
-        return [got.get(id(row)) for row in rows]
+        results = [got.get(id(row)) for row in rows]
+        if self.speculator:
+            self.speculator.verify(rows, results)
+        if not steps:
+            return StepOutput(results, failed)
+        return StepOutput(results, failed, steps[-1].bucket, steps[-1].timing["device_step"])
 
     def _execute(self, inputs: list[tuple], failed: list,
                  steps: list[StepResult]) -> list[RowResult | None]:

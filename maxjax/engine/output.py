@@ -1,7 +1,7 @@
 """The one output processor: a step's StepUpdates -> RequestOutputs, for maxjax.LLM and the server's
-AsyncEngine alike. EngineCore.step calls it on the engine's thread right after Scheduler.update, so
-a stop string found here ends its request in the same step (EngineCore then finishes it in the
-scheduler, which frees its pages).
+AsyncEngine alike. EngineCore.step calls it on the engine's thread right after the scheduler's
+update_from_output, so a stop string found here ends its request in the same step (EngineCore
+then finishes it in the scheduler, which frees its pages).
 
 It works on each Request's own state: its TextStream (incremental detokenization and stop strings,
 created with the request's first output) and the prompt logprobs gathered over its prefill chunks
@@ -89,10 +89,10 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer     # None: outputs carry token ids only, no text
 
-    def process(self, updates, samples: dict) -> list[RequestOutput]:
-        """One output per StepUpdate. `samples[request_id]`: the row's runner Samples, the first
-        ones matching the update's tokens. A finished output whose request the scheduler still
-        runs (a stop string, or an ERROR when processing it raised) is for the caller to finish."""
+    def process(self, updates) -> list[RequestOutput]:
+        """One output per StepUpdate (its samples: the row's runner Samples, the first ones
+        matching its tokens). A finished output whose request the scheduler still runs (a stop
+        string, or an ERROR when processing it raised) is for the caller to finish."""
         outs = []
         for u in updates:
             req = u.request
@@ -100,7 +100,7 @@ class OutputProcessor:
                 if req.is_embedding:
                     outs.append(embedding_output(req))
                     continue
-                outs.append(self._output(req, u.token_ids, samples[req.request_id]))
+                outs.append(self._output(req, u.token_ids, u.samples))
             except Exception as e:
                 log.exception("output processing failed for %s", req.request_id)
                 outs.append(final_output(req, FinishReason.ERROR, f"output processing failed: "

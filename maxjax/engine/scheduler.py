@@ -1,8 +1,9 @@
 """Continuous batching: which tokens of which requests run in the next step. Called by the engine loop:
 
     plan = scheduler.schedule()                 # StepPlan or None when idle
-    sampled = model_runner.run(plan)            # per row, a token per sample slot
-    updates = scheduler.update(plan, sampled)   # accept, append, check stop, roll back, cache
+    out = ...run the plan...                    # StepOutput: per row, a token per sample slot
+    updates = scheduler.update_from_output(plan, out)   # prompt logprobs, pooled states; accept,
+                                                        # append, check stop, roll back, cache
 
 A request's tokens to compute are all_token_ids[num_computed_tokens:]: one while decoding, more while
 prefilling (a prompt, or everything a preempted request had). Each step holds at most
@@ -45,49 +46,14 @@ import numpy as np
 
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
+from maxjax.engine.output import keep_prompt_logprobs
 from maxjax.engine.vision import chunk_end
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.stats import SchedulerStats
+from maxjax.engine.step_io import ScheduledRow, StepOutput, StepPlan, StepUpdate
 from maxjax.engine.types import FinishReason
 from maxjax.engine.step_policy import ALL, StepPolicy
 from maxjax.errors import RequestError
-
-
-@dataclass
-class ScheduledRow:
-    """The tokens one request contributes to a step (same fields as graphs.step.RowSlice)."""
-    request: Request
-    start_pos: int
-    token_ids: list[int]      # to compute: uncomputed tokens, then draft_token_ids
-    pages: list[int]
-    sample: bool       # the row's last token yields a new token (False for a non-final prefill chunk)
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_samples(self) -> int:
-        """Sample slots: after the last real token and after each draft."""
-        return 1 + len(self.draft_token_ids) if self.sample else 0
-
-
-@dataclass
-class StepUpdate:
-    """What one step added to one request: the tokens appended (1 + accepted drafts, cut at a
-    stop), finished requests included (status and finish_reason say so)."""
-    request: Request
-    token_ids: list[int]
-
-
-@dataclass
-class StepPlan:
-    rows: list[ScheduledRow]
-    num_tokens: int
-    preempted: list[Request] = field(default_factory=list)   # sent back to the queue by this plan
-
-    num_admitted: int = 0      # waiting requests this plan admitted
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows)
 
 
 @dataclass
@@ -392,10 +358,25 @@ class Scheduler:
         return self.policy.kinds(self.num_steps, num_decoding, len(self.running) - num_decoding,
                                  self.waiting, len(self.running))
 
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> list[StepUpdate]:
+        """Take in what running `plan` gave, once: each row's prompt logprobs and pooled
+        states kept on its request, its samples accepted (update()); the updates carry each
+        row's samples on to output processing."""
+        for row, res in zip(plan.rows, out.results):
+            if res is None:
+                continue
+            if res.prompt_logprobs is not None:
+                keep_prompt_logprobs(row.request, row.start_pos, len(row.token_ids),
+                                     res.prompt_logprobs)
+            if res.pooled is not None:
+                row.request.add_pooled(row.start_pos, *res.pooled)
+        return self._apply(plan, [None if res is None else res.token_ids for res in out.results],
+                           [[] if res is None else res.samples for res in out.results])
+
     def update(self, plan: StepPlan, sampled) -> list[StepUpdate]:
-        """Apply a step's results. `sampled[i]`: row i's sampled tokens, one per sample slot
-        (a bare int for a one-slot row; ignored for rows that do not sample), or the same for
-        the sampling rows only."""
+        """Apply a step's sampled tokens (update_from_output without the rest of a result).
+        `sampled[i]`: row i's sampled tokens, one per sample slot (a bare int for a one-slot
+        row; ignored for rows that do not sample), or the same for the sampling rows only."""
         if len(sampled) != len(plan.rows):
             n_sample = sum(r.sample for r in plan.rows)
             if len(sampled) != n_sample:
@@ -403,8 +384,11 @@ class Scheduler:
                                  f"({n_sample} sampling)")
             it = iter(sampled)
             sampled = [next(it) if r.sample else None for r in plan.rows]
+        return self._apply(plan, sampled, [[]] * len(plan.rows))
+
+    def _apply(self, plan: StepPlan, sampled: list, samples: list[list]) -> list[StepUpdate]:
         updates = []
-        for row, tokens in zip(plan.rows, sampled):
+        for row, tokens, row_samples in zip(plan.rows, sampled, samples):
             req = row.request
             if req.status is not RequestStatus.RUNNING:
                 continue                    # finished or aborted since the plan was made
@@ -434,7 +418,7 @@ class Scheduler:
                 if reason is not None:
                     break
             self.bm.cache_full_pages(req)
-            updates.append(StepUpdate(req, added))
+            updates.append(StepUpdate(req, added, row_samples))
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
