@@ -416,16 +416,21 @@ def test_the_chat_template_file_comes_from_the_manifest(warmed, model, tmp_path)
 
 def test_replicas_and_platform_defaults_come_from_the_manifest(warmed, model, tmp_path):
     """Artifacts warm-cache built for replicas serve as replicas; the engine sizes pinned
-    replace the platform's defaults a start fills in (build_core's for_platform)."""
+    replace the platform's defaults a start fills in (build_core's for_platform), not a value
+    the user chose, even one equal to that default."""
     d = _copy(warmed, tmp_path)
     _edit_manifest(d, lambda m: m["serve"].update(devices="cpu:2", data_parallel_degree=2))
     _, cfg = aot_load.adopt_flags([d], None, EngineConfig())
     assert (cfg.devices, cfg.data_parallel_degree) == ("cpu:2", 2)
     with pytest.raises(UserError, match="^--data-parallel-degree 3 differs from the 2"):
         aot_load.adopt_flags([d], None, EngineConfig(data_parallel_degree=3))
+    from maxjax.engine.plan import adopt_pins
     filled = EngineConfig().for_platform("cpu")
     assert filled.max_batch_size == 32
-    assert aot_load.open_artifacts([warmed], model, filled).flags.max_batch_size == 2
+    pins = aot_load.open_artifacts([warmed], model, filled).pins
+    assert pins.values["max_batch_size"] == 2 and adopt_pins(filled, pins).max_batch_size == 2
+    with pytest.raises(UserError, match="^--max-batch-size 32 differs from the 2 the artifacts"):
+        adopt_pins(EngineConfig(max_batch_size=32).for_platform("cpu"), pins)   # chosen: kept
 
 
 def test_cli_exits_2_with_one_line(warmed, model_dir, capsys):

@@ -240,7 +240,8 @@ def normalize_targets(targets: list[str] | None) -> tuple[list[str], dict[str, s
 DRAFT_DIR = "draft"
 
 # What `serve --precompiled-artifacts DIR` takes from the manifest when left unset (load.py
-# adopt_flags); the engine's sizes and buckets are adopted from `engine` (load._adopt_pinned).
+# adopt_flags); the engine's sizes and buckets are pinned by `engine` (load.open_artifacts; the
+# plan adopts them: maxjax/engine/plan.py adopt_pins).
 SERVE_FLAGS = ("quantization_encoding", "devices", "data_parallel_degree", "speculative_method",
                "num_speculative_tokens", "draft_model_path", "enable_lora")
 

@@ -28,43 +28,25 @@ from maxjax.aot import graphs, group
 from maxjax.aot import manifest as mf
 from maxjax.aot.export import (KERNEL_FLAGS, LORA_FLAGS, SERVE_FLAGS, SPEC_FLAGS,
                                warm_cache_command)
-from maxjax.engine.config import EngineConfig, platform_defaults
+from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
 from maxjax.graphs.attention import backend_named
 
 log = logging.getLogger("maxjax.aot")
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# The engine values artifacts pin (their manifest's `engine`), adopted by the plan (Pins).
+PINNED_ENGINE = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
+                 "num_kv_pages", "kv_cache_format")
 
 
-def _unset(cfg: EngineConfig, k: str) -> bool:
-    """The value is no choice of the user's: unset, or a (this platform's) default."""
-    v = getattr(cfg, k)
-    return v is None or v == _DEFAULTS[k] or cfg.is_default(k) or \
-        v == platform_defaults(jax.default_backend()).get(k)
-
-
-def _adopt_pinned(m: mf.Manifest, flags: EngineConfig, fix) -> EngineConfig:
-    """`flags` whose unset (or default) engine values take the pinned ones; an explicit other
-    value is an error."""
-    pinned, adopted = m.data.get("engine", {}), {}
-    for k in ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
-              "num_kv_pages", "kv_cache_format"):
-        have, want = getattr(flags, k), pinned.get(k)
-        if want is None:
+def _pinned(m: mf.Manifest, flags: EngineConfig, fix) -> dict:
+    """The engine values the artifacts pin (the plan adopts them: maxjax/engine/plan.py
+    adopt_pins); LoRA graphs take the slot stacks as inputs, so --enable-lora must match them."""
+    pinned = m.data.get("engine", {})
+    out = {}
+    for k in PINNED_ENGINE:
+        if pinned.get(k) is None:
             raise UserError(f"{m.path}: engine field {k} is missing; recreate with: {fix(None)}")
-        if _unset(flags, k):
-            adopted[k] = want
-        elif have != want:
-            raise UserError(f"{mf.FLAGS[k]} {have} differs from the {want} the artifacts in "
-                            f"{m.directory} were built with: drop the flag, or recreate them with: "
-                            f"{fix(k)}")
-    adopted.update(_adopt_lora(m, pinned, flags, fix))
-    return flags.replace(**adopted)
-
-
-def _adopt_lora(m: mf.Manifest, pinned: dict, flags: EngineConfig, fix) -> dict:
-    """LoRA graphs take the slot stacks as inputs: --enable-lora must match the artifacts, and
-    --max-num-loras / --max-lora-rank follow the adopt-or-refuse rule of _adopt_pinned."""
+        out[k] = pinned[k]
     slots, rank = pinned.get("lora_slots", 0), pinned.get("max_lora_rank", 0)
     if bool(slots) != flags.enable_lora:
         built = (f"with --enable-lora --max-num-loras {slots - 1} --max-lora-rank {rank}"
@@ -72,19 +54,17 @@ def _adopt_lora(m: mf.Manifest, pinned: dict, flags: EngineConfig, fix) -> dict:
         raise UserError(f"--enable-lora is {'on' if flags.enable_lora else 'off'} but the "
                         f"artifacts in {m.directory} were built {built}: "
                         f"{'drop' if not slots else 'pass'} it, or recreate them with: {fix(None)}")
-    if not slots:
-        return {}
-    adopted = {}
-    for k, want in (("max_num_loras", slots - 1), ("max_lora_rank", rank)):
-        have = getattr(flags, k)
-        if have == _DEFAULTS[k]:
-            adopted[k] = want
-        elif have != want:
-            flag = "--" + k.replace("_", "-")
-            raise UserError(f"{flag} {have} differs from the {want} the artifacts in "
-                            f"{m.directory} were built with: drop the flag, or recreate them with: "
-                            f"{fix(k)}")
-    return adopted
+    if slots:
+        out.update(max_num_loras=slots - 1, max_lora_rank=rank)
+    return out
+
+
+def _refuse_engine(m: mf.Manifest, fix):
+    def refuse(k, have, want):
+        flag = mf.FLAGS.get(k) or "--" + k.replace("_", "-")
+        return (f"{flag} {have} differs from the {want} the artifacts in {m.directory} were "
+                f"built with: drop the flag, or recreate them with: {fix(k)}")
+    return refuse
 
 
 def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, EngineConfig]:
@@ -98,24 +78,21 @@ def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, Engi
         pinned = mf.read_manifest(d, "maxjax warm-cache").data.get("serve") or {}
     except UserError:
         return model_path, flags    # open_artifacts reports it, with the command that fixes it
-    adopted = {}
-    for k in SERVE_FLAGS:
-        have, want = getattr(flags, k), pinned.get(k)
-        if want is None or have == want:
-            continue
-        if _unset(flags, k):
-            adopted[k] = want
-        else:
-            flag = "--" + k.replace("_", "-")
-            raise UserError(f"{flag} {have} differs from the {want} the artifacts in {d} were "
-                            f"built with: drop the flag (serving from artifacts takes it from "
-                            f"them), or recreate them with maxjax warm-cache {flag} {have}")
+    from maxjax.engine.plan import Pins, adopt_pins
+
+    def refuse(k, have, want):
+        flag = "--" + k.replace("_", "-")
+        return (f"{flag} {have} differs from the {want} the artifacts in {d} were built with: "
+                f"drop the flag (serving from artifacts takes it from them), or recreate them "
+                f"with maxjax warm-cache {flag} {have}")
+    flags = adopt_pins(flags, Pins({k: pinned[k] for k in SERVE_FLAGS
+                                    if pinned.get(k) is not None}, refuse))
     if model_path is None and pinned.get("model_path"):
         model_path = pinned["model_path"]
         if not os.path.exists(model_path):
             raise UserError(f"--precompiled-artifacts {d}: built from {model_path}, which cannot "
                             "be found on this machine: pass --model-path where it is")
-    return model_path, flags.replace(**adopted)
+    return model_path, flags
 
 
 def adopt_chat_template(dirs, chat_template: str | None) -> str | None:
@@ -152,7 +129,7 @@ def pinned_kernels(dirs) -> bool | None:
 class Artifacts:
     """Artifact directories read and checked (`open_artifacts`), before any graph is loaded."""
     manifests: tuple
-    flags: EngineConfig     # the user's flags with the values the artifacts pin adopted
+    pins: object            # what they pin (maxjax/engine/plan.py Pins), for the plan to adopt
     platform: str | None    # the platform their layout was planned for
     fix: Callable           # (manifest, field) -> the warm-cache command that rebuilds them
 
@@ -160,24 +137,26 @@ class Artifacts:
 def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = False,
                    command: str | None = None) -> Artifacts:
     """Read and verify artifact directories for `model` (manifest, versions, mesh, model, every
-    file's sha256, their target) and adopt what they pin into `flags`; artifacts/FORMAT.md
-    lists the order. A mismatch is a UserError naming the field and the command that fixes it
-    (`command`: that command, when it is not warm-cache's for `model` into these directories)."""
+    file's sha256, their target) and read what they pin (the plan adopts it, refusing a flag
+    of `flags` that chose another value); artifacts/FORMAT.md lists the order. A mismatch is a
+    UserError naming the field and the command that fixes it (`command`: that command, when it
+    is not warm-cache's for `model` into these directories)."""
+    from maxjax.engine.plan import Pins, user_chose
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
     local = mf.local_device()
-    user = flags = flags.replace(quantization_encoding=model.dtype)
+    user = flags.replace(quantization_encoding=model.dtype)
 
     def fix(m, field):
         if command:
             return command
         eng = {k: getattr(user, k) for k in mf.FLAGS if k != "dtype"}
         for k, v in eng.items():
-            if v is None or (_unset(user, k) and k != field):
+            if v is None or (not user_chose(user, k) and k != field):
                 eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
         eng.update({k: getattr(user, k) for k in (*SPEC_FLAGS, *LORA_FLAGS, *KERNEL_FLAGS)})
         return warm_cache_command(model, eng, m.directory if m else d, [local["platform"]])
 
-    manifests = []
+    manifests, pinned, refuse = [], {}, None
     for d in dirs:
         d = os.path.abspath(d)
         m = mf.read_manifest(d, fix(None, None))
@@ -185,14 +164,18 @@ def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = Fa
         mf.check_versions(m, here(None), require_compiled or m.data.get("compiled_for") == local)
         _check_mesh(m, model, here(None))     # before the model: a mesh also lays out its weights
         mf.check_model(m, model, here(None))
-        flags = _adopt_pinned(m, flags, here)
+        refuse = refuse or _refuse_engine(m, here)
+        for k, v in _pinned(m, user, here).items():
+            if pinned.setdefault(k, v) != v:
+                raise UserError(_refuse_engine(m, here)(k, pinned[k], v))
         if local["platform"] not in m.data.get("targets", []):
             raise UserError(f"{m.path}: built for {', '.join(m.data.get('targets', []))}, this "
                             f"machine is {local['platform']}; recreate with: {here(None)}")
         check_target_arch(m.data.get("target_archs", {}), m.path)
         mf.check_files(m, here(None))        # every sha256, before anything is deserialized
         manifests.append(m)
-    return Artifacts(tuple(manifests), flags, manifests[0].data["engine"].get("platform"), fix)
+    return Artifacts(tuple(manifests), Pins(pinned, refuse),
+                     manifests[0].data["engine"].get("platform"), fix)
 
 
 def load_planned(dirs, model, flags, require_compiled: bool = False,
@@ -203,7 +186,7 @@ def load_planned(dirs, model, flags, require_compiled: bool = False,
     from maxjax.engine.plan import plan_engine, prepare
     prepared = prepare(flags, pinned_kernels=pinned_kernels(dirs), kernels=kernels)
     arts = open_artifacts(dirs, model, prepared.config, require_compiled)
-    plan = plan_engine(prepared.adopt(arts.flags, arts.platform), model)
+    plan = plan_engine(prepared.adopt(arts.pins, arts.platform), model)
     return (plan, *load_for_engine(arts, model, plan, require_compiled, preloaded))
 
 

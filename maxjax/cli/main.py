@@ -164,7 +164,7 @@ def cmd_generate(args) -> int:
               require_compiled_artifacts=model_opts.require_compiled_artifacts,
               compile_cache=model_opts.compile_cache,
               compile_cache_max_size=model_opts.compile_cache_max_size,
-              progress=not gen.json, **dataclasses.asdict(engine_cfg))
+              progress=not gen.json, **engine_cfg.given())
     if gen.chat:
         if not llm.model.chat_template:
             raise UserError("--chat: this model has no chat template; pass --chat-template FILE")

@@ -116,7 +116,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     if precompiled_artifacts:
         arts = aot_load.open_artifacts(precompiled_artifacts, model, flags, require_compiled)
         t_plan = time.perf_counter()
-        plan = plan_engine(prepared.adopt(arts.flags, arts.platform), model)
+        plan = plan_engine(prepared.adopt(arts.pins, arts.platform), model)
         plan_seconds += time.perf_counter() - t_plan
         loaded = aot_load.load_for_engine(arts, model, plan, require_compiled,
                                           early.take(early.path) if early else None)

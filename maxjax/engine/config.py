@@ -293,6 +293,12 @@ class EngineConfig:
         new._fill(platform)
         return new
 
+    def given(self) -> dict:
+        """The settings as keyword arguments that make these flags again: the platform defaults
+        filled in left out, so that whoever takes them (maxjax.LLM) sees what the user chose."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self._defaulted}
+
     def is_default(self, name: str) -> bool:
         """True when `name` holds the platform default it was given (the user did not set it)."""
         return name in self._defaulted

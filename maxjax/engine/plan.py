@@ -66,6 +66,43 @@ class EnginePlan:
 
 
 @dataclass(frozen=True)
+class Pins:
+    """Values a start must run with that the user's flags do not choose: what artifacts were
+    built with (maxjax/aot/load.py), or the plan of a group's process 0 or of the first
+    data-parallel replica (`EnginePlan.pins`). The planner adopts them (`adopt_pins`), the one
+    place pins meet flags. `refuse(field, have, want)`: the UserError's text for a flag the user
+    chose with another value (None: the pins are another plan of the same flags, adopted)."""
+    values: dict = field(default_factory=dict)
+    refuse: Any = None
+
+
+def user_chose(flags: EngineConfig, name: str) -> bool:
+    """Whether the user's `flags` hold a value of their own for `name`: set, and neither the
+    field's default nor a platform default filled in."""
+    value = getattr(flags, name)
+    return not (value is None or flags.is_default(name) or value == _FIELD_DEFAULTS[name])
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def adopt_pins(flags: EngineConfig, pins: Pins | dict | None) -> EngineConfig:
+    """`flags` with `pins` adopted: a value the user did not choose takes the pinned one, a
+    chosen other value is refused (a UserError naming the flag)."""
+    if not isinstance(pins, Pins):
+        pins = Pins(dict(pins or {}))
+    adopted = {}
+    for k, want in pins.values.items():
+        have = getattr(flags, k)
+        if have == want:
+            continue
+        if pins.refuse is not None and user_chose(flags, k):
+            raise UserError(pins.refuse(k, have, want))
+        adopted[k] = want
+    return flags.replace(**adopted) if adopted else flags
+
+
+@dataclass(frozen=True)
 class Prepared:
     """The plan's first half, made before any weight is read (`prepare`)."""
     flags: EngineConfig         # the user's, as given
@@ -75,15 +112,15 @@ class Prepared:
     draft_tokens: int
     lora_items: tuple
 
-    def adopt(self, config: EngineConfig, platform: str | None = None) -> Prepared:
-        """The same start with `config`: the flags with values artifacts pin adopted
-        (maxjax/aot/load.py open_artifacts checks them against the flags), planned for the
-        `platform` the artifacts were."""
+    def adopt(self, pins: Pins, platform: str | None = None) -> Prepared:
+        """The same start with what artifacts pin adopted (`adopt_pins`; read when the weights
+        are, maxjax/aot/load.py open_artifacts), planned for the `platform` they were."""
+        config = adopt_pins(self.config, pins)
         check_layout_flags(config)
         return dataclasses.replace(self, config=config, platform=platform or self.platform)
 
 
-def prepare(flags: EngineConfig, *, platform: str | None = None, pins: dict | None = None,
+def prepare(flags: EngineConfig, *, platform: str | None = None, pins: Pins | dict | None = None,
             pinned_kernels: bool | None = None, platforms: Sequence[str] | None = None,
             kernels: bool | None = None, quiet: bool = False) -> Prepared:
     """The plan's first half for the user's `flags`: resolved for the `platform` the graphs run
@@ -92,7 +129,7 @@ def prepare(flags: EngineConfig, *, platform: str | None = None, pins: dict | No
     (`choose_kernels`: `pinned_kernels`, `platforms` the graphs are exported for; `kernels` a
     choice made already)."""
     platform = platform or local_platform()
-    cfg = flags.for_platform(platform).replace(**(pins or {}))
+    cfg = adopt_pins(flags.for_platform(platform), pins)
     draft_tokens, lora_items = check_flags(cfg)
     if kernels is None:
         kernels = choose_kernels(cfg, pinned_kernels, platforms or [platform], quiet)
