@@ -41,6 +41,9 @@ class Architecture:
     # An image-text model: its image encoder (graphs/vision.py); None: text only.
     vision: Any = None
     float16_overflows: bool = False     # activations beyond float16's range (Gemma 2 and 3)
+    # What its layers keep in the paged pool (graphs/state.py KINDS), as its configs' paged_state
+    # says; `maxjax list` shows it.
+    state: str = "kv"
 
     def param_shapes(self, cfg: ModelConfig) -> dict:
         return sharding.shapes(self.param_specs(cfg))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from maxjax.graphs.state import KINDS
+
 
 # Fields added after artifacts and compile-cache entries were first stored: `to_dict` leaves them
 # out at their default, so an existing model's fingerprint (maxjax/aot/manifest.py) stays the same.
@@ -94,6 +96,27 @@ class ModelConfig:
     # Qwen2.5-VL's M-RoPE (graphs/mrope.py): the rope frequencies split into (temporal, height,
     # width) bands, each turned by its own row of the step's `rope_positions`; None: 1-D rope.
     mrope_section: tuple[int, ...] | None = field(default=None, metadata=_OMIT_DEFAULT)
+    # The state a token keeps in the paged pool (graphs/state.py KINDS): "kv" or MLA's "latent".
+    paged_state: str = field(default="kv", metadata=_OMIT_DEFAULT)
+    # MLA (graphs/deepseek_v3.py): q through a rank-`q_lora_rank` bottleneck (0: one q_proj);
+    # a kv latent of `kv_lora_rank`; per head qk_nope + qk_rope query/key dims and v_head_dim
+    # value dims. head_dim is the latent attention's (kv_lora_rank + qk_rope_head_dim).
+    q_lora_rank: int = field(default=0, metadata=_OMIT_DEFAULT)
+    kv_lora_rank: int = field(default=0, metadata=_OMIT_DEFAULT)
+    qk_nope_head_dim: int = field(default=0, metadata=_OMIT_DEFAULT)
+    qk_rope_head_dim: int = field(default=0, metadata=_OMIT_DEFAULT)
+    v_head_dim: int = field(default=0, metadata=_OMIT_DEFAULT)
+    rope_interleave: bool = field(default=False, metadata=_OMIT_DEFAULT)
+    # DeepSeek-V3 routing (graphs/moe.py `route_grouped`): sigmoid scores plus a correction
+    # bias choose, within the `topk_group` best of `n_group` groups, the top k; their sigmoid
+    # scores (renormalised when norm_topk_prob) times `routed_scaling_factor` weigh them.
+    # "softmax": the top k of a softmax. A shared expert of `shared_expert_intermediate_size`
+    # (0: none) runs on every token beside the routed ones.
+    router_scoring: str = field(default="softmax", metadata=_OMIT_DEFAULT)
+    n_group: int = field(default=1, metadata=_OMIT_DEFAULT)
+    topk_group: int = field(default=1, metadata=_OMIT_DEFAULT)
+    routed_scaling_factor: float = field(default=1.0, metadata=_OMIT_DEFAULT)
+    shared_expert_intermediate_size: int = field(default=0, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:
@@ -102,6 +125,8 @@ class ModelConfig:
             object.__setattr__(self, "layer_local_rope", (False,) * self.num_layers)
         if len(self.layer_windows) != self.num_layers or len(self.layer_local_rope) != self.num_layers:
             raise ValueError("layer_windows and layer_local_rope need one entry per layer")
+        if self.paged_state not in KINDS:
+            raise ValueError(f"paged_state {self.paged_state!r}: one of {', '.join(KINDS)}")
 
     @property
     def q_size(self) -> int:
@@ -120,4 +145,6 @@ class ModelConfig:
 
 
 MOE_FIELDS = ("moe_layers", "num_experts", "experts_per_token", "expert_intermediate_size",
-              "norm_topk_prob", "expert_shards", "expert_mesh", "moe_bias", "clamped_swiglu")
+              "norm_topk_prob", "expert_shards", "expert_mesh", "moe_bias", "clamped_swiglu",
+              "router_scoring", "n_group", "topk_group", "routed_scaling_factor",
+              "shared_expert_intermediate_size")

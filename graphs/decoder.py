@@ -26,9 +26,10 @@ from maxjax.graphs import quant
 from maxjax.graphs import sharding
 from maxjax.graphs.mrope import mrope_cos_sin
 from maxjax.graphs.sharding import ArraySpec
+from maxjax.graphs.state import state_of
 from maxjax.graphs.step import StepInputs
 
-KV = tuple  # (k_pool, v_pool), each [layers, pages, kv_heads, page_size, head_dim]
+KV = tuple  # (k_pool, v_pool), each [layers, pages, kv_heads, page_size, head_dim]; MLA: (latent,)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -75,10 +76,11 @@ def abstract_params(cfg: ModelConfig, dtype) -> dict:
 
 
 def kv_pool_specs(cfg: ModelConfig, num_pages: int, page_size: int) -> KV:
-    """The KV pool's shapes and logical axes, one spec per pool."""
-    s = ArraySpec((cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim),
-                  ("layers", "pages", "kv_heads", "page", "head_dim"))
-    return s, s
+    """The KV pool's shapes and logical axes, one spec per pool of the model's state kind
+    (graphs/state.py: K and V, or MLA's one latent)."""
+    return tuple(ArraySpec((cfg.num_layers, num_pages, heads, page_size, dim),
+                           ("layers", "pages", "kv_heads", "page", "head_dim"))
+                 for heads, dim in state_of(cfg).pools(cfg))
 
 
 def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple:
@@ -91,9 +93,9 @@ def kv_specs(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
 
 
 def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
-    shape = kv_pool_shape(cfg, num_pages, page_size)
     # filled flat: XLA:CPU's 1-D fill runs ~4x faster than its 5-D broadcast (a 2.8 GB pool)
-    return tuple(jnp.zeros((math.prod(shape),), dtype).reshape(shape) for _ in range(2))
+    return tuple(jnp.zeros((math.prod(s.shape),), dtype).reshape(s.shape)
+                 for s in kv_pool_specs(cfg, num_pages, page_size))
 
 
 def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
@@ -219,12 +221,14 @@ def hf_layer_names(post_norms: bool) -> dict:
 
 def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype,
                    progress: Callable[[int], None] | None = None, quantizer=None,
-                   moe_names: dict | None = None) -> dict:
+                   moe_names: dict | None = None, shapes: dict | None = None) -> dict:
     """Build the parameter pytree from HF-named tensors. `get(name)` returns a numpy array
     (any float dtype); linear weights are transposed to [in, out] and fused. `quantizer`
     (maxjax/models/quantize.py): the matrices and embedding tables as QuantizedWeights.
-    `moe_names`: a routed layer's names (graphs/moe.py keys; {j}: the expert)."""
-    shapes = param_shapes(cfg)
+    `moe_names`: a routed layer's names (graphs/moe.py keys; {j}: the expert), or any key's
+    names over the shared ones; `shapes`: the architecture's param shapes (default: this
+    decoder's)."""
+    shapes = shapes or param_shapes(cfg)
     names = {**hf_layer_names(cfg.post_norms), **(moe_names or {})}
 
     def put(x):   # on the host and device_put: jnp.asarray compiles a copy per bf16 shape

@@ -43,11 +43,12 @@ from maxjax.graphs import layers as L
 from maxjax.graphs import quant
 from maxjax.graphs.sharding import ArraySpec
 
-# 2-D parameters never quantized (maxjax/models/quantize.py asks).
-FLOAT_MATRICES = ("router", "experts_gate_up_bias", "experts_down_bias")
+# 2-D parameters never quantized (maxjax/models/quantize.py asks); MLA's up-projections too
+# (graphs/deepseek_v3.py folds them per head into the query and the output).
+FLOAT_MATRICES = ("router", "experts_gate_up_bias", "experts_down_bias", "w_uk", "w_uv")
 # A routed layer's stacked expert parameters (the ones split over the mesh under parallelism).
 EXPERT_KEYS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
-ROUTER_KEYS = ("router", "router_bias")
+ROUTER_KEYS = ("router", "router_bias", "router_correction")
 MAX_BLOCK = 64
 
 
@@ -81,6 +82,37 @@ def route(x, router, k: int, norm_topk_prob: bool, bias=None):
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def route_grouped(x, router, correction, k: int, n_group: int, topk_group: int,
+                  norm_topk_prob: bool, scaling: float):
+    """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter): sigmoid scores; with the
+    correction bias added they pick the `topk_group` groups (of `n_group`) whose two best
+    experts sum highest, then the top k experts within those; each chosen expert weighs its
+    sigmoid score (no bias), renormalised over the k when `norm_topk_prob`, times `scaling`."""
+    logits = jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + correction.astype(jnp.float32)
+    T, E = choice.shape
+    grouped = choice.reshape(T, n_group, E // n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, groups = jax.lax.top_k(group_scores, topk_group)
+    keep = jnp.any(groups[:, :, None] == jnp.arange(n_group), axis=1)       # [T, n_group]
+    choice = jnp.where(jnp.repeat(keep, E // n_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, experts.astype(jnp.int32)
+
+
+def route_for(cfg, x, router: dict):
+    """(weights, expert ids) of each token as `cfg.router_scoring` routes it."""
+    k = cfg.experts_per_token
+    if cfg.router_scoring == "sigmoid":
+        return route_grouped(x, router["router"], router["router_correction"], k, cfg.n_group,
+                             cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    return route(x, router["router"], k, cfg.norm_topk_prob, router.get("router_bias"))
 
 
 def routed_counts(experts, num_experts: int, live=None):
@@ -228,7 +260,7 @@ def _routed(cfg, x, router: dict, experts: dict, live, grouped, first=0):
     k = cfg.experts_per_token
     w_gate_up = experts["experts_gate_up"]
     E = (w_gate_up.q if isinstance(w_gate_up, quant.QuantizedWeight) else w_gate_up).shape[0]
-    weights, chosen = route(x, router["router"], k, cfg.norm_topk_prob, router.get("router_bias"))
+    weights, chosen = route_for(cfg, x, router)
     chosen = chosen - first
     mine = (chosen >= 0) & (chosen < E) & (jnp.arange(T)[:, None] < live)
     flat = jnp.where(mine, chosen, E).reshape(-1)

@@ -19,7 +19,7 @@ BUILTINS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mistral
             "Gemma3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
             "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
             "GptOssForCausalLM", "Gemma3ForConditionalGeneration",
-            "Qwen2_5_VLForConditionalGeneration"}
+            "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM"}
 
 
 # --- architectures ----------------------------------------------------------------------------

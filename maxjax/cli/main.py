@@ -91,7 +91,8 @@ def cmd_list(args) -> int:
                 "loaders": ["hf", "gguf"] if a.gguf_archs else ["hf"],
                 "encodings": list(quantize.ENCODINGS if a.gguf_archs else
                                   (*quantize.FLOAT_ENCODINGS, "int8")),
-                "gguf_archs": list(a.gguf_archs), "description": a.description}
+                "gguf_archs": list(a.gguf_archs), "state": a.state,
+                "description": a.description}
     rows = [facts(a) for a in archs]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -100,7 +101,7 @@ def cmd_list(args) -> int:
     for r in rows:
         gguf = f" [gguf: {', '.join(r['gguf_archs'])}]" if r["gguf_archs"] else ""
         print(f"{r['name']:<{width}}  {'+'.join(r['tasks']):<11}  {r['description']}{gguf}\n"
-              f"{'':<{width}}  encodings: {', '.join(r['encodings'])}")
+              f"{'':<{width}}  encodings: {', '.join(r['encodings'])}; state: {r['state']}")
     return 0
 
 

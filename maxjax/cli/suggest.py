@@ -221,6 +221,7 @@ def plan_entry(model, layout, cfg) -> dict:
     import numpy as np
 
     from maxjax.engine import memory
+    from maxjax.graphs.state import comparison
     page = memory.page_bytes(model.config, layout.page_size, np.dtype(layout.kv_dtype).itemsize)
     return {"platform": layout.platform, "devices": cfg.devices or "default",
             "mesh_devices": layout.mesh.size if layout.mesh is not None else 1,
@@ -229,11 +230,22 @@ def plan_entry(model, layout, cfg) -> dict:
             "kv_cache_format": layout.kv_dtype, "kv_cache_page_size": layout.page_size,
             "num_kv_pages": layout.num_pages, "kv_pool_bytes": layout.num_pages * page,
             "kv_tokens": (layout.num_pages - 1) * layout.page_size,
+            "paged_state": comparison(model.config, (layout.num_pages - 1) * layout.page_size),
             "max_length": layout.max_length, "max_pages_per_row": layout.max_pages_per_row,
             "max_batch_size": cfg.max_batch_size,
             "max_batch_input_tokens": cfg.max_batch_input_tokens,
             "buckets": [b.name for b in layout.buckets], "lora_slots": layout.lora_slots,
             "memory": layout.memory_report}
+
+
+def state_line(st: dict) -> str:
+    """The pool's state kind against K/V where it is not K/V (graphs/state.py comparison)."""
+    if st["kind"] == "kv":
+        return ""
+    return (f"; {st['kind']}: {st['values_per_token_layer']} values a token a layer where "
+            f"K/V of its heads would keep {st['kv_values_per_token_layer']}: "
+            f"{st['more_tokens_than_kv']} more tokens than K/V would hold "
+            f"({st['tokens_as_kv']})")
 
 
 def cache_request(model_opts, engine_cfg, path: str) -> str | None:
@@ -401,7 +413,7 @@ def render(r: dict) -> str:
                   f"{p['attention']}, CPU kernels {'on' if p['cpu_kernels'] else 'off'}",
                   f"kv pool        {p['num_kv_pages']} pages x {p['kv_cache_page_size']} tokens "
                   f"({p['kv_tokens']} tokens, {p['kv_pool_bytes'] / GiB:.3f} GiB "
-                  f"{p['kv_cache_format']})",
+                  f"{p['kv_cache_format']}){state_line(p['paged_state'])}",
                   f"max length     {p['max_length']}",
                   f"batch          {p['max_batch_size']} rows, {p['max_batch_input_tokens']} "
                   "tokens a step",

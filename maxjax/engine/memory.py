@@ -136,8 +136,10 @@ def resident_weight_bytes(params, num_devices: int) -> int:
 
 
 def page_bytes(mc, page_size: int, itemsize: int) -> int:
-    """Bytes of one page of K and V over every layer."""
-    return 2 * mc.num_layers * page_size * mc.num_kv_heads * mc.head_dim * itemsize
+    """Bytes of one page of the model's paged state (graphs/state.py: K and V, or MLA's
+    latent) over every layer."""
+    from maxjax.graphs.state import state_of
+    return state_of(mc).values_per_token(mc) * page_size * itemsize
 
 
 def activation_bytes(mc, bucket, itemsize: int) -> int:
