@@ -130,3 +130,43 @@ def test_suggest_plans_what_llm_serves(model_dir, llm_plan):
     from maxjax.cli.suggest import suggested_plan
     _, model_opts, flags = parsed("suggest", model_dir)
     assert suggested_plan(model_opts, flags) == llm_plan
+
+
+def test_pins_are_adopted_once_in_the_planner_over_what_the_user_left_unset():
+    """Pins (artifacts, a group's process 0, replica 0) meet the flags in `prepare` alone: a
+    value the user left unset takes the pinned one, platform defaults included; a value the
+    user chose and the pins differ from is refused, even one equal to the platform default;
+    another plan's pins (no refusal) are the same flags planned, adopted."""
+    from maxjax.engine.plan import Pins, prepare
+    pins = Pins({"max_length": 32, "max_batch_size": 2},
+                lambda k, have, want: f"--{k} {have}: pinned {want}")
+    p = prepare(EngineConfig(), pins=pins, kernels=False)
+    assert (p.config.max_length, p.config.max_batch_size) == (32, 2)
+    assert p.flags == EngineConfig() and p.flags.max_length is None
+    for chosen, line in (({"max_length": 64}, "--max_length 64: pinned 32"),
+                         ({"max_batch_size": 32}, "--max_batch_size 32: pinned 2")):
+        with pytest.raises(UserError, match=f"^{line}$"):
+            prepare(EngineConfig(**chosen), pins=pins, kernels=False)
+    assert prepare(EngineConfig(max_length=64), pins={"max_length": 32},
+                   kernels=False).config.max_length == 32
+    assert prepare(EngineConfig(max_length=32), pins=pins, kernels=False).config.max_length == 32
+
+
+def test_a_serve_start_checks_the_flags_once(model_dir, llm_plan, monkeypatch):
+    """`maxjax serve`'s early prefetch makes the plan's first half and the engine is built from
+    it: the flags are checked (and the kernels chosen) once per start, not once per step of it."""
+    from maxjax.cli.serve import build_engine
+    from maxjax.engine import plan
+    from maxjax.engine.build import prefetch_early
+    from maxjax.server.config import ServeConfig
+    calls = []
+    check = plan.check_flags
+    monkeypatch.setattr(plan, "check_flags", lambda cfg: calls.append(cfg) or check(cfg))
+    args, model_opts, flags = parsed("serve", model_dir)
+    prepared = prefetch_early(model_opts.source(), flags, compile_cache=False)
+    engine = build_engine(model_opts, flags, build(ServeConfig, args), progress=False,
+                          prepared=prepared)
+    try:
+        assert len(calls) == 1 and engine.core.plan == llm_plan
+    finally:
+        engine.shutdown()

@@ -230,16 +230,17 @@ def _serve(args) -> int:
         if args.group is not None:
             raise UserError("--num-processes: a multi-host group serves one model")
         return multi_model.serve_models(specs, serve_cfg)
+    prepared = None
     if args.group is None:
         from maxjax.engine.build import prefetch_early
-        prefetch_early(model_opts.source(), engine_cfg, model_opts.chat_template,
-                       model_opts.compile_cache, model_opts.precompiled_artifacts)
+        prepared = prefetch_early(model_opts.source(), engine_cfg, model_opts.chat_template,
+                                  model_opts.compile_cache, model_opts.precompiled_artifacts)
     if args.pretty_print_config:
         print(json.dumps({"model": dataclasses.asdict(model_opts), "engine": dataclasses.asdict(engine_cfg),
                           "server": {k: ("***" if k == "api_key" and v else v)
                                      for k, v in dataclasses.asdict(serve_cfg).items()}}, indent=2))
     from maxjax.cli.serve import serve
-    return serve(model_opts, engine_cfg, serve_cfg, args.group)
+    return serve(model_opts, engine_cfg, serve_cfg, args.group, prepared)
 
 
 def _server_flags(args) -> None:

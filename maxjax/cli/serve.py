@@ -43,22 +43,20 @@ class LoadingEngine:
 
 
 def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True, leader=None,
-                 on_death=None):
+                 on_death=None, prepared=None):
     """The started AsyncEngine, or with --data-parallel-degree D a ReplicatedEngine of D.
     `leader`: process 0's plan channel of a multi-host group (maxjax/engine/distributed.py);
-    `on_death`: called once every replica's engine thread has died."""
-    from maxjax.engine.build import build_core, load
-    from maxjax.engine.plan import prepare, replica_mesh
+    `on_death`: called once every replica's engine thread has died. `prepared`: the plan's
+    first half for these flags (maxjax/engine/build.py prefetch_early; None: made here)."""
+    from maxjax.engine.build import build_core, load, prepare_start
+    from maxjax.engine.plan import replica_mesh
     check_max_pending(serve_cfg.max_pending_requests)   # before anything loads
     model = model_opts.source()
-    if engine_cfg.data_parallel_degree > 1:     # loaded once, placed on each replica's devices
-        arts = model_opts.precompiled_artifacts
-        pinned = None
-        if arts:
-            from maxjax.aot import load as aot_load
-            pinned = aot_load.pinned_kernels(arts)
-        # in the encoding build_core's plan picks (the kernels' choice decides a GGUF's)
-        prepared = prepare(engine_cfg, pinned_kernels=pinned, quiet=True)
+    arts = model_opts.precompiled_artifacts
+    if leader is None:      # a group's processes plan for the mesh they span (distributed.py)
+        prepared = prepared or prepare_start(engine_cfg, arts)
+    if leader is None and engine_cfg.data_parallel_degree > 1:   # loaded once, placed on each
+        # replica's devices, in the encoding the plan picks (the kernels' choice decides a GGUF's)
         model = load(model, prepared.config.quantization_encoding, model_opts.chat_template,
                      arts, progress, replica_mesh(prepared.config) if arts else None,
                      kernels=prepared.kernels)
@@ -73,7 +71,7 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
                               require_compiled=model_opts.require_compiled_artifacts,
                               progress=progress, compile_cache=model_opts.compile_cache,
                               compile_cache_max_size=model_opts.compile_cache_max_size,
-                              replica=replica, pins=pins)
+                              replica=replica, pins=pins, prepared=prepared)
             # Every replica runs replica 0's plan (memory is planned for all of them at once).
             pins = pins or core.plan.pins
         if model_opts.export_artifacts and replica == 0:
@@ -127,9 +125,10 @@ def settle_heap() -> None:
     log.info("start-up heap collected and frozen in %.2f s", time.perf_counter() - t0)
 
 
-def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
+def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None, prepared=None) -> int:
     """`group`: the resolved DistributedOptions of a multi-host run (None: one process); process
-    0 serves, the others follow it (maxjax/engine/distributed.py)."""
+    0 serves, the others follow it (maxjax/engine/distributed.py). `prepared`: the plan's first
+    half for these flags (maxjax/engine/build.py prefetch_early; None: made when it loads)."""
     from maxjax.server.app import run_server
     # What the imports made (~130k objects) goes to the permanent generation uncollected: the
     # start's one collection (settle_heap) then scans what the engine made alone (0.08 s ->
@@ -154,7 +153,8 @@ def serve(model_opts, engine_cfg: EngineConfig, serve_cfg, group=None) -> int:
                 from maxjax.engine.distributed import Leader
                 channel["leader"] = Leader(group)
             built = build_engine(model_opts, engine_cfg, serve_cfg,
-                                 leader=channel.get("leader"), on_death=stop_serving)
+                                 leader=channel.get("leader"), on_death=stop_serving,
+                                 prepared=prepared)
             lazy.inner = built      # ready: what follows is off the start's path
             settle_heap()
         except BaseException as e:  # reported on the main thread

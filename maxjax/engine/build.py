@@ -22,8 +22,8 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
-from maxjax.engine.plan import (EnginePlan, check_mesh_flags, plan_engine, prepare,
-                                 replica_mesh)
+from maxjax.engine.plan import (EnginePlan, Pins, Prepared, check_mesh_flags, plan_engine,
+                                 prepare, replica_mesh)
 from maxjax.errors import UserError
 from maxjax.models import sampling_defaults
 from maxjax.models.sampling_defaults import describe
@@ -65,7 +65,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
                chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
                require_compiled: bool = False, progress: bool = False,
                compile_cache: bool | None = None, compile_cache_max_size: str | None = None,
-               replica: int = 0, pins: dict | None = None, executor=None) -> EngineCore:
+               replica: int = 0, pins: dict | None = None, executor=None,
+               prepared: Prepared | None = None) -> EngineCore:
     """A warmed-up EngineCore for the user's `flags`, planned once (maxjax/engine/plan.py;
     `core.plan`). `require_compiled`: refuse artifacts that hold no executable for this
     device. `compile_cache`: False turns the compile cache off (None: on unless
@@ -73,18 +74,18 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     `progress`: log lines for loading and compiling. `replica`: which of the
     --data-parallel-degree device groups (maxjax/engine/devices.py) the engine runs on.
     `pins`: layout values fixed elsewhere (a group's process 0: maxjax/engine/distributed.py).
-    `executor`: what the runner's calls go through (ModelRunner; None: this process's own)."""
+    `executor`: what the runner's calls go through (ModelRunner; None: this process's own).
+    `prepared`: the plan's first half made for these flags already (`prepare_start`)."""
     from maxjax.aot import cache
     clock = Clock()
-    t_plan = time.perf_counter()
-    pinned_kernels = None
     if precompiled_artifacts:
         from maxjax.aot import load as aot_load
-        pinned_kernels = aot_load.pinned_kernels(precompiled_artifacts)
     # the plan's first half, before the weights load: flags checked once, the kernels (whose
     # library builds once) chosen, since the weights' encoding follows them
-    prepared = prepare(flags, pins=pins, pinned_kernels=pinned_kernels)
-    plan_seconds = time.perf_counter() - t_plan
+    prepared = prepared or prepare_start(flags, precompiled_artifacts)
+    if pins:
+        prepared = prepared.adopt(Pins(pins))
+    plan_seconds = prepared.seconds
     flags, kernels = prepared.config, prepared.kernels
     use_cache = cache.enabled(compile_cache)
     limit = cache.max_bytes(compile_cache_max_size)
@@ -167,33 +168,44 @@ def _artifacts_key(dirs: Sequence[str]) -> str:
     return "artifacts:" + "|".join(os.path.abspath(d) for d in dirs)
 
 
+def prepare_start(flags: EngineConfig, artifacts: Sequence[str] = ()) -> Prepared:
+    """The plan's first half (maxjax/engine/plan.py prepare) for a start on this machine, from
+    `artifacts` when given (the kernels as they were built with)."""
+    pinned_kernels = None
+    if artifacts:
+        from maxjax.aot import load as aot_load
+        pinned_kernels = aot_load.pinned_kernels(artifacts)
+    return prepare(flags, pinned_kernels=pinned_kernels)
+
+
 def prefetch_early(model, flags: EngineConfig, chat_template: str | None = None,
-                   compile_cache: bool | None = None, artifacts: Sequence[str] = ()) -> None:
-    """Start deserializing the executables this start will load (maxjax/aot/prefetch.py: the
-    compile cache's entry, or `artifacts`' first directory) now, before the caller's own
-    imports (`maxjax serve`'s server); build_core takes them over when it asks for the same.
-    Quietly nothing where build_core would not prefetch or would refuse the flags (it reports
-    that itself)."""
+                   compile_cache: bool | None = None,
+                   artifacts: Sequence[str] = ()) -> Prepared | None:
+    """The plan's first half for this start (`prepare_start`: build_core takes it, so the flags
+    are checked and the kernels chosen once), and the executables it will load (maxjax/aot/
+    prefetch.py: the compile cache's entry, or `artifacts`' first directory) deserializing from
+    now on, before the caller's own imports (`maxjax serve`'s server); build_core takes them
+    over when it asks for the same. Quietly None where the flags are refused (build_core meets
+    the same and reports it)."""
     from maxjax.aot import cache, prefetch
     try:
+        prepared = prepare_start(flags, artifacts)      # with artifacts: their FFI too
         if flags.data_parallel_degree > 1:
-            return
+            return prepared
         if artifacts:
-            from maxjax.aot import load as aot_load
-            prepare(flags, pinned_kernels=aot_load.pinned_kernels(artifacts), quiet=True)  # FFI
             request, started = _artifacts_key(artifacts), prefetch.of_artifacts(artifacts)
         elif not cache.enabled(compile_cache):
-            return
+            return prepared
         else:
-            prepared = prepare(flags, quiet=True)
             request = _request(model, prepared.config.replace(
                 use_experimental_kernels=prepared.kernels), chat_template)
             started = request and prefetch.start(cache.directory(), request)
     except Exception as e:     # noqa: BLE001: build_core meets the same and says so
         log.debug("early prefetch skipped (%s)", e)
-        return
+        return None
     if started:
         _EARLY["prefetch"] = (request, started)
+    return prepared
 
 
 def _early_prefetch(request: str | None):

@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import numbers
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class Prepared:
     kernels: bool               # whether the CPU kernels run (the weights' encoding follows)
     draft_tokens: int
     lora_items: tuple
+    seconds: float = field(default=0.0, compare=False)     # how long it took
 
     def adopt(self, pins: Pins, platform: str | None = None) -> Prepared:
         """The same start with what artifacts pin adopted (`adopt_pins`; read when the weights
@@ -128,12 +130,14 @@ def prepare(flags: EngineConfig, *, platform: str | None = None, pins: Pins | di
     replica), every flag checked (a UserError naming the flag), the CPU kernels chosen
     (`choose_kernels`: `pinned_kernels`, `platforms` the graphs are exported for; `kernels` a
     choice made already)."""
+    t0 = time.perf_counter()
     platform = platform or local_platform()
     cfg = adopt_pins(flags.for_platform(platform), pins)
     draft_tokens, lora_items = check_flags(cfg)
     if kernels is None:
         kernels = choose_kernels(cfg, pinned_kernels, platforms or [platform], quiet)
-    return Prepared(flags, cfg, platform, kernels, draft_tokens, tuple(lora_items))
+    return Prepared(flags, cfg, platform, kernels, draft_tokens, tuple(lora_items),
+                    time.perf_counter() - t0)
 
 
 def plan_engine(flags: EngineConfig | Prepared, model, *, platform: str | None = None,

@@ -14,7 +14,7 @@ from maxjax.aot.export import DRAFT_DIR, default_jobs, normalize_targets, write_
 from maxjax.aot.load import check_target_arch
 from maxjax.engine.build import weights_entry, load, on_devices
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.plan import draft_plan, plan_engine, prepare
+from maxjax.engine.plan import Pins, draft_plan, plan_engine, prepare
 from maxjax.errors import UserError
 
 
@@ -87,8 +87,7 @@ def warm_plan(model_opts, flags: EngineConfig, platforms: list[str]):
     plan = plan_engine(prepared, model)
     pinned = dict(zip(plan.pins, group.from_leader(list(plan.pins.values()))))
     if pinned != plan.pins:
-        plan = plan_engine(prepare(flags, platform=platforms[0], pins=pinned,
-                                   kernels=prepared.kernels), model)
+        plan = plan_engine(prepared.adopt(Pins(pinned)), model)
     return model, plan
 
 
