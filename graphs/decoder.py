@@ -135,7 +135,7 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
     with jax.named_scope("mlp"):
         x = L.rms_norm(h, p["mlp_norm"], eps, plus1) if cfg.pre_norms else h
         if "router" in p:
-            out = moe.moe_mlp(cfg, x, p, live)
+            out = moe.routed_mlp(cfg, x, p, live)
         else:
             out = L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act,
                               cfg.gate_up_shards, live)

@@ -122,13 +122,7 @@ def param_specs(cfg: ModelConfig) -> dict:
     def layer(i):
         if not moe.is_moe(cfg, i):
             return dict(lay)
-        routed = moe.layer_specs(cfg, lay)
-        routed["router_correction"] = ArraySpec((cfg.num_experts,), ("router",))
-        Fs = cfg.shared_expert_intermediate_size
-        if Fs:
-            routed["shared_gate_up"] = ArraySpec((D, 2 * Fs), ("embed", "gate_up"))
-            routed["shared_down"] = ArraySpec((Fs, D), ("mlp", "embed"))
-        return routed
+        return moe.layer_specs(cfg, lay)
     table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
     specs = {"embed": table, "final_norm": norm,
              "layers": [layer(i) for i in range(cfg.num_layers)]}
@@ -174,11 +168,7 @@ def _attention(cfg: ModelConfig, step, rope, layer: int, x, pool, p, live):
 def _mlp(cfg: ModelConfig, x, p, live):
     if "router" not in p:
         return L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, 1, live)
-    out = moe.moe_mlp(cfg, x, p, live)
-    if "shared_gate_up" in p:
-        out = out + L.gated_mlp(x, p["shared_gate_up"], p["shared_down"], cfg.hidden_act, 1,
-                                live)
-    return out
+    return moe.routed_mlp(cfg, x, p, live)
 
 
 def hidden_states(cfg: ModelConfig, params: dict, kv, step):

@@ -63,6 +63,12 @@ def layer_specs(cfg, dense: dict) -> dict:
     lay["router"] = ArraySpec((D, E), ("embed", "router"))
     lay["experts_gate_up"] = ArraySpec((E, D, 2 * F), ("experts", "embed", "expert_gate_up"))
     lay["experts_down"] = ArraySpec((E, F, D), ("experts", "expert_mlp", "embed"))
+    if cfg.router_scoring == "sigmoid":
+        lay["router_correction"] = ArraySpec((E,), ("router",))
+    Fs = cfg.shared_expert_intermediate_size
+    if Fs:
+        lay["shared_gate_up"] = ArraySpec((D, 2 * Fs), ("embed", "gate_up"))
+        lay["shared_down"] = ArraySpec((Fs, D), ("mlp", "embed"))
     if cfg.moe_bias:
         lay["router_bias"] = ArraySpec((E,), ("router",))
         lay["experts_gate_up_bias"] = ArraySpec((E, 2 * F), ("experts", "expert_gate_up"))
@@ -191,6 +197,15 @@ def grouped_ragged(xs, sorted_e, group_sizes, experts: dict, glu):
     if "experts_down_bias" in experts:
         out = out + experts["experts_down_bias"][e]
     return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(group_sizes))[:, None], out, 0)
+
+
+def routed_mlp(cfg, x, p, live=None):
+    """A routed layer's MLP: `moe_mlp`, plus its shared expert's where it has one."""
+    out = moe_mlp(cfg, x, p, live)
+    if "shared_gate_up" in p:
+        out = out + L.gated_mlp(x, p["shared_gate_up"], p["shared_down"], cfg.hidden_act, 1,
+                                live)
+    return out
 
 
 def moe_mlp(cfg, x, p, live=None, grouped=None):

@@ -19,7 +19,8 @@ BUILTINS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mistral
             "Gemma3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
             "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
             "GptOssForCausalLM", "Gemma3ForConditionalGeneration",
-            "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM"}
+            "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM",
+            "Glm4MoeForCausalLM"}
 
 
 # --- architectures ----------------------------------------------------------------------------
