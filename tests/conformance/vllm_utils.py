@@ -8,8 +8,15 @@ compile cache makes a restart ~10 s). Of vLLM's serve arguments only --served-mo
 first name) and --max-model-len are read; the rest are vLLM's and ignored: the server is the same
 for every module (what a module asks of vLLM's flags is on the expected-failure list). The
 maximum length is SHORT but in WHOLE_WINDOW's modules, so that a request without max_tokens,
-which the small model rarely ends by itself, ends in seconds."""
+which the small model rarely ends by itself, ends in seconds.
+
+vLLM's test servers run with a fixed --seed (this class's `seed=0`), so what they sample without a
+request seed is the same in every run; maxjax draws an unseeded request's seed at random. The
+clients handed out here give each generation request that names no seed one made from its body
+(`_seeded`), so a test's samples, and its outcome, are the same in every run."""
 import atexit
+import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 
 VLLM_PATH = Path(__file__).parent.parent
@@ -109,6 +117,35 @@ def stop_all() -> None:
 atexit.register(stop_all)
 
 
+_SEEDED_ROUTES = ("/chat/completions", "/completions", "/responses")
+
+
+def _seeded(request: httpx.Request) -> httpx.Request:
+    """The request with a seed from its body's digest when it is a generation without one."""
+    if request.method != "POST" or not request.url.path.endswith(_SEEDED_ROUTES):
+        return request
+    try:
+        body = json.loads(request.content)
+    except ValueError:
+        return request
+    if not isinstance(body, dict) or body.get("seed") is not None:
+        return request
+    body["seed"] = int.from_bytes(hashlib.sha256(request.content).digest()[:7], "big")
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() != "content-length"]
+    return httpx.Request(request.method, request.url, headers=headers,
+                         content=json.dumps(body).encode(), extensions=request.extensions)
+
+
+class _Transport(httpx.HTTPTransport):
+    def handle_request(self, request):
+        return super().handle_request(_seeded(request))
+
+
+class _AsyncTransport(httpx.AsyncHTTPTransport):
+    async def handle_async_request(self, request):
+        return await super().handle_async_request(_seeded(request))
+
+
 class RemoteOpenAIServer:
     DUMMY_API_KEY = "token-abc123"
 
@@ -135,10 +172,13 @@ class RemoteOpenAIServer:
         return {"timeout": 600, "api_key": self.DUMMY_API_KEY, "max_retries": 0, **kwargs}
 
     def get_client(self, **kwargs):
-        return openai.OpenAI(base_url=self.url_for("v1"), **self._kwargs(kwargs))
+        return openai.OpenAI(base_url=self.url_for("v1"), **self._kwargs(
+            {"http_client": httpx.Client(transport=_Transport(), timeout=600), **kwargs}))
 
     def get_async_client(self, **kwargs):
-        return openai.AsyncOpenAI(base_url=self.url_for("v1"), **self._kwargs(kwargs))
+        return openai.AsyncOpenAI(base_url=self.url_for("v1"), **self._kwargs(
+            {"http_client": httpx.AsyncClient(transport=_AsyncTransport(), timeout=600),
+             **kwargs}))
 
     def get_client_anthropic(self, **kwargs):
         return anthropic.Anthropic(base_url=self.url_for(), **self._kwargs(kwargs))
