@@ -44,7 +44,9 @@ class FakeModel:
 
 
 def test_platform_defaults():
-    cpu = EngineConfig()
+    flags = EngineConfig()
+    assert (flags.max_batch_size, flags.max_batch_input_tokens) == (None, None)   # as given
+    cpu = flags.for_platform("cpu")
     assert (cpu.max_batch_size, cpu.max_batch_input_tokens) == (32, 256)
     cpu = cpu.for_platform("cuda")
     assert (cpu.max_batch_size, cpu.max_batch_input_tokens) == (256, 4096)

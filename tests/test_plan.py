@@ -9,7 +9,7 @@ import pytest
 
 from maxjax.cli.args import build
 from maxjax.cli.main import _setup, build_parser
-from maxjax.engine.config import EngineConfig
+from maxjax.engine.config import EngineConfig, ResolvedConfig
 from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.errors import UserError
 from tiny_llama import write_tiny_llama
@@ -41,7 +41,10 @@ def test_engine_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_length = 128
     cuda = cfg.for_platform("cuda")
-    assert (cfg.max_batch_input_tokens, cuda.max_batch_input_tokens) == (256, 4096)
+    assert (cfg.max_batch_input_tokens, cuda.max_batch_input_tokens) == (None, 4096)
+    assert type(cfg) is EngineConfig and type(cuda) is ResolvedConfig and not cfg.is_default(
+        "max_batch_input_tokens")
+    assert cuda.given() == cfg.given() and cuda.for_platform("cpu").max_batch_input_tokens == 256
     assert cuda.max_batch_size == 8 and not cuda.is_default("max_batch_size")
     assert cuda.replace(num_kv_pages=9).max_batch_input_tokens == 4096    # still cuda's default
     assert cuda.replace(num_kv_pages=9).is_default("max_batch_input_tokens")
@@ -55,6 +58,7 @@ def test_the_plan_leaves_the_flags_as_given(model_dir, llm_plan):
     plan = plan_engine(flags, load_model(model_dir, "float32", progress=False),
                        kernels=llm_plan.kernels)
     assert dataclasses.asdict(flags) == before and flags.num_kv_pages is None
+    assert plan.flags is flags and type(plan.config) is ResolvedConfig
     assert plan.config.num_kv_pages == plan.layout.num_pages
     assert plan.config.quantization_encoding == "float32"
     assert plan == llm_plan

@@ -23,8 +23,8 @@ def task_name(text: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The user's engine flags; frozen. maxjax/engine/plan.py resolves them (`for_platform`,
-    `replace`) into the plan's config: new objects, never writes."""
+    """The user's engine flags, as given: frozen and never written. maxjax/engine/plan.py
+    resolves them (`for_platform`) into a ResolvedConfig, the plan's config."""
     devices: str | None = field(default=None, metadata={
         "help": "Devices of each process: cpu, cpu:N (N host devices), cpu:id=ID[,ID...], gpu, "
                 "gpu:all or gpu:ID[,ID...]; several form a tensor-parallel mesh (default: the "
@@ -259,51 +259,55 @@ class EngineConfig:
                 "acceptance over --num-speculative-tokens positions is this value (the output "
                 "is then not the model's)"})
 
-    def __post_init__(self):
-        # The CPU's until the platform is known: asking JAX here would start its backend before
-        # --devices and jax.distributed may (plan_engine takes the platform's).
-        self._fill("cpu")
-
-    def _fill(self, platform: str) -> None:
-        """Settings left unset (or filled so before) take `platform`'s defaults; only on an
-        object nobody holds yet (construction, `for_platform`, `replace`)."""
-        filled = set(getattr(self, "_defaulted", ()))
-        for name, value in platform_defaults(platform).items():
-            if getattr(self, name) is None or name in filled:
-                object.__setattr__(self, name, value)
-                filled.add(name)
-        object.__setattr__(self, "_defaulted", frozenset(filled))
-        object.__setattr__(self, "_platform", platform)
-
-    def replace(self, **changes) -> EngineConfig:
-        """A copy with `changes`; settings holding a platform default keep being defaults."""
-        unset = {n: None for n in self._defaulted if n not in changes}
-        new = dataclasses.replace(self, **unset, **changes)
-        if self._platform != "cpu":
-            new._fill(self._platform)
-        return new
-
-    def for_platform(self, platform: str | None) -> EngineConfig:
-        """A copy whose unset settings take the defaults of the platform the graphs run on
-        (None: this machine's)."""
+    def for_platform(self, platform: str | None) -> ResolvedConfig:
+        """These flags resolved for the platform the graphs run on (None: this machine's): a
+        new ResolvedConfig whose unset settings hold that platform's defaults."""
         if platform is None:
             import jax
             platform = jax.default_backend()
-        new = self.replace()
-        new._fill(platform)
-        return new
+        return _resolved(self.given(), platform)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
 
     def given(self) -> dict:
-        """The settings as keyword arguments that make these flags again: the platform defaults
-        filled in left out, so that whoever takes them (maxjax.LLM) sees what the user chose."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in self._defaulted}
+        """The settings the user gave, as keyword arguments that make these flags again."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
 
     def is_default(self, name: str) -> bool:
-        """True when `name` holds the platform default it was given (the user did not set it)."""
-        return name in self._defaulted
+        """Whether `name` holds a platform default the user did not set: never in the user's
+        flags (a ResolvedConfig's are filled in)."""
+        return False
 
     def draft_source(self):
         """The draft model's ModelSource (maxjax/models/source.py)."""
         from maxjax.models.source import ModelSource
         return ModelSource.of(self, "draft_")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig(EngineConfig):
+    """The user's flags resolved for a platform (`EngineConfig.for_platform`; the planner,
+    maxjax/engine/plan.py, adopts pins and resolved values into it with `replace`): every
+    setting an engine reads. `defaulted`: the settings holding `platform`'s defaults."""
+    platform: str = field(default="cpu", compare=False)
+    defaulted: frozenset = field(default=frozenset(), compare=False)
+
+    def replace(self, **changes) -> ResolvedConfig:
+        """A copy with `changes`; settings holding a platform default keep being defaults."""
+        return _resolved({**self.given(), **changes}, self.platform)
+
+    def given(self) -> dict:
+        """The user's settings: the platform defaults filled in left out (None)."""
+        return {f.name: None if f.name in self.defaulted else getattr(self, f.name)
+                for f in dataclasses.fields(EngineConfig)}
+
+    def is_default(self, name: str) -> bool:
+        return name in self.defaulted
+
+
+def _resolved(values: dict, platform: str) -> ResolvedConfig:
+    """`values` (EngineConfig's settings) with the unset platform-dependent ones filled in."""
+    defaults = {n: v for n, v in platform_defaults(platform).items() if values[n] is None}
+    return ResolvedConfig(**{**values, **defaults}, platform=platform,
+                          defaulted=frozenset(defaults))

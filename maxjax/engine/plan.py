@@ -28,7 +28,7 @@ import numpy as np
 
 from maxjax.engine import memory, spec_flags
 from maxjax.engine.buckets import bucket_set
-from maxjax.engine.config import EngineConfig
+from maxjax.engine.config import EngineConfig, ResolvedConfig
 from maxjax.errors import UserError
 from maxjax.graphs.attention import choose_backend
 
@@ -47,7 +47,7 @@ class EnginePlan:
     managers; `layout`: what the graphs are compiled for (pinned in artifacts);
     `draft_tokens`: the most drafts a request verifies per step (0: no speculation);
     `lora_items`: the (name, path) adapters loaded at start; `flags`: the user's, as given."""
-    config: EngineConfig
+    config: ResolvedConfig
     layout: "EngineLayout"
     draft_tokens: int = 0
     lora_items: tuple = ()
@@ -79,7 +79,7 @@ class Pins:
 
 def user_chose(flags: EngineConfig, name: str) -> bool:
     """Whether the user's `flags` hold a value of their own for `name`: set, and neither the
-    field's default nor a platform default filled in."""
+    field's default nor (a ResolvedConfig's) a platform default filled in."""
     value = getattr(flags, name)
     return not (value is None or flags.is_default(name) or value == _FIELD_DEFAULTS[name])
 
@@ -87,9 +87,11 @@ def user_chose(flags: EngineConfig, name: str) -> bool:
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
-def adopt_pins(flags: EngineConfig, pins: Pins | dict | None) -> EngineConfig:
-    """`flags` with `pins` adopted: a value the user did not choose takes the pinned one, a
-    chosen other value is refused (a UserError naming the flag)."""
+def adopt_pins(flags: EngineConfig, pins: Pins | dict | None,
+               chosen: EngineConfig | None = None) -> EngineConfig:
+    """`flags` with `pins` adopted: a value the user did not choose (in `chosen`, the user's
+    flags; None: `flags` are) takes the pinned one, a chosen other value is refused (a
+    UserError naming the flag)."""
     if not isinstance(pins, Pins):
         pins = Pins(dict(pins or {}))
     adopted = {}
@@ -97,7 +99,7 @@ def adopt_pins(flags: EngineConfig, pins: Pins | dict | None) -> EngineConfig:
         have = getattr(flags, k)
         if have == want:
             continue
-        if pins.refuse is not None and user_chose(flags, k):
+        if pins.refuse is not None and user_chose(flags if chosen is None else chosen, k):
             raise UserError(pins.refuse(k, have, want))
         adopted[k] = want
     return flags.replace(**adopted) if adopted else flags
@@ -107,7 +109,7 @@ def adopt_pins(flags: EngineConfig, pins: Pins | dict | None) -> EngineConfig:
 class Prepared:
     """The plan's first half, made before any weight is read (`prepare`)."""
     flags: EngineConfig         # the user's, as given
-    config: EngineConfig        # resolved for `platform`, pinned values adopted, checked
+    config: ResolvedConfig      # resolved for `platform`, pinned values adopted, checked
     platform: str               # where the graphs run (export platform name)
     kernels: bool               # whether the CPU kernels run (the weights' encoding follows)
     draft_tokens: int
@@ -117,7 +119,7 @@ class Prepared:
     def adopt(self, pins: Pins, platform: str | None = None) -> Prepared:
         """The same start with what artifacts pin adopted (`adopt_pins`; read when the weights
         are, maxjax/aot/load.py open_artifacts), planned for the `platform` they were."""
-        config = adopt_pins(self.config, pins)
+        config = adopt_pins(self.config, pins, self.flags)
         check_layout_flags(config)
         return dataclasses.replace(self, config=config, platform=platform or self.platform)
 
@@ -132,7 +134,7 @@ def prepare(flags: EngineConfig, *, platform: str | None = None, pins: Pins | di
     choice made already)."""
     t0 = time.perf_counter()
     platform = platform or local_platform()
-    cfg = adopt_pins(flags.for_platform(platform), pins)
+    cfg = adopt_pins(flags.for_platform(platform), pins, flags)
     draft_tokens, lora_items = check_flags(cfg)
     if kernels is None:
         kernels = choose_kernels(cfg, pinned_kernels, platforms or [platform], quiet)
@@ -175,8 +177,10 @@ def draft_plan(plan: EnginePlan, draft) -> EnginePlan:
 
 def check_flags(cfg: EngineConfig) -> tuple[int, list[tuple[str, str]]]:
     """Every start-up flag check that needs no model: a one-line UserError naming the flag.
-    Cheap; `prepare` runs it once, before the weights load. Returns what two of the checks
-    resolve: the speculation depth and the --lora-paths adapters."""
+    Cheap; `prepare` runs it once, before the weights load (the user's flags: checked as
+    resolved for this machine). Returns what two of the checks resolve: the speculation depth
+    and the --lora-paths adapters."""
+    cfg = _resolved_for(cfg)
     from maxjax.engine.step_policy import check_flags as check_step_flags
     _check_types(cfg)
     check_step_flags(cfg)
@@ -389,6 +393,7 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
     from maxjax.graphs.sharding import params_mesh
     mc = model.config
     platform = platform or local_platform()
+    cfg = _resolved_for(cfg, platform)
     mesh = params_mesh(model.params)     # the mesh the model's params are placed on
     check_layout_flags(cfg)
     try:
@@ -440,8 +445,17 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
                         attention.name, report, *lora_shape(cfg), kv_dtype, mesh)
 
 
+def _resolved_for(cfg: EngineConfig, platform: str | None = None) -> ResolvedConfig:
+    """`cfg` as resolved values: the user's flags resolved for `platform` (None: this
+    machine's), a ResolvedConfig as it is."""
+    if isinstance(cfg, ResolvedConfig):
+        return cfg
+    return cfg.for_platform(platform or local_platform())
+
+
 def check_layout_flags(cfg: EngineConfig) -> None:
     """The layout's own flags: page size, hash seed, step sizes."""
+    cfg = _resolved_for(cfg)
     if cfg.kv_cache_page_size < 1:
         raise UserError(f"--kv-cache-page-size must be >= 1 (got {cfg.kv_cache_page_size})")
     seed = cfg.kv_cache_hash_seed
