@@ -93,6 +93,7 @@ _WANT = {
     "maxjax_spec_decode_num_drafts_total": 4.0,
     "maxjax_step_phase_seconds_total": {"device_step": 2.0, "schedule": 0.5},
     "maxjax_xla_compiles_since_ready_total": 0.0, "maxjax_xla_compiles_total": 9.0,
+    "maxjax_grammar_faults_total": 0.0,
 }
 
 
