@@ -69,16 +69,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
         raise ValueError(f"scoring_func {hf['scoring_func']!r} is not supported (sigmoid)")
     heads = int(hf.get("num_attention_heads", 128))   # num_key_value_heads: MLA has its latent
-    n = int(hf["num_hidden_layers"])
     nope, rope = int(hf.get("qk_nope_head_dim", 128)), int(hf.get("qk_rope_head_dim", 64))
     rank = int(hf.get("kv_lora_rank", 512))
-    experts = int(hf.get("n_routed_experts", hf.get("num_local_experts", 256)) or 0)
-    first_dense = int(hf.get("first_k_dense_replace", 3) or 0)
-    routed = tuple(experts > 0 and i >= first_dense for i in range(n))
-    expert_f = int(hf.get("moe_intermediate_size", 2048))
-    groups = int(hf.get("n_group") or 1)
-    if experts and (experts % groups or experts // groups < 2):
-        raise ValueError(f"n_group {groups}: {experts} experts split into groups of 2 or more")
+    routing = moe.grouped_routing_config(
+        hf, experts=int(hf.get("num_local_experts", 256) or 0), first_dense=3, expert_f=2048,
+        scaling=2.5)
     scale = (nope + rope) ** -0.5
     _, scaling = rope_params(hf)
     raw = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -91,13 +86,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         attention_bias=False, attention_out_bias=False,
         q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0), kv_lora_rank=rank,
         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(hf.get("v_head_dim", 128)),
-        rope_interleave=bool(hf.get("rope_interleave", True)),
-        moe_layers=routed if any(routed) else (), num_experts=experts,
-        experts_per_token=int(hf.get("num_experts_per_tok", 8)),
-        expert_intermediate_size=expert_f, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        router_scoring="sigmoid", n_group=groups, topk_group=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
-        shared_expert_intermediate_size=expert_f * int(hf.get("n_shared_experts", 1) or 0))
+        rope_interleave=bool(hf.get("rope_interleave", True)), **routing)
 
 
 def param_specs(cfg: ModelConfig) -> dict:

@@ -78,6 +78,28 @@ def layer_specs(cfg, dense: dict) -> dict:
 
 # --- routing -----------------------------------------------------------------------------------
 
+def grouped_routing_config(hf: dict, *, experts: int, first_dense: int, expert_f: int,
+                           scaling: float) -> dict:
+    """base_config's MoE settings for DeepSeek-V3's routing (sigmoid, group-limited top-k,
+    correction bias, routed scaling, a shared expert after the first dense layers), read from a
+    config.json `hf`; the keyword arguments are the family's defaults for keys it leaves out."""
+    n = int(hf["num_hidden_layers"])
+    experts = int(hf.get("n_routed_experts", experts) or 0)
+    first_dense = int(hf.get("first_k_dense_replace", first_dense) or 0)
+    routed = tuple(experts > 0 and i >= first_dense for i in range(n))
+    expert_f = int(hf.get("moe_intermediate_size", expert_f))
+    groups = int(hf.get("n_group") or 1)
+    if experts and (experts % groups or experts // groups < 2):
+        raise ValueError(f"n_group {groups}: {experts} experts split into groups of 2 or more")
+    return dict(
+        moe_layers=routed if any(routed) else (), num_experts=experts,
+        experts_per_token=int(hf.get("num_experts_per_tok", 8)),
+        expert_intermediate_size=expert_f, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        router_scoring="sigmoid", n_group=groups, topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", scaling)),
+        shared_expert_intermediate_size=expert_f * int(hf.get("n_shared_experts", 1) or 0))
+
+
 def route(x, router, k: int, norm_topk_prob: bool, bias=None):
     """(weights float32 [T, k], expert ids int32 [T, k]) of each token's top k experts."""
     logits = jnp.matmul(x, router.astype(x.dtype), preferred_element_type=jnp.float32)
