@@ -29,3 +29,18 @@ def assert_logits_close(ours, ref, rel=1e-3):
     err = float(np.max(np.abs(ours - ref)))
     tol = rel * float(np.max(np.abs(ref)))
     assert err <= tol, f"max |dlogit| {err:.3g} > {tol:.3g}"
+
+
+def scramble_grouped_moe(model):
+    """Initialization's std 0.02 leaves logits near 0 and routing by the bias-free scores:
+    make every parameter, the correction bias included, count."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    return model

@@ -18,7 +18,7 @@ import torch
 from maxjax.engine.types import SamplingParams
 from maxjax.graphs import moe
 from paged_harness import load_checkpoint, paged_greedy
-from reference import assert_logits_close, hf_greedy
+from reference import assert_logits_close, hf_greedy, scramble_grouped_moe
 from tiny_llama import write_word_tokenizer
 
 pytestmark = pytest.mark.slow      # an engine's graphs and four checkpoints: ~2 min on 2 cores
@@ -57,26 +57,13 @@ def _write(model, path):
     return str(path)
 
 
-def _random(model):
-    """Initialization's std 0.02 leaves logits near 0 and routing by the bias-free scores:
-    make every parameter, the correction bias included, count."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
-    return model
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(transformers model, directory of its float32 checkpoint and a tokenizer)."""
     from transformers import DeepseekV3ForCausalLM
     torch.manual_seed(0)
-    model = _random(DeepseekV3ForCausalLM(_config()).eval())
+    model = scramble_grouped_moe(DeepseekV3ForCausalLM(_config()).eval())
     return model, _write(model, tmp_path_factory.mktemp("deepseek_v3"))
 
 
@@ -129,7 +116,7 @@ def test_without_q_lora_rank(tmp_path):
     """q_lora_rank None: one q_proj; no rope interleave; no shared expert; plain rope."""
     from transformers import DeepseekV3ForCausalLM
     torch.manual_seed(1)
-    model = _random(DeepseekV3ForCausalLM(_config(
+    model = scramble_grouped_moe(DeepseekV3ForCausalLM(_config(
         q_lora_rank=None, rope_interleave=False, n_shared_experts=0, num_hidden_layers=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval())
     arch, cfg, params = load_checkpoint(_write(model, tmp_path / "no_q_lora"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paged_harness import load_checkpoint, paged_greedy
-from reference import assert_logits_close, hf_greedy
+from reference import assert_logits_close, hf_greedy, scramble_grouped_moe
 from tiny_llama import write_word_tokenizer
 
 VOCAB = 256
@@ -26,15 +26,7 @@ def checkpoint(tmp_path_factory):
         n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
         first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
         use_qk_norm=True, num_mtp_layers=0, eos_token_id=None, max_position_embeddings=512)
-    model = Glm4MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    model = scramble_grouped_moe(Glm4MoeForCausalLM(cfg).eval())
     path = tmp_path_factory.mktemp("glm4_moe")
     model.save_pretrained(path, safe_serialization=True)
     write_word_tokenizer(path, VOCAB)
