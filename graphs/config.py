@@ -117,6 +117,16 @@ class ModelConfig:
     topk_group: int = field(default=1, metadata=_OMIT_DEFAULT)
     routed_scaling_factor: float = field(default=1.0, metadata=_OMIT_DEFAULT)
     shared_expert_intermediate_size: int = field(default=0, metadata=_OMIT_DEFAULT)
+    # Hybrid models (graphs/state.py RECURRENT): per layer, True where the layer is linear
+    # attention or an SSM keeping a fixed-size state per request, not paged K/V; (): none.
+    # `ssm_heads` value heads of `ssm_head_dim`, `ssm_groups` key/query (B/C) groups of
+    # `ssm_state_dim`, a depthwise causal convolution of `ssm_conv_kernel` taps.
+    state_layers: tuple[bool, ...] = field(default=(), metadata=_OMIT_DEFAULT)
+    ssm_heads: int = field(default=0, metadata=_OMIT_DEFAULT)
+    ssm_head_dim: int = field(default=0, metadata=_OMIT_DEFAULT)
+    ssm_groups: int = field(default=0, metadata=_OMIT_DEFAULT)
+    ssm_state_dim: int = field(default=0, metadata=_OMIT_DEFAULT)
+    ssm_conv_kernel: int = field(default=0, metadata=_OMIT_DEFAULT)
 
     def __post_init__(self):
         if not self.layer_windows:
@@ -127,6 +137,13 @@ class ModelConfig:
             raise ValueError("layer_windows and layer_local_rope need one entry per layer")
         if self.paged_state not in KINDS:
             raise ValueError(f"paged_state {self.paged_state!r}: one of {', '.join(KINDS)}")
+        if self.state_layers:
+            if len(self.state_layers) != self.num_layers:
+                raise ValueError("state_layers needs one entry per layer")
+            if min(self.ssm_heads, self.ssm_head_dim, self.ssm_groups, self.ssm_state_dim,
+                   self.ssm_conv_kernel) < 1 or self.ssm_heads % self.ssm_groups:
+                raise ValueError("a hybrid model needs ssm_heads, ssm_head_dim, ssm_groups "
+                                 "(dividing ssm_heads), ssm_state_dim and ssm_conv_kernel")
 
     @property
     def q_size(self) -> int:

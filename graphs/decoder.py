@@ -26,10 +26,12 @@ from maxjax.graphs import quant
 from maxjax.graphs import sharding
 from maxjax.graphs.mrope import mrope_cos_sin
 from maxjax.graphs.sharding import ArraySpec
-from maxjax.graphs.state import state_of
+from maxjax.graphs.state import paged_layers, request_state_of, state_of
 from maxjax.graphs.step import StepInputs
 
-KV = tuple  # (k_pool, v_pool), each [layers, pages, kv_heads, page_size, head_dim]; MLA: (latent,)
+# (k_pool, v_pool), each [paged layers, pages, kv_heads, page_size, head_dim]; MLA: (latent,);
+# a hybrid model's request-state pools after them (graphs/state.py RECURRENT)
+KV = tuple
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -75,27 +77,44 @@ def abstract_params(cfg: ModelConfig, dtype) -> dict:
     return sharding.abstract(param_specs(cfg), dtype)
 
 
-def kv_pool_specs(cfg: ModelConfig, num_pages: int, page_size: int) -> KV:
+def kv_pool_specs(cfg: ModelConfig, num_pages: int, page_size: int,
+                  state_slots: int = 0) -> KV:
     """The KV pool's shapes and logical axes, one spec per pool of the model's state kind
-    (graphs/state.py: K and V, or MLA's one latent)."""
-    return tuple(ArraySpec((cfg.num_layers, num_pages, heads, page_size, dim),
-                           ("layers", "pages", "kv_heads", "page", "head_dim"))
-                 for heads, dim in state_of(cfg).pools(cfg))
+    (graphs/state.py: K and V, or MLA's one latent), then a hybrid model's request-state pools
+    of `state_slots` slots (slot 0 scratch)."""
+    paged = tuple(ArraySpec((len(paged_layers(cfg)), num_pages, heads, page_size, dim),
+                            ("layers", "pages", "kv_heads", "page", "head_dim"))
+                  for heads, dim in state_of(cfg).pools(cfg))
+    rs = request_state_of(cfg)
+    if rs is None:
+        return paged
+    if state_slots < 2:
+        raise ValueError("a hybrid model's pool needs state_slots (the scratch slot and one more)")
+    n = sum(cfg.state_layers)
+    return paged + tuple(ArraySpec((n, state_slots, *shape),
+                                   ("layers", "slots") + ("ssm",) * len(shape))
+                         for shape in rs.arrays(cfg))
 
 
 def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple:
-    return kv_pool_specs(cfg, num_pages, page_size)[0].shape
+    return kv_pool_specs(cfg, num_pages, page_size, 2)[0].shape
 
 
-def kv_specs(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
-    """The KV pool's ShapeDtypeStructs (nothing allocated)."""
-    return sharding.abstract(kv_pool_specs(cfg, num_pages, page_size), dtype)
+def kv_specs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, state_slots: int = 0,
+             state_dtype=None) -> KV:
+    """The KV pool's ShapeDtypeStructs (nothing allocated); request-state pools in
+    `state_dtype` (default: dtype)."""
+    specs = kv_pool_specs(cfg, num_pages, page_size, state_slots)
+    n = len(state_of(cfg).pools(cfg))
+    return (sharding.abstract(specs[:n], dtype)
+            + sharding.abstract(specs[n:], state_dtype or dtype))
 
 
-def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV:
+def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype, state_slots: int = 0,
+            state_dtype=None) -> KV:
     # filled flat: XLA:CPU's 1-D fill runs ~4x faster than its 5-D broadcast (a 2.8 GB pool)
-    return tuple(jnp.zeros((math.prod(s.shape),), dtype).reshape(s.shape)
-                 for s in kv_pool_specs(cfg, num_pages, page_size))
+    return tuple(jnp.zeros((math.prod(s.shape),), s.dtype).reshape(s.shape)
+                 for s in kv_specs(cfg, num_pages, page_size, dtype, state_slots, state_dtype))
 
 
 def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):

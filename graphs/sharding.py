@@ -54,6 +54,7 @@ TENSOR_PARALLEL: Rules = {
     "qkv": MODEL_AXIS, "gate_up": MODEL_AXIS, "mlp": MODEL_AXIS, "head_dim": None, "heads": None,
     "layers": None, "pages": None, "page": None, "lora_slots": None, "lora_rank": None,
     "router": None, "experts": None, "expert_gate_up": None, "expert_mlp": None,
+    "slots": None, "ssm": None,
 }
 
 

@@ -11,6 +11,14 @@ config's `to_dict` (the artifacts' model fingerprint) carries the kind's name.
           kv_lora_rank projection then the roped qk_rope_head_dim key (graphs/deepseek_v3.py);
           attention reads it as one KV head of head_dim = kv_lora_rank + qk_rope_head_dim,
           the up-projections folded into the query and the output.
+
+A hybrid model (Qwen3-Next and Qwen3.5: Gated DeltaNet; Granite 4: Mamba2) also has layers that
+keep no per-token state but a fixed-size one per request (`ModelConfig.state_layers`): a short
+convolution's last inputs and a recurrent state, declared by `RECURRENT`. Its pools follow the
+paged ones in the pool pytree, each [state layers, slots, ...]; a request holds one slot from its
+first step to its end (StepInputs.state_slot; slot 0 is scratch, as page 0 is), and the graphs
+(graphs/recurrent.py) read it at the request's first token of a step (zero at position 0) and
+write it back after its last. The paged pools then have one layer per attention layer only.
 """
 from __future__ import annotations
 
@@ -29,8 +37,8 @@ class PagedState:
     expanded_values: Callable[..., int]
 
     def values_per_token(self, cfg) -> int:
-        """Values a token keeps over every layer."""
-        return cfg.num_layers * sum(h * d for h, d in self.pools(cfg))
+        """Values a token keeps over every paged layer."""
+        return len(paged_layers(cfg)) * sum(h * d for h, d in self.pools(cfg))
 
 
 KV = PagedState("kv", "paged K/V a token a layer",
@@ -43,6 +51,56 @@ LATENT = PagedState(
                                                  + cfg.v_head_dim))
 
 KINDS = {k.name: k for k in (KV, LATENT)}
+
+
+@dataclass(frozen=True)
+class RequestState:
+    name: str
+    description: str
+    # cfg -> ((shape of one request's array in one state layer), ...), in pool order
+    arrays: Callable[..., tuple[tuple[int, ...], ...]]
+
+    def values_per_request(self, cfg) -> int:
+        """Values one request keeps over every state layer."""
+        n = sum(cfg.state_layers)
+        return n * sum(_prod(shape) for shape in self.arrays(cfg))
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def conv_channels(cfg) -> int:
+    """The short convolution's channels: the keys' and queries' groups, then the values (Gated
+    DeltaNet's q|k|v; Mamba2's x|B|C, the same sizes)."""
+    return 2 * cfg.ssm_groups * cfg.ssm_state_dim + cfg.ssm_heads * cfg.ssm_head_dim
+
+
+# conv: the last (kernel - 1) inputs of the convolution, oldest first; recurrent: per head a
+# state_dim x head_dim matrix (Gated DeltaNet's k x v state; Mamba2's state x head transposed)
+RECURRENT = RequestState(
+    "recurrent", "fixed-size conv + recurrent state a request a layer (linear attention, SSM)",
+    arrays=lambda cfg: ((conv_channels(cfg), cfg.ssm_conv_kernel - 1),
+                        (cfg.ssm_heads, cfg.ssm_state_dim, cfg.ssm_head_dim)))
+
+
+def request_state_of(cfg) -> RequestState | None:
+    return RECURRENT if any(cfg.state_layers) else None
+
+
+def paged_layers(cfg) -> list[int]:
+    """The layers that keep per-token state in the paged pools, in pool order."""
+    return [i for i in range(cfg.num_layers) if not (cfg.state_layers and cfg.state_layers[i])]
+
+
+def pool_layer(cfg, layer: int) -> int:
+    """A layer's index in its pools: its place among the paged layers, or among the state
+    layers."""
+    mine = bool(cfg.state_layers) and cfg.state_layers[layer]
+    return sum(1 for i in range(layer) if bool(cfg.state_layers and cfg.state_layers[i]) == mine)
 
 
 def state_of(cfg) -> PagedState:

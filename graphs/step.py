@@ -23,7 +23,8 @@ image embeddings that replace the token embeddings where `embed_mask` is set, an
 the last position each token attends to (its own position; for Gemma 3's image tokens, their
 image's last one: an image attends to itself both ways). A model with M-RoPE (Qwen2.5-VL) takes
 `rope_positions`, each token's (temporal, height, width) rope positions; `positions` stays its
-place in the sequence, which the KV writes and the attention masks read.
+place in the sequence, which the KV writes and the attention masks read. A hybrid model
+(graphs/state.py RECURRENT) takes `state_slot`, each row's request-state slot (0 for padding).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class StepInputs:
     embed_mask: Any = None    # bool[T]   token slots that take `embeds`
     visible_end: Any = None   # int32[T]  last position each token attends to
     rope_positions: Any = None  # int32[3, T] M-RoPE positions (cfg.mrope_section); None: 1-D
+    state_slot: Any = None    # int32[R]  each row's request-state slot (0: padding); None: none
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -79,14 +81,17 @@ class RowSlice:
     embed_mask: Any = None    # bool[k] the tokens that take `embeds`
     visible_end: Any = None   # int[k] per token, the last position it sees (None: its own)
     rope_positions: Any = None  # int[3, k] its M-RoPE positions (None: its position, 3 times)
+    state_slot: int = 0       # its request-state slot (a hybrid model's; graphs/state.py)
 
 
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
                      num_samples: int | None = None,
                      backend: AttentionBackend | None = None, lora: bool = False,
-                     embeds: tuple | None = None, mrope: bool = False) -> StepInputs:
+                     embeds: tuple | None = None, mrope: bool = False,
+                     state: bool = False) -> StepInputs:
     """`embeds`: (hidden size, dtype) of a model that reads images; None: text only.
-    `mrope`: the step takes `rope_positions` (a model with cfg.mrope_section)."""
+    `mrope`: the step takes `rope_positions` (a model with cfg.mrope_section); `state`: it
+    takes `state_slot` (a hybrid model)."""
     i32 = np.int32
     backend = backend or backend_for()
     return StepInputs(
@@ -101,6 +106,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
         lora_slot=jax.ShapeDtypeStruct((num_tokens,), i32) if lora else None,
         **(_embed_specs(num_tokens, *embeds) if embeds else {}),
         rope_positions=jax.ShapeDtypeStruct((3, num_tokens), i32) if mrope else None,
+        state_slot=jax.ShapeDtypeStruct((num_rows,), i32) if state else None,
     )
 
 
@@ -113,10 +119,12 @@ def _embed_specs(num_tokens: int, dim: int, dtype) -> dict:
 def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, max_pages: int,
                       page_size: int, num_samples: int | None = None,
                       backend: AttentionBackend | None = None, lora: bool = False,
-                      embeds: tuple | None = None, mrope: bool = False) -> StepInputs:
+                      embeds: tuple | None = None, mrope: bool = False,
+                      state: bool = False) -> StepInputs:
     """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
     bucket. `lora`: fill `lora_slot` (padding tokens: slot 0); `embeds`: (hidden size, dtype),
-    fill the image inputs (`step_input_specs`); `mrope`: fill `rope_positions`."""
+    fill the image inputs (`step_input_specs`); `mrope`: fill `rope_positions`; `state`: fill
+    `state_slot` (padding rows: slot 0)."""
     n = sum(len(r.token_ids) for r in rows)
     num_samples = num_samples or num_rows
     n_samples = sum(r.num_samples for r in rows)
@@ -161,6 +169,9 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
                                                                        *embeds)
     if mrope:
         step.rope_positions = _rope_positions(rows, positions)
+    if state:
+        step.state_slot = np.zeros(num_rows, np.int32)
+        step.state_slot[:len(rows)] = [getattr(r, "state_slot", 0) for r in rows]
     return step
 
 
