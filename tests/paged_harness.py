@@ -42,7 +42,8 @@ def paged_greedy(arch, cfg, params, prompts, chunk: int, new_tokens: int, page_s
     for n in pages_per_seq:
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
-    kv = init_kv(cfg, nxt, page_size, dtype)
+    hybrid = any(cfg.state_layers)       # request-state slot i + 1 for prompt i (graphs/state.py)
+    kv = init_kv(cfg, nxt, page_size, dtype, state_slots=len(prompts) + 1 if hybrid else 0)
     step_fn = jax.jit(partial(arch.forward, cfg), donate_argnums=(1,))
     seqs = [list(p) for p in prompts]
     done = [0] * len(prompts)            # tokens whose K/V are in the cache
@@ -54,12 +55,13 @@ def paged_greedy(arch, cfg, params, prompts, chunk: int, new_tokens: int, page_s
                 continue
             take = min(chunk, len(seq) - done[i])
             rows.append(RowSlice(seq[done[i]:done[i] + take], done[i], tables[i],
-                                 lora_slot=lora_slots[i] if lora_slots else 0))
+                                 lora_slot=lora_slots[i] if lora_slots else 0,
+                                 state_slot=i + 1 if hybrid else 0))
             who.append((i, done[i] + take == len(seq)))
             done[i] += take
         T = _bucket(sum(len(r.token_ids) for r in rows))
         step = build_step_inputs(rows, T, _bucket(len(rows)), max_pages, page_size,
-                                 lora=lora_slots is not None)
+                                 lora=lora_slots is not None, state=hybrid)
         logits, kv = step_fn(params, kv, step)
         logits = np.asarray(logits)
         for r, (i, at_end) in enumerate(who):
