@@ -156,7 +156,8 @@ def _attention(cfg: ModelConfig, step, rope, layer: int, x, pool, p, live):
 
 def _mlp(cfg: ModelConfig, x, p, live):
     if "router" not in p:
-        return L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, 1, live)
+        return L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, cfg.gate_up_shards,
+                           live)
     return moe.routed_mlp(cfg, x, p, live)
 
 
