@@ -44,6 +44,9 @@ class Architecture:
     # What its layers keep in the paged pool (graphs/state.py KINDS), as its configs' paged_state
     # says; `maxjax list` shows it.
     state: str = "kv"
+    # What its state layers keep per request beside the pages (graphs/state.py RECURRENT's
+    # name, for a hybrid family whose configs set state_layers); "": none. `maxjax list` shows it.
+    request_state: str = ""
 
     def param_shapes(self, cfg: ModelConfig) -> dict:
         return sharding.shapes(self.param_specs(cfg))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from maxjax.graphs import quant, sampling, sharding
 from maxjax.graphs.attention import AttentionBackend, backend_named
 from maxjax.graphs.decoder import init_kv, kv_pool_specs, kv_specs
+from maxjax.graphs.state import request_state_of, state_of
 from maxjax.graphs.step import step_input_specs
 
 KV_DONATED = (1,)     # argument index of the KV pool in step_program(params, kv, step)
@@ -172,13 +173,14 @@ def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int,
         else:
             specs = quant.param_specs(arch.param_specs(cfg), params)
             params = _on(params, sharding.shardings(specs, mesh, sharding.mesh_rules(cfg, mesh)))
-        kv_sh = _kv_shardings(cfg, kv[0].shape[1], kv[0].shape[3], mesh)
+        kv_sh = _kv_shardings(cfg, kv[0].shape[1], kv[0].shape[3], mesh, state_slots(cfg, kv))
         kv, out_shardings = _on(kv, kv_sh), (sharding.replicated(mesh), kv_sh)
     specs = []
     for b in sorted(buckets):
         step = step_input_specs(b.num_tokens, b.num_rows, max_pages, b.num_samples, backend,
                                 lora="lora" in params, embeds=image_embeds(cfg, params),
-                                mrope=cfg.mrope_section is not None)
+                                mrope=cfg.mrope_section is not None,
+                                state=request_state_of(cfg) is not None)
         if mesh is not None:      # per-step inputs are replicated: every device reads them whole
             step = _on(step, sharding.replicated(mesh))
         specs.append(GraphSpec(b.name, b, fn, (params, kv, step), KV_DONATED, out_shardings))
@@ -210,9 +212,15 @@ def image_embeds(cfg, params) -> tuple | None:
     return cfg.hidden_size, params["final_norm"].dtype
 
 
-def _kv_shardings(cfg, num_pages: int, page_size: int, mesh):
+def state_slots(cfg, kv) -> int:
+    """The request-state slots of a pool pytree (graphs/state.py: after the paged pools, each
+    [state layers, slots, ...]); 0 for a model without state layers."""
+    return kv[-1].shape[1] if request_state_of(cfg) is not None else 0
+
+
+def _kv_shardings(cfg, num_pages: int, page_size: int, mesh, slots: int = 0):
     rules = sharding.mesh_rules(cfg, mesh)
-    return sharding.shardings(kv_pool_specs(cfg, num_pages, page_size), mesh, rules)
+    return sharding.shardings(kv_pool_specs(cfg, num_pages, page_size, slots), mesh, rules)
 
 
 def _on(tree, shardings):
@@ -225,16 +233,20 @@ def _on(tree, shardings):
 
 
 def kv_init_spec(cfg, num_pages: int, page_size: int, dtype, mesh=None,
-                 attention: str | None = None) -> GraphSpec:
-    """() -> (None, a zero KV pool), sharded on kv heads over `mesh` when given, made by the
-    attention backend's `zero_pool` when it has one (`attention`: its name)."""
+                 attention: str | None = None, state_slots: int = 0,
+                 state_dtype=None) -> GraphSpec:
+    """() -> (None, a zero KV pool), sharded on kv heads over `mesh` when given, its paged
+    pools made by the attention backend's `zero_pool` when it has one (`attention`: its name);
+    a hybrid model's request-state pools of `state_slots` slots in `state_dtype` after them."""
     def kv_init():
         zero = attention and backend_named(attention).zero_pool
         if zero:
-            return None, zero(kv_specs(cfg, num_pages, page_size, dtype))
-        return None, init_kv(cfg, num_pages, page_size, dtype)
-    out = None if mesh is None else (sharding.replicated(mesh),
-                                     _kv_shardings(cfg, num_pages, page_size, mesh))
+            specs = kv_specs(cfg, num_pages, page_size, dtype, state_slots, state_dtype)
+            n = len(state_of(cfg).pools(cfg))
+            return None, zero(specs[:n]) + tuple(jnp.zeros(s.shape, s.dtype) for s in specs[n:])
+        return None, init_kv(cfg, num_pages, page_size, dtype, state_slots, state_dtype)
+    out = None if mesh is None else (
+        sharding.replicated(mesh), _kv_shardings(cfg, num_pages, page_size, mesh, state_slots))
     return GraphSpec(KV_INIT, None, kv_init, (), (), out)
 
 

@@ -22,10 +22,11 @@ import os
 
 from test_import_cycles import ROOT, module_files
 
-PLANNER = {"maxjax.engine.plan", "maxjax.engine.spec_flags", "maxjax.engine.config"}
+PLANNER = {"maxjax.engine.plan", "maxjax.engine.spec_flags", "maxjax.engine.config",
+           "maxjax.engine.state_plan"}
 DERIVATIONS = {"for_platform", "_resolved", "_resolved_for", "choose_kernels", "plan_layout", "draft_tokens",
                "lora_path_items", "resolve_max_length", "default_kv_format", "draft_plan",
-               "lora_shape", "check_model_flags"}
+               "lora_shape", "check_model_flags", "plan_state_pools", "check_hybrid_flags"}
 # check_flags is also the name of other modules' own checks (step_policy, structured.backend),
 # which the planner calls: only the planner's, imported from maxjax.engine.plan, counts.
 PLANNER_ONLY_IMPORTS = {"check_flags"}

@@ -275,7 +275,7 @@ def warm_cache_command(model, engine: dict, directory: str | None, platforms: li
     """The `maxjax warm-cache` command line that builds artifacts for this model and engine."""
     parts = ["maxjax", "warm-cache", *_model_flag(model), "--quantization-encoding", model.dtype]
     for k in ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
-              "num_kv_pages", "kv_cache_format"):
+              "num_kv_pages", "kv_cache_format", "state_pool_dtype"):
         if engine.get(k) is not None:
             parts += [mf.FLAGS[k], str(engine[k])]
     for k in SPEC_FLAGS:

@@ -64,7 +64,8 @@ def graph_specs(model, layout) -> list[GraphSpec]:
                              mesh=layout.mesh)
     vision = vision_graph_specs(model.vision) if model.vision else []
     return steps + samplers + [kv_init_spec(cfg, layout.num_pages, layout.page_size, dtype,
-                                            layout.mesh, layout.attention)] + vision
+                                            layout.mesh, layout.attention, layout.state_slots,
+                                            layout.state_dtype or None)] + vision
 
 
 def execution_devices(layout) -> list:
@@ -77,7 +78,8 @@ def execution_devices(layout) -> list:
 
 def pool_specs(model, layout):
     """The KV pool's ShapeDtypeStructs: every graph returns the pool's leaves."""
-    return kv_specs(model.config, layout.num_pages, layout.page_size, layout.kv_dtype)
+    return kv_specs(model.config, layout.num_pages, layout.page_size, layout.kv_dtype,
+                    layout.state_slots, layout.state_dtype or None)
 
 
 def flat_args(args) -> tuple:

@@ -276,7 +276,8 @@ def model_fingerprint(model) -> dict:
 
 ENGINE_FIELDS = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
                  "num_kv_pages", "max_pages_per_row", "dtype", "buckets", "lora_slots",
-                 "max_lora_rank", "platform", "attention", "kv_cache_format", "mesh", "kernel_isa")
+                 "max_lora_rank", "platform", "attention", "kv_cache_format", "mesh", "kernel_isa",
+                 "state_slots", "state_pool_dtype")
 # engine fingerprint fields a flag chooses but does not set (named in a mismatch)
 ENGINE_FLAGS = {"attention": "--use-experimental-kernels",
                 "kernel_isa": "the CPU kernels' instruction set: this CPU, or MAXJAX_CPU_ISA"}
@@ -284,7 +285,8 @@ ENGINE_FLAGS = {"attention": "--use-experimental-kernels",
 FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
          "kv_cache_page_size": "--kv-cache-page-size", "num_kv_pages": "--num-kv-pages",
-         "dtype": "--quantization-encoding", "kv_cache_format": "--kv-cache-format"}
+         "dtype": "--quantization-encoding", "kv_cache_format": "--kv-cache-format",
+         "state_slots": "--max-batch-size", "state_pool_dtype": "--state-pool-dtype"}
 
 
 def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
@@ -300,6 +302,8 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "kv_cache_format": layout.kv_dtype,
           # the graphs are sharded over it: its shape and device kind (not which devices)
           "mesh": describe_mesh(layout.mesh)}
+    if layout.state_slots:      # a hybrid model's request-state pools (graphs/state.py)
+        fp["state_slots"], fp["state_pool_dtype"] = layout.state_slots, layout.state_dtype
     if backend_named(layout.attention).needs_cpu_kernels:  # its calls are built for one ISA
         fp["kernel_isa"] = cpu_kernels.isa()
     fp["fingerprint"] = digest(fp)

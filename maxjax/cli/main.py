@@ -92,7 +92,7 @@ def cmd_list(args) -> int:
                 "encodings": list(quantize.ENCODINGS if a.gguf_archs else
                                   (*quantize.FLOAT_ENCODINGS, "int8")),
                 "gguf_archs": list(a.gguf_archs), "state": a.state,
-                "description": a.description}
+                "request_state": a.request_state, "description": a.description}
     rows = [facts(a) for a in archs]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -101,7 +101,8 @@ def cmd_list(args) -> int:
     for r in rows:
         gguf = f" [gguf: {', '.join(r['gguf_archs'])}]" if r["gguf_archs"] else ""
         print(f"{r['name']:<{width}}  {'+'.join(r['tasks']):<11}  {r['description']}{gguf}\n"
-              f"{'':<{width}}  encodings: {', '.join(r['encodings'])}; state: {r['state']}")
+              f"{'':<{width}}  encodings: {', '.join(r['encodings'])}; state: {r['state']}"
+              f"{' + ' + r['request_state'] + ' a request' if r['request_state'] else ''}")
     return 0
 
 

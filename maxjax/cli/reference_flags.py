@@ -105,7 +105,6 @@ REFUSED = [
     Refused("sample-on-host", "sampling is part of the compiled step (with --devices cpu "
             "that step runs on the host CPU already)"),
     Refused("section-name", "maxjax reads no config-file sections", str, (None,)),
-    Refused("state-pool-dtype", "maxjax has no hybrid or state-space models", str, (None,)),
     Refused("task-arg", "no maxjax task takes task-specific arguments", str, (None,)),
     Refused("taylorseer", _DIFFUSION),
     Refused("taylorseer-cache-interval", _DIFFUSION, int, (None,)),

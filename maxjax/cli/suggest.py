@@ -158,6 +158,13 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     report["precompiled_artifacts"] = [artifact_entry(d, model, engine_cfg, layout)
                                        for d in artifacts] or None
     notes.extend(model_notes(ckpt, model, engine_cfg, layout, report))
+    if layout.state_slots:
+        from maxjax.engine.state_plan import prefix_cache_reason
+        notes.append(f"prefix cache off: {prefix_cache_reason(model.config)}")
+    elif engine_cfg.state_pool_dtype is not None:
+        notes.append(f"--state-pool-dtype {engine_cfg.state_pool_dtype}: ignored, "
+                     f"{model.config.architecture} keeps no request state")
+        drop.add("state_pool_dtype")
     for a in report["precompiled_artifacts"] or ():
         if not a["matches"]:
             raise UserError(f"--precompiled-artifacts {a['path']}: {a['why']}")
@@ -235,7 +242,22 @@ def plan_entry(model, layout, cfg) -> dict:
             "max_batch_size": cfg.max_batch_size,
             "max_batch_input_tokens": cfg.max_batch_input_tokens,
             "buckets": [b.name for b in layout.buckets], "lora_slots": layout.lora_slots,
-            "memory": layout.memory_report}
+            "memory": layout.memory_report, "request_state": request_state_entry(model, layout)}
+
+
+def request_state_entry(model, layout) -> dict | None:
+    """A hybrid model's request-state pools (maxjax/engine/state_plan.py); None: it has
+    none."""
+    if not layout.state_slots:
+        return None
+    import jax.numpy as jnp
+
+    from maxjax.graphs.state import request_state_of
+    rs = request_state_of(model.config)
+    per = rs.values_per_request(model.config) * jnp.dtype(layout.state_dtype).itemsize
+    return {"kind": rs.name, "slots": layout.state_slots, "state_pool_dtype": layout.state_dtype,
+            "bytes_per_request": per, "bytes": per * layout.state_slots,
+            "line": layout.state_report}
 
 
 def state_line(st: dict) -> str:
@@ -420,6 +442,8 @@ def render(r: dict) -> str:
                   f"buckets        {len(p['buckets'])}: {' '.join(p['buckets'])}"]
         if p["memory"]:
             lines.append(f"memory         {p['memory']}")
+        if p.get("request_state"):
+            lines.append(f"state pools    {p['request_state']['line']}")
     if r["sampling_defaults"]:
         from maxjax.models.sampling_defaults import describe
         lines.append(f"sampling       {describe(r['sampling_defaults'])}")

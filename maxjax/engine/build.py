@@ -151,6 +151,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
                  kernels, lay.num_pages, lay.kv_dtype, lay.page_size, core.max_length)
         if lay.memory_report:
             log.info("%s", lay.memory_report)
+        if lay.state_report:
+            log.info("%s", lay.state_report)
         log.info("Sampling defaults of requests that leave them out: %s",
                  describe(core.model.sampling_defaults.in_force()))
         if clock.start is not None:

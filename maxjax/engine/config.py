@@ -117,6 +117,12 @@ class EngineConfig:
         "choices": ["float32", "bfloat16"],
         "help": "dtype of the KV cache (default: bfloat16 for quantized weights on the CPU "
                 "kernels, else the activations' dtype: float32 on CPU)"})
+    state_pool_dtype: str | None = field(default=None, metadata={
+        "choices": ["bfloat16", "float32"],
+        "help": "dtype of a hybrid model's request-state pools (the conv and recurrent state of "
+                "its linear-attention or SSM layers; default: the KV cache's, float32 where that "
+                "is float16); float32 keeps the state's trajectory exact at twice the bytes a "
+                "request. Ignored for models without such layers"})
     generation_config: str = field(default="auto", metadata={
         "help": "The sampling defaults of requests that leave out temperature, top_p, top_k, "
                 "min_p or repetition_penalty (vLLM's flag): auto, the model's (an HF "

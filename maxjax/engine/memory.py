@@ -67,6 +67,7 @@ class MemoryPlan:
     engines: int = 1         # replicas planned from this MemAvailable (this one and later ones)
     allowance: int = 0       # the compiler allowance of one engine (COMPILER_ALLOWANCE)
     fit: int = 0             # pages the memory holds, before the cap and the rounding
+    state_bytes: int = 0     # a hybrid model's request-state pools, on each device
 
     def report(self) -> str:
         pool = self.num_pages * self.page_bytes
@@ -75,8 +76,11 @@ class MemoryPlan:
         how = "all the rows can use" if self.capped else (
             f"{self.free_bytes / GiB:.1f} GiB free x {self.utilization:.2f} - weights "
             f"{self.weight_bytes / GiB:.2f} GiB - activations of {self.largest_bucket} "
-            f"~{self.activation_bytes / GiB:.2f} GiB")
+            f"~{self.activation_bytes / GiB:.2f} GiB{self._state()}")
         return f"KV pool {pool / GiB:.2f} GiB on {self.platform} ({how})"
+
+    def _state(self, sep: str = " - ") -> str:
+        return f"{sep}request state {self.state_bytes / GiB:.3f} GiB" if self.state_bytes else ""
 
     def _host_report(self) -> str:
         """One line: the host's MemAvailable and utilization, and what each engine takes of it
@@ -96,8 +100,9 @@ class MemoryPlan:
                 f"x {self.utilization:.2f} utilization = {total / GiB:.1f} GiB{each}: weights "
                 f"{per_device(self.weight_bytes / n)} + pool "
                 f"{per_device(pool * self.pool_copies / n)}{cap} + activations of "
-                f"{self.largest_bucket} ~{per_device(self.activation_bytes)} + compiler "
-                f"allowance {self.allowance / GiB:.2f} GiB")
+                f"{self.largest_bucket} ~{per_device(self.activation_bytes)}"
+                f"{self._state(' + ')}{' a device' if self.state_bytes and n > 1 else ''} + "
+                f"compiler allowance {self.allowance / GiB:.2f} GiB")
 
 
 def device_free_bytes(device=None) -> int:
@@ -165,13 +170,16 @@ def _devices(mesh, device):
 
 def plan_pool(mc, params, page_size: int, utilization: float, buckets, max_pages: int,
               device=None, kv_itemsize: int | None = None, mesh=None, replicas: int = 1,
-              kv_shards: int = 1, replica: int = 0, resident: bool = True) -> MemoryPlan:
+              kv_shards: int = 1, replica: int = 0, resident: bool = True,
+              state_bytes: int = 0) -> MemoryPlan:
     """The pool for `mc` with `params` resident on `device` (default: the first JAX device) or on
     every device of `mesh`, at most `max_pages` pages, each of `kv_itemsize` bytes per value
     (default: the embedding's). `kv_shards`: the devices the pool is split over by kv heads.
     On the CPU the host plan (`host_plan`) of replica `replica` of `replicas`; elsewhere the
     least free device counts. `resident`: False when the weights are not in memory yet (`maxjax
-    suggest` plans before loading), so the free memory is already what it was before them."""
+    suggest` plans before loading), so the free memory is already what it was before them.
+    `state_bytes`: a hybrid model's request-state pools (graphs/state.py RECURRENT), replicated
+    on every device, taken out before the pages are sized."""
     devices = _devices(mesh, device)
     dev = devices[0]
     itemsize = kv_itemsize or np.dtype(params["embed"].dtype).itemsize
@@ -180,20 +188,20 @@ def plan_pool(mc, params, page_size: int, utilization: float, buckets, max_pages
     act = activation_bytes(mc, largest, itemsize)
     if dev.platform == "cpu":
         return host_plan(mc, params, pb, utilization, largest, act, max_pages, devices,
-                         replicas, replica, kv_shards, resident)
+                         replicas, replica, kv_shards, resident, state_bytes)
     weights = weight_bytes(params)
     free = min(device_free_bytes(d) for d in devices) + (weights if resident else 0)
-    budget = (int(free * utilization) - weights - act) * kv_shards
+    budget = (int(free * utilization) - weights - act - state_bytes) * kv_shards
     fit = max(budget, 0) // pb
     rounded = round_down(fit)
     platform = "cuda" if dev.platform == "gpu" else dev.platform
     return MemoryPlan(min(rounded, max_pages), pb, free, utilization, weights, act, largest.name,
-                      rounded >= max_pages, platform, fit=fit)
+                      rounded >= max_pages, platform, fit=fit, state_bytes=state_bytes)
 
 
 def host_plan(mc, params, pb: int, utilization: float, largest, act: int, max_pages: int,
               devices, replicas: int = 1, replica: int = 0, kv_shards: int = 1,
-              resident: bool = True) -> MemoryPlan:
+              resident: bool = True, state_bytes: int = 0) -> MemoryPlan:
     """The CPU's plan: every device and every replica out of one host MemAvailable (the module
     docstring)."""
     n = len(devices)
@@ -202,11 +210,13 @@ def host_plan(mc, params, pb: int, utilization: float, largest, act: int, max_pa
     allowance = min(COMPILER_ALLOWANCE, free // ALLOWANCE_SHARE)
     engines = max(1, replicas - replica)
     copies = max(1, n // max(1, kv_shards))
-    per_engine = int(free * utilization) // engines - weights - act * n - allowance
+    per_engine = int(free * utilization) // engines - weights - (act + state_bytes) * n - \
+        allowance
     fit = max(per_engine, 0) // (pb * copies)
     rounded = round_down(fit)
     return MemoryPlan(min(rounded, max_pages), pb, free, utilization, weights, act, largest.name,
-                      rounded >= max_pages, "cpu", True, n, copies, engines, allowance, fit)
+                      rounded >= max_pages, "cpu", True, n, copies, engines, allowance, fit,
+                      state_bytes)
 
 
 def check_host_pages(num_pages: int, plan: MemoryPlan) -> None:
@@ -215,20 +225,22 @@ def check_host_pages(num_pages: int, plan: MemoryPlan) -> None:
     if num_pages <= plan.fit:
         return
     n, e = plan.devices, plan.engines
-    need = e * (plan.weight_bytes + plan.activation_bytes * n + plan.allowance
+    need = e * (plan.weight_bytes + (plan.activation_bytes + plan.state_bytes) * n
+                + plan.allowance
                 + num_pages * plan.page_bytes * plan.pool_copies)
     times = f" x {plan.pool_copies} devices" if plan.pool_copies > 1 else ""
     each = f", x {e} replicas" if e > 1 else ""
     raise UserError(
         f"--num-kv-pages {num_pages} needs {need / GiB:.1f} GiB of host memory (pool "
-        f"{num_pages * plan.page_bytes / GiB:.2f} GiB{times}, weights, activations{each}, "
+        f"{num_pages * plan.page_bytes / GiB:.2f} GiB{times}, weights, activations"
+        f"{', request state' if plan.state_bytes else ''}{each}, "
         f"compiler allowance), {plan.free_bytes * plan.utilization / GiB:.1f} GiB available "
         f"({plan.free_bytes / GiB:.1f} GiB MemAvailable + weights x --device-memory-utilization "
         f"{plan.utilization:.2f}): lower it (at most {plan.fit} pages fit)")
 
 
 def layout_plan(cfg, mc, params, page_size: int, buckets, max_pages: int, kv_itemsize: int,
-                mesh, resident: bool = True) -> MemoryPlan:
+                mesh, resident: bool = True, state_bytes: int = 0) -> MemoryPlan:
     """`plan_pool` for engine/core.py `plan_layout`: the pool split over the mesh when its kv
     heads are (graphs/sharding.py `tensor_parallel_rules`, as graphs/program.py places it, on
     every platform), and which of the --data-parallel-degree replicas this engine is."""
@@ -239,17 +251,18 @@ def layout_plan(cfg, mc, params, page_size: int, buckets, max_pages: int, kv_ite
     replica = devices.replica_index(cfg.devices, cfg.data_parallel_degree, mesh)
     return plan_pool(mc, params, page_size, cfg.device_memory_utilization, buckets, max_pages,
                      kv_itemsize=kv_itemsize, mesh=mesh, replicas=cfg.data_parallel_degree,
-                     kv_shards=kv_shards, replica=replica, resident=resident)
+                     kv_shards=kv_shards, replica=replica, resident=resident,
+                     state_bytes=state_bytes)
 
 
 def check_layout_pages(cfg, mc, params, page_size: int, buckets, kv_itemsize: int, mesh,
-                       resident: bool = True) -> None:
+                       resident: bool = True, state_bytes: int = 0) -> None:
     """--num-kv-pages on the local CPU: a UserError before the pool is allocated when it does not
     fit the host plan. A later replica's pages were pinned (or checked, for all the replicas) by
     the first one, whose memory is already in use: not checked again."""
     if cfg.num_kv_pages < 2:
         return
     plan = layout_plan(cfg, mc, params, page_size, buckets, cfg.num_kv_pages, kv_itemsize, mesh,
-                       resident)
+                       resident, state_bytes)
     if plan.host and plan.engines == max(1, cfg.data_parallel_degree):
         check_host_pages(cfg.num_kv_pages, plan)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.engine import memory, spec_flags
+from maxjax.engine import memory, spec_flags, state_plan
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig, ResolvedConfig
 from maxjax.errors import UserError
@@ -155,7 +155,8 @@ def plan_engine(flags: EngineConfig | Prepared, model, *, platform: str | None =
     check_model_flags(cfg, model.config)
     cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=flags.kernels)
     layout = plan_layout(cfg, model, flags.platform, resident, flags.draft_tokens)
-    cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length)
+    cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length,
+                      **({"enable_prefix_caching": False} if layout.state_slots else {}))
     return EnginePlan(cfg, layout, flags.draft_tokens, flags.lora_items, flags.flags)
 
 
@@ -187,6 +188,7 @@ def check_flags(cfg: EngineConfig) -> tuple[int, list[tuple[str, str]]]:
     draft_tokens = spec_flags.draft_tokens(cfg)
     check_layout_flags(cfg)
     lora_shape(cfg)
+    state_plan.check_state_flags(cfg)
     if cfg.ep_size < 1:
         raise UserError(f"--ep-size must be >= 1 (got {cfg.ep_size})")
     if not 0 < cfg.device_memory_utilization <= 1:
@@ -257,6 +259,7 @@ def lora_path_items(cfg: EngineConfig) -> list[tuple[str, str]]:
 
 def check_model_flags(cfg: EngineConfig, model_cfg) -> None:
     """What this model does not support yet."""
+    state_plan.check_hybrid_flags(cfg, model_cfg)
     if cfg.enable_lora and model_cfg.moe_layers:    # adapters target w_gate_up / w_down
         raise UserError(f"--enable-lora: {model_cfg.architecture} routes its MLPs over "
                         "experts; LoRA on mixture-of-experts models is not supported yet")
@@ -357,6 +360,10 @@ class EngineLayout:
     max_lora_rank: int = 0
     kv_dtype: str = "float32"       # --kv-cache-format
     mesh: Any = None        # the tensor-parallel mesh (maxjax/engine/devices.py); None: one device
+    # a hybrid model's request-state pools (maxjax/engine/state_plan.py); 0: none
+    state_slots: int = 0
+    state_dtype: str = ""           # --state-pool-dtype as resolved
+    state_report: str = field(default="", compare=False)   # their line, prefix cache's reason
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -413,12 +420,13 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
         draft_tokens = spec_flags.draft_tokens(cfg)
     buckets = tuple(bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size, draft_tokens + 1))
     kv_itemsize = jnp.dtype(kv_dtype).itemsize
+    state = state_plan.plan_state_pools(cfg, mc, kv_dtype)
     if cfg.num_kv_pages is not None:
         num_pages = cfg.num_kv_pages
         report = f"KV pool of --num-kv-pages {num_pages}"
         if platform == local_platform() == "cpu":   # the host's memory, before the pool is made
             memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh,
-                                      resident)
+                                      resident, state.total_bytes)
     elif platform != local_platform():
         raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
                         f"{local_platform()} machine cannot measure that device's memory")
@@ -428,7 +436,7 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
         row_tokens = max_length if cfg.max_length else min(max_length, DEFAULT_ROW_TOKENS)
         most = max(cfg.max_batch_size * math.ceil(row_tokens / page), per_row) + 1
         plan = memory.layout_plan(cfg, mc, model.params, page, buckets, most, kv_itemsize, mesh,
-                                  resident)
+                                  resident, state.total_bytes)
         num_pages, report = plan.num_pages, plan.report()
     if cfg.max_length is None and 2 <= num_pages <= per_row:
         lowered = (num_pages - 1) * page
@@ -442,7 +450,8 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
         raise UserError(f"the KV pool would have {num_pages} pages; it needs at least 2: "
                         f"{report} ({memory.POOL_FLAGS})")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
-                        attention.name, report, *lora_shape(cfg), kv_dtype, mesh)
+                        attention.name, report, *lora_shape(cfg), kv_dtype, mesh, state.slots,
+                        state.dtype, state.report())
 
 
 def _resolved_for(cfg: EngineConfig, platform: str | None = None) -> ResolvedConfig:

@@ -47,6 +47,7 @@ class Request:
     seed: int | None = None               # sampling seed: sampling.seed, else drawn at creation
     adapter_id: str | None = None         # LoRA adapter (a load's id, maxjax/lora/); None: base
     lora_slot: int = 0                    # the device slot of its adapter while running (0: none)
+    state_slot: int = 0                   # a hybrid model's request-state slot while running
     grammar: Any = None                   # structured-output matcher; None: unconstrained
     # An embedding request (PoolingParams): prefill only, no token sampled, no prefix cache;
     # None: generation. The pooled hidden states of its chunks so far:

@@ -91,8 +91,11 @@ class ModelRunner:
                  executables: dict[Bucket, Callable] | None = None,
                  kv_init: Callable[[], tuple] | None = None, lora=None,
                  attention: str | None = None, kv_dtype: str = "float32", mesh=None,
-                 executor: Callable[[LocalExecutor], StepExecutor] | None = None):
+                 executor: Callable[[LocalExecutor], StepExecutor] | None = None,
+                 state_slots: int = 0, state_dtype: str | None = None):
         """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
+        `state_slots`, `state_dtype`: a hybrid model's request-state pools (graphs/state.py;
+        0: none), each row then passes its slot;
         `attention`: the attention backend's name (None: this platform's);
         `mesh`: the tensor-parallel mesh the model's params are placed on (None: one device);
         `executor`: wraps this process's LocalExecutor into the one every call goes through
@@ -107,7 +110,8 @@ class ModelRunner:
         self.history_len = history_len
         self.num_pages = num_pages
         if kv_init is None:
-            spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype, mesh, attention)
+            spec = kv_init_spec(self.cfg, num_pages, page_size, kv_dtype, mesh, attention,
+                                state_slots, state_dtype)
             compiled = jax.jit(spec.fn, **jit_kwargs(spec)).lower().compile()
             kv_init = lambda: compiled()[1]        # noqa: E731
         self.executables: dict[Bucket, Callable] = dict(executables or {})
@@ -117,6 +121,7 @@ class ModelRunner:
         self.attention = backend_named(attention) if attention else backend_for()
         self.embeds = image_embeds(self.cfg, model.params)
         self.mrope = self.cfg.mrope_section is not None
+        self.state = state_slots > 0
 
     @property
     def kv(self) -> tuple:
@@ -174,7 +179,7 @@ class ModelRunner:
                 RowSlice([0], 0, [SCRATCH_PAGE]) for _ in range(b.num_rows - 1)]
             step = build_step_inputs(rows, b.num_tokens, b.num_rows, self.max_pages, self.page_size,
                                      b.num_samples, self.attention, self.lora is not None,
-                                     self.embeds, mrope=self.mrope)
+                                     self.embeds, mrope=self.mrope, state=self.state)
             for params in (greedy, sampled):
                 samp = sampling.build_sampling_arrays([(params, [0], [], 0)] * b.num_samples,
                                                       b.num_samples, self.history_len, self.eos,
@@ -189,7 +194,8 @@ class ModelRunner:
         bucket = pick_bucket(self.buckets, num_tokens, len(rows), len(slots))
         step = build_step_inputs([r.slice for r in rows], bucket.num_tokens, bucket.num_rows,
                                  self.max_pages, self.page_size, bucket.num_samples, self.attention,
-                                 self.lora is not None, self.embeds, mrope=self.mrope)
+                                 self.lora is not None, self.embeds, mrope=self.mrope,
+                                 state=self.state)
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
         t1 = time.perf_counter()

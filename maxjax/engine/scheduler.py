@@ -70,9 +70,10 @@ class _StepState:
 
 class Scheduler:
     def __init__(self, engine_config: EngineConfig, block_manager: BlockManager, max_length: int,
-                 eos_token_ids=(), max_draft_tokens: int = 0, lora=None):
+                 eos_token_ids=(), max_draft_tokens: int = 0, lora=None, state_slots=None):
         """`lora`: the LoraManager (maxjax/lora/manager.py) whose device slots running requests
-        hold, None without LoRA."""
+        hold, None without LoRA; `state_slots`: a hybrid model's StateSlots
+        (maxjax/engine/state_slots.py), one held by each running request, None: none."""
         cfg = engine_config      # its flags were checked by maxjax/engine/plan.py check_flags
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {max_length}")
@@ -82,6 +83,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
         self.lora = lora
+        self.state_slots = state_slots
         self.policy = StepPolicy(cfg)
         total = cfg.max_batch_total_tokens
         ps = block_manager.page_size
@@ -146,12 +148,18 @@ class Scheduler:
         return req
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.bm.free(req)
+        self._release(req)
         if self.lora is not None:
             self.lora.done(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+
+    def _release(self, req: Request) -> None:
+        """Give back what a request holds while running: its pages and its state slot."""
+        self.bm.free(req)
+        if self.state_slots is not None:
+            self.state_slots.release(req)
 
     @property
     def max_pages_per_row(self) -> int:
@@ -208,7 +216,7 @@ class Scheduler:
             if victim.request_id not in scheduled:
                 break
         del self.running[i]
-        self.bm.free(victim)
+        self._release(victim)
         if self.lora is not None:
             self.lora.release(victim)
         victim.num_computed_tokens = 0
@@ -336,6 +344,8 @@ class Scheduler:
                 break
             if self.lora is not None:
                 self.lora.acquire(req)
+            if self.state_slots is not None:
+                self.state_slots.acquire(req)
             self.waiting.popleft()
             if not req.admitted:
                 req.admitted = True
