@@ -26,7 +26,7 @@ from maxjax.graphs import quant
 from maxjax.graphs import sharding
 from maxjax.graphs.mrope import mrope_cos_sin
 from maxjax.graphs.sharding import ArraySpec
-from maxjax.graphs.state import paged_layers, request_state_of, state_of
+from maxjax.graphs.state import paged_layers, pool_layer, request_state_of, state_of
 from maxjax.graphs.step import StepInputs
 
 # (k_pool, v_pool), each [paged layers, pages, kv_heads, page_size, head_dim]; MLA: (latent,);
@@ -118,11 +118,19 @@ def init_kv(cfg: ModelConfig, num_pages: int, page_size: int, dtype, state_slots
 
 
 def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
+    h, kv = attention_block(cfg, step, rope, layer, h, kv, p)
+    return mlp_block(cfg, h, p, step.live_tokens()), kv
+
+
+def attention_block(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
+    """Layer `layer`'s attention and its residual add: (h, kv) with its K and V written at
+    the layer's place among the paged layers (graphs/state.py `pool_layer`)."""
     k_pool, v_pool = kv
     T = h.shape[0]
     eps, plus1 = cfg.rms_norm_eps, cfg.norm_plus_one
     page_size = k_pool.shape[3]
     live = step.live_tokens()
+    at = pool_layer(cfg, layer)
     with jax.named_scope("attention"):
         x = L.rms_norm(h, p["attn_norm"], eps, plus1) if cfg.pre_norms else h
         qkv = L.linear(x, p["wqkv"], live=live)
@@ -140,10 +148,10 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
             k = L.rms_norm(k, p["k_norm"], eps, plus1)
         cos, sin = rope[1] if cfg.layer_local_rope[layer] else rope[0]
         q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-        k_pool = attention.write_kv(k_pool, layer, step, k, page_size)
-        v_pool = attention.write_kv(v_pool, layer, step, v, page_size)
+        k_pool = attention.write_kv(k_pool, at, step, k, page_size)
+        v_pool = attention.write_kv(v_pool, at, step, v, page_size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
-        attn = attention.attend(q, k_pool, v_pool, layer, step, cfg.layer_windows[layer], scale,
+        attn = attention.attend(q, k_pool, v_pool, at, step, cfg.layer_windows[layer], scale,
                                 cfg.attn_logit_softcap, p.get("sinks"))
         out = L.linear(attn.reshape(T, cfg.q_size), p["wo"], live=live)
         if "bo" in p:
@@ -151,6 +159,12 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
         if "post_attn_norm" in p:
             out = L.rms_norm(out, p["post_attn_norm"], eps, plus1)
         h = _residual(cfg, h, out)
+    return h, (k_pool, v_pool)
+
+
+def mlp_block(cfg: ModelConfig, h, p, live):
+    """A layer's MLP (dense, or routed where the layer has a router) and its residual add."""
+    eps, plus1 = cfg.rms_norm_eps, cfg.norm_plus_one
     with jax.named_scope("mlp"):
         x = L.rms_norm(h, p["mlp_norm"], eps, plus1) if cfg.pre_norms else h
         if "router" in p:
@@ -160,8 +174,7 @@ def _layer(cfg: ModelConfig, step: StepInputs, rope, layer: int, h, kv, p):
                               cfg.gate_up_shards, live)
         if "post_mlp_norm" in p:
             out = L.rms_norm(out, p["post_mlp_norm"], eps, plus1)
-        h = _residual(cfg, h, out)
-    return h, (k_pool, v_pool)
+        return _residual(cfg, h, out)
 
 
 def _residual(cfg: ModelConfig, h, out):

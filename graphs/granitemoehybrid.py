@@ -1,0 +1,204 @@
+"""GraniteMoeHybridForCausalLM (Granite 4): Mamba2 layers interleaved with attention layers,
+each followed by a routed MLP plus a shared MLP (the shared MLP alone when num_local_experts is
+0), with Granite 3's four multipliers (graphs/granite.py).
+
+From transformers' modeling_granitemoehybrid (its torch path): a Mamba2 layer ("mamba" or
+"linear_attention" in layer_types) projects x to gate | x B C | dt; x B C goes through a
+depthwise causal convolution (with bias) and the activation; per head h of group
+g = h // (heads / groups), with dt = softplus(dt + dt_bias) and A = -exp(A_log),
+  state_h = exp(dt A) state_h + dt B_g x_h^T      (here [state, head_dim] a head: graphs/state.py)
+  y_h     = C_g . state_h + D_h x_h
+then y * silu(gate) is RMS-normed in `groups` groups (norm after the gate) and projected out.
+The conv window and state live in the request-state pools (graphs/recurrent.py). Attention
+layers are the decoder's, their K/V at their place among the attention layers; rope only where
+position_embedding_type is "rope" (otherwise none: `rotary_dim` 0). Routing is a softmax over
+the top k router logits (graphs/moe.py `route` renormalised).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxjax.graphs import decoder, quant, sharding
+from maxjax.graphs import layers as L
+from maxjax.graphs.arch import Architecture, base_config
+from maxjax.graphs.config import ModelConfig
+from maxjax.graphs.recurrent import causal_conv, scan_rows
+from maxjax.graphs.sharding import ArraySpec
+from maxjax.graphs.state import conv_channels, pool_layer, state_of
+
+S, B = "model.layers.{i}.mamba.", "model.layers.{i}.block_sparse_moe."
+NAMES = {"w_in": [S + "in_proj.weight"], "conv_w": [S + "conv1d.weight:squeeze"],
+         "conv_bias": [S + "conv1d.bias"], "dt_bias": [S + "dt_bias"],
+         "A_log": [S + "A_log"], "D": [S + "D"], "ssm_norm": [S + "norm.weight"],
+         "w_out": [S + "out_proj.weight"],
+         "router": [B + "router.layer.weight"],
+         "experts_gate_up": [B + "input_linear.weight:T"],
+         "experts_down": [B + "output_linear.weight:T"],
+         "shared_gate_up": ["model.layers.{i}.shared_mlp.input_linear.weight"],
+         "shared_down": ["model.layers.{i}.shared_mlp.output_linear.weight"],
+         "w_gate_up": ["model.layers.{i}.shared_mlp.input_linear.weight"],
+         "w_down": ["model.layers.{i}.shared_mlp.output_linear.weight"]}
+STATE_TYPES = ("mamba", "linear_attention")
+ATTENTION_KEYS = ("wqkv", "bqkv", "wo", "bo")
+
+
+def _float(v) -> float:
+    return float(v["__float__"]) if isinstance(v, dict) else float(v)
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """A missing field takes transformers' GraniteMoeHybridConfig default."""
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * n
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    if hf.get("mamba_proj_bias"):
+        raise ValueError("Granite 4 with mamba_proj_bias=true is not supported")
+    if not hf.get("mamba_conv_bias", True):
+        raise ValueError("Granite 4 with mamba_conv_bias=false is not supported")
+    limit = tuple(_float(v) for v in (hf.get("time_step_limit") or (0.0, math.inf)))
+    if limit != (0.0, math.inf):
+        # transformers clamps dt to it in its chunked prefill only, not when it decodes
+        raise ValueError(f"time_step_limit {list(limit)} is not supported (0, inf)")
+    if hf.get("position_embedding_type") not in (None, "rope"):
+        raise ValueError(f"position_embedding_type {hf['position_embedding_type']!r}: "
+                         "rope or none")
+    D, heads = int(hf["hidden_size"]), int(hf.get("mamba_n_heads", 128))
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = int(hf.get("mamba_expand", 2)) * D // heads if head_dim == "auto" else int(head_dim)
+    experts = int(hf.get("num_local_experts", 8) or 0)
+    shared = int(hf.get("shared_intermediate_size", 1024))
+    routed = dict(moe_layers=(True,) * n, num_experts=experts,
+                  experts_per_token=int(hf.get("num_experts_per_tok", 2)),
+                  expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
+                  shared_expert_intermediate_size=shared) if experts else {}
+    return base_config(
+        {**hf, "intermediate_size": shared, "bos_token_id": hf.get("bos_token_id", 1),
+         "eos_token_id": hf.get("eos_token_id", 2)},
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rotary_dim=None if hf.get("position_embedding_type") == "rope" else 0,
+        embed_scale=float(hf.get("embedding_multiplier", 1.0)),
+        attn_scale=float(hf.get("attention_multiplier", 1.0)),
+        residual_scale=float(hf.get("residual_multiplier", 1.0)),
+        logits_scaling=float(hf.get("logits_scaling", 1.0)),
+        state_layers=tuple(t in STATE_TYPES for t in types), ssm_heads=heads,
+        ssm_head_dim=head_dim, ssm_groups=int(hf.get("mamba_n_groups", 1)),
+        ssm_state_dim=int(hf.get("mamba_d_state", 256)),
+        ssm_conv_kernel=int(hf.get("mamba_d_conv", 4)), **routed)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The decoder's, with a Mamba2 mixer in place of attention in the state layers."""
+    specs = decoder.param_specs(cfg)
+    D, H, inner = cfg.hidden_size, cfg.ssm_heads, cfg.ssm_heads * cfg.ssm_head_dim
+    C, heads = conv_channels(cfg), ArraySpec((H,), ("ssm",))
+    mixer = {"w_in": ArraySpec((D, inner + C + H), ("embed", "ssm")),
+             "conv_w": ArraySpec((C, cfg.ssm_conv_kernel), ("ssm", "ssm")),
+             "conv_bias": ArraySpec((C,), ("ssm",)), "dt_bias": heads, "A_log": heads,
+             "D": heads, "ssm_norm": ArraySpec((inner,), ("ssm",)),
+             "w_out": ArraySpec((inner, D), ("ssm", "embed"))}
+    for i, lay in enumerate(specs["layers"]):
+        if cfg.state_layers[i]:
+            specs["layers"][i] = {**{k: v for k, v in lay.items() if k not in ATTENTION_KEYS},
+                                  **mixer}
+    return specs
+
+
+def mamba2(cfg: ModelConfig, step, x, conv_pool, ssm_pool, p, live):
+    """The Mamba2 mixer of x [T, D] -> ([T, D], conv_pool, ssm_pool), the pools one layer's
+    [slots, ...] (graphs/state.py RECURRENT)."""
+    T = x.shape[0]
+    H, P, G, N = cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_groups, cfg.ssm_state_dim
+    inner = H * P
+    proj = L.linear(x, p["w_in"], live=live)
+    gate, xbc, dt = jnp.split(proj, [inner, inner + conv_channels(cfg)], axis=-1)
+    xbc, conv_pool = causal_conv(xbc, p["conv_w"], p["conv_bias"], conv_pool, step)
+    xbc = L.activation(cfg.hidden_act)(xbc)
+    xs, b, c = jnp.split(xbc, [inner, inner + G * N], axis=-1)
+    xs = xs.reshape(T, H, P)
+    b = jnp.repeat(b.reshape(T, G, N), H // G, axis=1)              # [T, H, N] a head's group
+    c = jnp.repeat(c.reshape(T, G, N), H // G, axis=1)
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+    decay = jnp.exp(dt * -jnp.exp(p["A_log"].astype(jnp.float32)))   # [T, H]
+
+    def update(state, inp):                                          # state [H, N, P]
+        x_t, b_t, c_t, decay_t, dt_t = inp
+        state = (decay_t[:, None, None] * state
+                 + (dt_t[:, None] * b_t)[:, :, None] * x_t[:, None, :])
+        return state, jnp.einsum("hn,hnp->hp", c_t, state)
+
+    y, ssm_pool = scan_rows(update, (xs, b, c, decay, dt), ssm_pool, step)
+    y = (y + p["D"].astype(jnp.float32)[:, None] * xs).reshape(T, inner)
+    y = y * jax.nn.silu(gate.astype(jnp.float32))
+    y = L.rms_norm(y.reshape(T, G, inner // G), jnp.ones((inner // G,), jnp.float32),
+                   cfg.rms_norm_eps).reshape(T, inner) * p["ssm_norm"].astype(jnp.float32)
+    return L.linear(y.astype(x.dtype), p["w_out"], live=live), conv_pool, ssm_pool
+
+
+def _rope(cfg: ModelConfig, positions):
+    """The decoder's (cos, sin) for every layer; none (no dims) at rotary_dim 0."""
+    if cfg.rotary_dim == 0:
+        none = jnp.zeros((positions.shape[0], 0), jnp.float32)
+        return (none, none), (none, none)
+    inv = L.rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cs = L.rope_cos_sin(positions, inv, L.rope_attention_factor(cfg.rope_scaling))
+    return cs, cs
+
+
+def hidden_states(cfg: ModelConfig, params: dict, kv, step):
+    """Final-normed hidden states of every token slot [T, hidden], and the updated pools."""
+    n = len(state_of(cfg).pools(cfg))
+    paged, (conv, ssm) = kv[:n], kv[n:]
+    eps, live = cfg.rms_norm_eps, step.live_tokens()
+    h = quant.embed(params["embed"], step.token_ids)
+    h = h * jnp.asarray(cfg.embed_scale, jnp.float32).astype(h.dtype)
+    rope = _rope(cfg, step.positions)
+    for i, p in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{i}"):
+            if not cfg.state_layers[i]:
+                h, paged = decoder.attention_block(cfg, step, rope, i, h, paged, p)
+            else:
+                with jax.named_scope("mamba"):
+                    j = pool_layer(cfg, i)
+                    out, cj, sj = mamba2(cfg, step, L.rms_norm(h, p["attn_norm"], eps),
+                                         conv[j], ssm[j], p, live)
+                    conv, ssm = conv.at[j].set(cj), ssm.at[j].set(sj)
+                    h = decoder._residual(cfg, h, out)
+            h = decoder.mlp_block(cfg, h, p, live)
+    return L.rms_norm(h, params["final_norm"], eps), (*paged, conv, ssm)
+
+
+def forward(cfg: ModelConfig, params: dict, kv, step):
+    """One engine step: (float32 logits [R, vocab] at step.sample_idx, updated pools)."""
+    h, kv = hidden_states(cfg, params, kv, step)
+    return decoder.lm_logits(cfg, params, h[step.sample_idx]), kv
+
+
+def params_from_hf(cfg: ModelConfig, get, dtype, progress=None, quantizer=None,
+                   names: dict | None = None) -> dict:
+    """graphs/decoder.py params_from_hf with Granite 4's names (`names`: another family's); the
+    conv weight [C, 1, K] read as [C, K], whole expert stacks [E, out, in] as [E, in, out]."""
+    def read(name):
+        base, _, how = name.partition(":")
+        w = get(base)
+        if how == "squeeze":
+            return np.asarray(w, np.float32)[:, 0, :].T    # transposed back on loading
+        if how == "T":
+            return np.asarray(w, np.float32).transpose(0, 2, 1)
+        return w
+    if hasattr(get, "names"):
+        read.names = get.names
+    return decoder.params_from_hf(cfg, read, dtype, progress, quantizer,
+                                  moe_names=names or NAMES,
+                                  shapes=sharding.shapes(param_specs(cfg)))
+
+
+ARCHITECTURE = Architecture(
+    "GraniteMoeHybridForCausalLM", config_from_hf, forward=forward, hidden_states=hidden_states,
+    lm_logits=decoder.lm_logits, param_specs=param_specs, params_from_hf=params_from_hf,
+    description="Granite 4 (Mamba2 layers with attention; routed and shared MLPs; Granite "
+                "multipliers)")
