@@ -44,8 +44,10 @@ from maxjax.graphs import quant
 from maxjax.graphs.sharding import ArraySpec
 
 # 2-D parameters never quantized (maxjax/models/quantize.py asks); MLA's up-projections too
-# (graphs/deepseek_v3.py folds them per head into the query and the output).
-FLOAT_MATRICES = ("router", "experts_gate_up_bias", "experts_down_bias", "w_uk", "w_uv")
+# (graphs/deepseek_v3.py folds them per head into the query and the output), the shared
+# expert's gate and Gated DeltaNet's convolution taps (graphs/gated_deltanet.py).
+FLOAT_MATRICES = ("router", "experts_gate_up_bias", "experts_down_bias", "w_uk", "w_uv",
+                  "shared_gate", "conv_w")
 # A routed layer's stacked expert parameters (the ones split over the mesh under parallelism).
 EXPERT_KEYS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
 ROUTER_KEYS = ("router", "router_bias", "router_correction")
@@ -222,11 +224,15 @@ def grouped_ragged(xs, sorted_e, group_sizes, experts: dict, glu):
 
 
 def routed_mlp(cfg, x, p, live=None):
-    """A routed layer's MLP: `moe_mlp`, plus its shared expert's where it has one."""
+    """A routed layer's MLP: `moe_mlp`, plus its shared expert's where it has one (scaled by
+    sigmoid(x . shared_gate) where it has that gate [D, 1]: Qwen3-Next's and Qwen3.5's)."""
     out = moe_mlp(cfg, x, p, live)
     if "shared_gate_up" in p:
-        out = out + L.gated_mlp(x, p["shared_gate_up"], p["shared_down"], cfg.hidden_act, 1,
-                                live)
+        shared = L.gated_mlp(x, p["shared_gate_up"], p["shared_down"], cfg.hidden_act, 1, live)
+        if "shared_gate" in p:
+            gate = L.linear(x, p["shared_gate"], out_dtype=jnp.float32, live=live)
+            shared = (shared * jax.nn.sigmoid(gate)).astype(shared.dtype)
+        out = out + shared
     return out
 
 

@@ -20,7 +20,9 @@ BUILTINS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mistral
             "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
             "GptOssForCausalLM", "Gemma3ForConditionalGeneration",
             "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM",
-            "Glm4MoeForCausalLM"}
+            "Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+            "Qwen3_5MoeForConditionalGeneration"}
 
 
 # --- architectures ----------------------------------------------------------------------------

@@ -16,12 +16,13 @@ _registry: dict[str, Architecture] = {}
 
 
 def builtin_architectures() -> list[Architecture]:
-    """The ARCHITECTURE of every module of the maxjax.graphs package, by module name."""
+    """The ARCHITECTURE of every module of the maxjax.graphs package, by module name (or its
+    ARCHITECTURES: one family under several names, e.g. Qwen3.5's text and image-text ones)."""
     found = []
     for mod in pkgutil.iter_modules(graphs.__path__, graphs.__name__ + "."):
-        arch = getattr(importlib.import_module(mod.name), "ARCHITECTURE", None)
-        if isinstance(arch, Architecture):
-            found.append(arch)
+        module = importlib.import_module(mod.name)
+        archs = [getattr(module, "ARCHITECTURE", None), *getattr(module, "ARCHITECTURES", ())]
+        found.extend(a for a in archs if isinstance(a, Architecture))
     return found
 
 
