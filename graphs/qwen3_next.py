@@ -26,7 +26,7 @@ from maxjax.graphs.arch import Architecture, base_config
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs.gated_deltanet import gated_deltanet, layer_specs as gdn_specs
 from maxjax.graphs.sharding import ArraySpec
-from maxjax.graphs.state import pool_layer
+from maxjax.graphs.state import RECURRENT, pool_layer
 
 A, G, M = "model.layers.{i}.self_attn.", "model.layers.{i}.linear_attn.", "model.layers.{i}.mlp."
 # A checkpoint's names (graphs/decoder.py params_from_hf); "name:part" is a part of a tensor
@@ -157,12 +157,6 @@ def _attention(cfg: ModelConfig, step, rope, at: int, x, k_pool, v_pool, p, live
     return L.linear(out, p["wo"], live=live), k_pool, v_pool
 
 
-def _mlp(cfg: ModelConfig, x, p, live):
-    if "router" in p:
-        return moe.routed_mlp(cfg, x, p, live)
-    return L.gated_mlp(x, p["w_gate_up"], p["w_down"], cfg.hidden_act, cfg.gate_up_shards, live)
-
-
 def hidden_states(cfg: ModelConfig, params: dict, kv, step):
     """Final-normed hidden states of every token slot [T, hidden], and the updated pools
     (K, V of the attention layers; conv, recurrent of the DeltaNet layers)."""
@@ -185,9 +179,7 @@ def hidden_states(cfg: ModelConfig, params: dict, kv, step):
                 with jax.named_scope("attention"):
                     out, k_pool, v_pool = _attention(cfg, step, rope, at, x, k_pool, v_pool, p,
                                                      live)
-            h = h + out
-            with jax.named_scope("mlp"):
-                h = h + _mlp(cfg, L.rms_norm(h, p["mlp_norm"], eps, True), p, live)
+            h = decoder.mlp_block(cfg, h + out, p, live)
     h = L.rms_norm(h, params["final_norm"], eps, True)
     return h, (k_pool, v_pool, conv_pool, rec_pool)
 
@@ -250,7 +242,8 @@ def load_params(cfg: ModelConfig, get, dtype, progress=None, quantizer=None,
 def hybrid_architecture(name: str, config_from_hf, params_from_hf, description: str):
     return Architecture(name, config_from_hf, forward=forward, hidden_states=hidden_states,
                         lm_logits=decoder.lm_logits, param_specs=param_specs,
-                        params_from_hf=params_from_hf, description=description)
+                        params_from_hf=params_from_hf, description=description,
+                        request_state=RECURRENT.name)
 
 
 ARCHITECTURE = hybrid_architecture(

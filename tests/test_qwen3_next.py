@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -17,6 +18,8 @@ import torch
 from paged_harness import load_checkpoint, paged_greedy
 from reference import assert_logits_close, hf_greedy
 from tiny_llama import write_word_tokenizer
+
+pytestmark = pytest.mark.slow      # three checkpoints' graphs and 3 x 64 transformers steps: ~90 s
 
 VOCAB, NEW_TOKENS = 256, 32
 # float32 throughout. transformers prefills the DeltaNet in chunks of 64 (a triangular solve)
@@ -105,3 +108,138 @@ def test_paged_graph_matches_transformers(checkpoint):
         ref_logits, ref_tokens = hf_greedy(model, prompt, NEW_TOKENS)
         assert_logits_close(lg, ref_logits, rel=LOGIT_REL_TOL)
         assert tk == ref_tokens
+
+
+def test_hub_layout_loads_the_same(checkpoint, tmp_path):
+    """A hub Qwen3.5 checkpoint: the image-text wrapper's config.json (the text model under
+    text_config), the weights under model.language_model., a vision tower's and MTP's tensors
+    beside them, the experts as stacks [E, out, in]: the same config and parameters."""
+    from safetensors.numpy import load_file, save_file
+    family, _, path = checkpoint
+    if family == "qwen3_next":
+        pytest.skip("Qwen3-Next checkpoints are text-only")
+    hub = tmp_path / "hub"
+    shutil.copytree(path, hub)
+    with open(hub / "config.json") as f:
+        text = json.load(f)
+    arch = text.pop("architectures")[0].replace("ForCausalLM", "ForConditionalGeneration")
+    tie = text.pop("tie_word_embeddings")
+    with open(hub / "config.json", "w") as f:
+        json.dump({"architectures": [arch], "model_type": family, "text_config": text,
+                   "vision_config": {"depth": 1}, "tie_word_embeddings": tie}, f)
+    tensors = load_file(hub / "model.safetensors")
+    out = {"mtp.fc.weight": np.zeros((4, 4), np.float32),
+           "model.visual.patch_embed.proj.weight": np.zeros((4, 4), np.float32)}
+    experts = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:          # model.layers.{i}.mlp.experts.{j}.{proj}.weight
+            head, j, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+            experts.setdefault(head, {}).setdefault(proj, {})[j] = t
+            continue
+        out[name.replace("model.", "model.language_model.", 1)] = t
+    for head, projs in experts.items():
+        head = head.replace("model.", "model.language_model.", 1)
+        E = len(projs["down_proj"])
+        out[head + ".gate_up_proj"] = np.stack([np.concatenate(
+            [projs["gate_proj"][j], projs["up_proj"][j]]) for j in range(E)])
+        out[head + ".down_proj"] = np.stack([projs["down_proj"][j] for j in range(E)])
+    save_file(out, hub / "model.safetensors")
+    arch_hub, cfg_hub, params_hub = load_checkpoint(str(hub))
+    _, cfg, params = load_checkpoint(path)
+    assert arch_hub.name == arch and cfg_hub.state_layers == cfg.state_layers
+    assert cfg_hub.moe_layers == cfg.moe_layers
+    flat, flat_hub = jax.tree.leaves_with_path(params), jax.tree.leaves(params_hub)
+    assert len(flat) == len(flat_hub)
+    for (where, a), b in zip(flat, flat_hub):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(where))
+
+
+# --max-batch-input-tokens 16 cuts the 29-token prompt at 16 and the batch's prompts wherever
+# the budget ends; pages of 8 tokens; a state slot a row.
+ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=96, num_kv_pages=48,
+              kv_cache_page_size=8)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """(transformers model, an EngineCore on its checkpoint): Qwen3-Next, whose layers are of
+    every kind the three families have (DeltaNet, attention, dense and routed MLPs)."""
+    from maxjax.engine.build import build_core
+    from maxjax.engine.config import EngineConfig
+    from maxjax.models.loader import load_model
+    torch.manual_seed(0)
+    model = scramble(_model("qwen3_next"))
+    path = tmp_path_factory.mktemp("qwen3_next_engine")
+    model.save_pretrained(path, safe_serialization=True)
+    write_word_tokenizer(path, VOCAB)
+    return model, build_core(load_model(str(path), "float32", progress=False),
+                             EngineConfig(**ENGINE))
+
+
+def _engine_prompts():
+    return [_prompts()[0][:5], *_prompts()]
+
+
+def _hf_generate(model, prompt):
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return ref[0, len(prompt):].tolist()
+
+
+def test_engine_holds_attention_pages_and_state_slots(engine):
+    k, v, conv, rec = jax.tree.leaves(engine[1].runner.kv)
+    slots = ENGINE["max_batch_size"] + 1                      # the scratch slot and one a row
+    assert k.shape == v.shape == (2, ENGINE["num_kv_pages"], 2, 8, 16)
+    assert conv.shape == (2, slots, 80, 3) and rec.shape == (2, slots, 4, 8, 12)
+
+
+def test_engine_batched_chunked_equals_transformers_generate(engine):
+    """Three prompts batched, 32 greedy tokens each; the 29-token prompt is prefilled in
+    chunks of at most 16 tokens (its state carried from chunk to chunk)."""
+    from maxjax.engine.types import SamplingParams
+    model, core = engine
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _engine_prompts()
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, greedy)
+    tokens = {f"r{i}": [] for i in range(3)}
+    steps = 0
+    while core.has_unfinished():
+        steps += 1
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert steps > NEW_TOKENS                     # the prompts took more than one step
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == _hf_generate(model, prompt), i
+
+
+def test_engine_recomputed_after_preemption(engine):
+    """A request preempted mid-decode (its slot given back, its state gone) recomputes its
+    prompt and its tokens so far from zero state, beside another request."""
+    from maxjax.engine.types import SamplingParams
+    model, core = engine
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _engine_prompts()
+    core.add_request("pre", prompts[2], greedy)
+    core.add_request("other", prompts[1], greedy)
+    tokens = {"pre": [], "other": []}
+    preempted = 0
+    while core.has_unfinished():
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        if len(tokens["pre"]) >= 5 and not preempted:
+            core.scheduler.preempt_running()
+            preempted = core.scheduler.num_preemptions
+    assert preempted
+    assert tokens["pre"] == _hf_generate(model, prompts[2])
+    assert tokens["other"] == _hf_generate(model, prompts[1])
+
+
+def test_list_shows_the_families_and_their_state(capsys):
+    from maxjax import cli
+    assert cli.main(["list", "--json"]) == 0
+    rows = {a["name"]: a for a in json.loads(capsys.readouterr().out)}
+    for name in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                 "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        assert (rows[name]["state"], rows[name]["request_state"]) == ("kv", "recurrent"), name
