@@ -28,7 +28,7 @@ from maxjax.graphs.arch import Architecture, base_config
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs.recurrent import causal_conv, scan_rows
 from maxjax.graphs.sharding import ArraySpec
-from maxjax.graphs.state import conv_channels, pool_layer, state_of
+from maxjax.graphs.state import RECURRENT, conv_channels, pool_layer, state_of
 
 S, B = "model.layers.{i}.mamba.", "model.layers.{i}.block_sparse_moe."
 NAMES = {"w_in": [S + "in_proj.weight"], "conv_w": [S + "conv1d.weight:squeeze"],
@@ -200,5 +200,6 @@ def params_from_hf(cfg: ModelConfig, get, dtype, progress=None, quantizer=None,
 ARCHITECTURE = Architecture(
     "GraniteMoeHybridForCausalLM", config_from_hf, forward=forward, hidden_states=hidden_states,
     lm_logits=decoder.lm_logits, param_specs=param_specs, params_from_hf=params_from_hf,
+    request_state=RECURRENT.name,
     description="Granite 4 (Mamba2 layers with attention; routed and shared MLPs; Granite "
                 "multipliers)")

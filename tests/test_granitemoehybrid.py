@@ -71,11 +71,14 @@ def _prompts():
     return [list(map(int, rng.integers(3, VOCAB, n))) for n in (13, 29)]
 
 
-def _hf_generate(model, prompt):
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return ref[0, len(prompt):].tolist()
+def _hf_generate(model, prompt, _done={}):
+    key = (id(model), tuple(prompt))
+    if key not in _done:
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        _done[key] = ref[0, len(prompt):].tolist()
+    return _done[key]
 
 
 def test_config_params_and_pools(checkpoint):
@@ -142,3 +145,71 @@ def test_refused_configs(checkpoint):
                        ("position_embedding_type", "alibi")):
         with pytest.raises(ValueError, match=key):
             config_from_hf({**hf, key: value})
+
+
+# --max-batch-input-tokens 16 cuts the 29-token prompt at 16 and the batch's prompts wherever
+# the budget ends (inside pages of 8 tokens).
+ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=96, num_kv_pages=48,
+              kv_cache_page_size=8)
+
+
+@pytest.fixture(scope="module")
+def core(checkpoint):
+    from maxjax.engine.build import build_core
+    from maxjax.engine.config import EngineConfig
+    from maxjax.models.loader import load_model
+    return build_core(load_model(checkpoint[1], "float32", progress=False),
+                      EngineConfig(**ENGINE))
+
+
+def _engine_prompts():
+    return [_prompts()[0][:5], *_prompts()]
+
+
+def test_engine_holds_attention_pages_and_state_slots(core):
+    import jax
+    k, v, conv_pool, ssm_pool = jax.tree.leaves(core.runner.kv)
+    assert k.shape == v.shape == (2, ENGINE["num_kv_pages"], 2, 8, 16)
+    slots = ENGINE["max_batch_size"] + 1                      # the scratch slot and one a row
+    assert conv_pool.shape == (2, slots, 2 * GROUPS * STATE + HEADS * HEAD_DIM, KERNEL - 1)
+    assert ssm_pool.shape == (2, slots, HEADS, STATE, HEAD_DIM)
+
+
+def test_engine_batched_chunked_equals_transformers_generate(checkpoint, core):
+    """Three prompts batched, 32 greedy tokens each; the 29-token prompt is prefilled in
+    chunks of at most 16 tokens (its state carried from chunk to chunk)."""
+    from maxjax.engine.types import SamplingParams
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _engine_prompts()
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, greedy)
+    tokens = {f"r{i}": [] for i in range(3)}
+    steps = 0
+    while core.has_unfinished():
+        steps += 1
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert steps > NEW_TOKENS                     # the prompts took more than one step
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == _hf_generate(checkpoint[0], prompt), i
+
+
+def test_engine_recomputed_after_preemption(checkpoint, core):
+    """A request preempted mid-decode (its slot given back, its state gone) recomputes its
+    prompt and its tokens so far from zero state, beside another request."""
+    from maxjax.engine.types import SamplingParams
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _engine_prompts()
+    core.add_request("pre", prompts[2], greedy)
+    core.add_request("other", prompts[1], greedy)
+    tokens = {"pre": [], "other": []}
+    preempted = 0
+    while core.has_unfinished():
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        if len(tokens["pre"]) >= 5 and not preempted:
+            core.scheduler.preempt_running()
+            preempted = core.scheduler.num_preemptions
+    assert preempted
+    assert tokens["pre"] == _hf_generate(checkpoint[0], prompts[2])
+    assert tokens["other"] == _hf_generate(checkpoint[0], prompts[1])

@@ -22,7 +22,7 @@ BUILTINS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mistral
             "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM",
             "Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-            "Qwen3_5MoeForConditionalGeneration"}
+            "Qwen3_5MoeForConditionalGeneration", "GraniteMoeHybridForCausalLM"}
 
 
 # --- architectures ----------------------------------------------------------------------------
