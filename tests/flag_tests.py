@@ -216,6 +216,10 @@ ADDED = {
               _SF + "test_speculative_flags_need_a_method"]
        for flag in ("--draft-proposal", "--use-relaxed-acceptance-for-thinking",
                     "--relaxed-delta", "--relaxed-topk")},
+    # a hybrid model's state pools in that dtype (the pool's specs, suggest); ignored by others
+    "--state-pool-dtype": ["tests/test_hybrid_engine.py::test_the_plan",
+                           "tests/test_hybrid_engine.py::test_suggest_and_list_show_the_state",
+                           "tests/test_hybrid_engine.py::test_a_model_without_state_layers_ignores_the_flag"],
     # experts over an expert axis of a 2-D mesh: the same logits and tokens as one device;
     # what it cannot split refused in one line
     "--ep-size": ["tests/test_moe.py::test_engine_serves_moe_on_one_and_four_devices",
