@@ -17,7 +17,7 @@ from maxjax.engine.plan import local_platform, plan_layout
 from maxjax.errors import UserError
 from maxjax.graphs.config import ModelConfig
 from maxjax.graphs.decoder import abstract_params
-from maxjax.models.loader import default_dtype
+from maxjax.engine.encoding import default_dtype
 
 GiB = 1 << 30
 # Llama-3-8B's shapes

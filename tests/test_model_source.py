@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from maxjax.errors import UserError
-from maxjax.models.loader import load_model
+from maxjax.models.loader import load_model, read_checkpoint
 from maxjax.models.source import ModelSource
 from tiny_llama import write_tiny_gguf, write_tiny_llama
 
@@ -299,10 +299,11 @@ def test_gguf_repo(hf_cache):
     from gguf import GGMLQuantizationType as T
     snap = snapshot(hf_cache, "org/tiny-GGUF", COMMIT_A)
     write_tiny_gguf(snap / "tiny.Q8_0.gguf", T.Q8_0)
-    model = load_model("org/tiny-GGUF", progress=False)             # the only one
+    assert read_checkpoint("org/tiny-GGUF").path == str(snap / "tiny.Q8_0.gguf")   # the only one
+    model = load_model("org/tiny-GGUF", "int8", progress=False)
     assert model.source == str(snap / "tiny.Q8_0.gguf")
     write_tiny_gguf(snap / "tiny.Q4_0.gguf", T.Q4_0)
-    msg = one_line("holds 2 GGUF files: choose one with --quantization-encoding", load_model,
+    msg = one_line("holds 2 GGUF files: choose one with --quantization-encoding", read_checkpoint,
                    "org/tiny-GGUF")
     assert "tiny.Q4_0.gguf" in msg and "tiny.Q8_0.gguf" in msg
     model = load_model("org/tiny-GGUF", "q4_0", progress=False)
@@ -314,14 +315,15 @@ def test_gguf_repo(hf_cache):
 def test_rope_type(tmp_path):
     from gguf import GGMLQuantizationType as T
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", T.Q8_0)
-    assert load_model(ModelSource(gguf, rope_type="normal"), progress=False).config
-    one_line("--rope-type neox: this GGUF's rope layout is 'normal'", load_model,
+    assert load_model(ModelSource(gguf, rope_type="normal"), "int8", progress=False).config
+    one_line("--rope-type neox: this GGUF's rope layout is 'normal'", read_checkpoint,
              ModelSource(gguf, rope_type="neox"))
     one_line("--rope-type normal: only applies to GGUF", load_model,
              ModelSource(write_tiny_llama(tmp_path / "hf"), rope_type="normal"), "float32")
-    one_line("--draft-rope-type", load_model,
+    one_line("--draft-rope-type", read_checkpoint,
              ModelSource(gguf, rope_type="yarn", prefix="draft_"))
-    one_line("--rope-type 'linear': supported", load_model, ModelSource(gguf, rope_type="linear"))
+    one_line("--rope-type 'linear': supported", read_checkpoint,
+             ModelSource(gguf, rope_type="linear"))
 
 
 def _tiny_mistral(path, window):

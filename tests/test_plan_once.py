@@ -10,10 +10,11 @@ any of them, nor anywhere in the planner's modules (a resolved value is a new ob
 (another frozen value's __post_init__). Computing: every
 derivation of a resolved value is a function of the planner (the names in DERIVATIONS: platform
 defaults, flag checks that resolve speculation depth and LoRA adapters, the kernels' choice, the
-layout, the draft's sub-plan); a call to one of them outside the planner's modules is a second
-place deciding what the plan decided. The entry points (serve, LLM, warm-cache, suggest, a
-group's processes: tests/test_plan.py shows they build equal Plans) call `prepare` and
-`plan_engine` only.
+weights' encoding, the layout, the draft's sub-plan); a call to one of them outside the planner's
+modules is a second place deciding what the plan decided. The entry points (serve, LLM,
+warm-cache, suggest, a group's processes: tests/test_plan.py shows they build equal Plans) call
+`prepare`, `Prepared.with_header` (the encoding, once the checkpoint's header is read: the
+loader is given it) and `plan_engine` only.
 """
 from __future__ import annotations
 
@@ -23,19 +24,22 @@ import os
 from test_import_cycles import ROOT, module_files
 
 PLANNER = {"maxjax.engine.plan", "maxjax.engine.spec_flags", "maxjax.engine.config",
-           "maxjax.engine.state_plan"}
+           "maxjax.engine.encoding", "maxjax.engine.state_plan"}
 DERIVATIONS = {"for_platform", "_resolved", "_resolved_for", "choose_kernels", "plan_layout", "draft_tokens",
                "lora_path_items", "resolve_max_length", "default_kv_format", "draft_plan",
-               "lora_shape", "check_model_flags", "plan_state_pools", "check_hybrid_flags"}
+               "lora_shape", "check_model_flags", "weights_encoding", "draft_encoding",
+               "default_dtype", "gguf_encoding", "plan_state_pools", "check_hybrid_flags"}
 # check_flags is also the name of other modules' own checks (step_policy, structured.backend),
 # which the planner calls: only the planner's, imported from maxjax.engine.plan, counts.
 PLANNER_ONLY_IMPORTS = {"check_flags"}
 # The start-up values' types: no object.__setattr__ inside them, on `self` or not.
 CONFIG_TYPES = {"EngineConfig", "ResolvedConfig", "EnginePlan", "EngineLayout", "Prepared", "Pins"}
 # Not yet decided inside the Plan, listed so the list can only shrink: the draft model's
-# sub-plan needs the draft's own facts (head size, attention sinks, mesh), read today when the
-# draft loads; `draft_plan` is the planner's function, called where the draft is loaded.
-KNOWN = {("maxjax.engine.draft", "draft_plan"), ("maxjax.engine.warm", "draft_plan")}
+# sub-plan and encoding need the draft's own facts (head size, attention sinks, mesh; its
+# checkpoint's header), read today when the draft loads; `draft_plan` and `draft_encoding` are
+# the planner's functions, called where the draft is loaded.
+KNOWN = {("maxjax.engine.draft", "draft_plan"), ("maxjax.engine.warm", "draft_plan"),
+         ("maxjax.engine.draft", "draft_encoding")}
 
 
 def _called_name(call: ast.Call) -> str | None:
@@ -85,6 +89,10 @@ def test_the_check_can_fail():
                           "maxjax.engine.config")) == 1
     assert violations("def f(cfg):\n    cfg.for_platform('cuda')\n",
                       "maxjax.engine.plan") == []
+    # the weights' encoding chosen again where they load (as the loader once did)
+    again = "def f(ckpt):\n    return quantize.gguf_encoding(ckpt.types) or default_dtype('cpu')\n"
+    assert len(violations(again, "maxjax.models.loader")) == 2
+    assert violations(again, "maxjax.engine.encoding") == []
 
 
 def test_nothing_outside_the_planner_writes_or_derives_a_resolved_value():

@@ -135,15 +135,22 @@ def test_unavailable_encoding_is_refused(sources, source, encoding, needle):
 
 
 def test_default_encoding_of_a_gguf(sources):
+    """The planner's choice (maxjax/engine/encoding.py), loaded by the start's own `load`."""
+    from maxjax.engine.build import load
+    from maxjax.engine.config import EngineConfig
+    from maxjax.engine.plan import prepare
+
+    def loaded(kernels: bool):
+        return load(sources["q4_k"], prepare(EngineConfig(), kernels=kernels, quiet=True))
     assert Q.gguf_encoding(["Q8_0", "Q4_1", "Q4_1", "F32"]) == "int8"
     assert Q.native_4bit(["Q8_0", "Q4_1", "Q4_1", "Q4_K"]) == "q4_1"
     assert Q.gguf_encoding(["F32", "F16"]) == "float32"
-    assert load_model(sources["q4_k"], progress=False).dtype == "int8"
+    assert loaded(False).dtype == "int8"
     # with --use-experimental-kernels a GGUF serves in its own 4-bit blocks
     assert Q.gguf_encoding(["Q8_0", "Q4_1", "Q4_1", "F32"], kernels=True) == "q4_1"
     assert Q.gguf_encoding(["Q8_0", "F32"], kernels=True) == "int8"
     assert Q.gguf_encoding(["F32", "F16"], kernels=True) == "float32"
-    assert load_model(sources["q4_k"], progress=False, kernels=True).dtype == "q4_k"
+    assert loaded(True).dtype == "q4_k"
 
 
 def test_engine_serves_int8_with_bfloat16_kv_and_compiles_nothing(sources):

@@ -22,7 +22,7 @@ PROMPT = [3, 17, 99, 4, 250, 8, 61, 12, 5, 300]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return load_model(write_tiny_llama(str(tmp_path_factory.mktemp("tiny"))))
+    return load_model(write_tiny_llama(str(tmp_path_factory.mktemp("tiny"))), "float32")
 
 
 @pytest.fixture(scope="module")

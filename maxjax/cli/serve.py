@@ -57,9 +57,8 @@ def build_engine(model_opts, engine_cfg: EngineConfig, serve_cfg, progress=True,
         prepared = prepared or prepare_start(engine_cfg, arts)
     if leader is None and engine_cfg.data_parallel_degree > 1:   # loaded once, placed on each
         # replica's devices, in the encoding the plan picks (the kernels' choice decides a GGUF's)
-        model = load(model, prepared.config.quantization_encoding, model_opts.chat_template,
-                     arts, progress, replica_mesh(prepared.config) if arts else None,
-                     kernels=prepared.kernels)
+        model = load(model, prepared, model_opts.chat_template, arts, progress,
+                     replica_mesh(prepared.config) if arts else None)
     engines, pins = [], None
     for replica in range(engine_cfg.data_parallel_degree):
         if leader is not None:

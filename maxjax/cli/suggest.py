@@ -119,7 +119,7 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     from maxjax.engine.build import on_devices
     from maxjax.engine.plan import plan_engine, prepare
     from maxjax.models import quantize
-    from maxjax.models.loader import abstract_model, model_name, serving_encoding
+    from maxjax.models.loader import abstract_model, model_name
     notes, path = report["notes"], report["path"]
     artifacts = model_opts.precompiled_artifacts
     from maxjax.aot import cache                    # the flags serve reads before any weight
@@ -137,15 +137,16 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     ckpt = open_or_explain(files, model_opts.source(), report, customs)
     report["parameters"] = sum(math.prod(s) for s in _leaves(ckpt.arch.param_shapes(ckpt.config)))
     supported = quantize.supported_encodings(ckpt.types, ckpt.arch)
-    default = serving_encoding(None, ckpt.types, None, kernels, ckpt.arch)
+    default = prepared.with_header(ckpt, default=True)      # serve's choice (the planner's)
     asked = engine_cfg.quantization_encoding
-    if asked is not None and asked not in supported:
+    refused = asked is not None and asked not in supported
+    if refused:
         notes.append(f"--quantization-encoding {asked}: this checkpoint does not serve as it "
                      f"(supported: {', '.join(supported)}); the command below uses the default, "
-                     f"{default}")
+                     f"{default.encoding}")
         drop.add("quantization_encoding")
-        asked = None
-    encoding = serving_encoding(asked, ckpt.types, None, kernels, ckpt.arch)
+    prepared = default if refused else prepared.with_header(ckpt)
+    default, encoding = default.encoding, prepared.encoding
     report["encodings"] = {"supported": supported, "default": default, "serving": encoding,
                            "checkpoint": checkpoint_dtype(ckpt)}
     model = abstract_model(ckpt, encoding, model_name(model_opts.model_path, path))

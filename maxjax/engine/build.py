@@ -27,23 +27,23 @@ from maxjax.engine.plan import (EnginePlan, Pins, Prepared, check_mesh_flags, pl
 from maxjax.errors import UserError
 from maxjax.models import sampling_defaults
 from maxjax.models.sampling_defaults import describe
-from maxjax.models.loader import LoadedModel, load_model
+from maxjax.models.loader import LoadedModel, load_model, read_checkpoint
 from maxjax.models.source import ModelSource
 
 log = logging.getLogger("maxjax.engine")
 HEARTBEAT_SECONDS = 15.0
 
 
-def load(model: str | ModelSource | LoadedModel | None, quantization_encoding: str | None = None,
+def load(model: str | ModelSource | LoadedModel | None, prepared: Prepared,
          chat_template: str | None = None, precompiled_artifacts: Sequence[str] = (),
-         progress: bool = False, mesh=None, platform: str | None = None,
-         kernels: bool = False) -> LoadedModel:
-    """A LoadedModel as it is; else `load_model(model, ...)` (a ModelSource, or its path: a GGUF
-    file, a HF directory or repo id, None for the embedded default). With
-    `precompiled_artifacts` that store the converted weights for `mesh` (the engine's,
-    `replica_mesh`), they are restored onto it instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
-    terminal). `platform`: whose default encoding (None: this machine's); `kernels`:
-    --use-experimental-kernels (a quantized GGUF's default encoding is then its own)."""
+         progress: bool = False, mesh=None) -> LoadedModel:
+    """A LoadedModel as it is; else `model` (a ModelSource, or its path: a GGUF file, a HF
+    directory or repo id, None for the embedded default) loaded for the `prepared` start: its
+    header read, the plan's encoding chosen from it (`Prepared.with_header`), its weights
+    converted to that (maxjax/models/loader.py load_model). With `precompiled_artifacts` that
+    store the converted weights for `mesh` (the engine's, `replica_mesh`), they are restored
+    onto it instead (maxjax/aot/weights.py). `progress`: a log line (and a loading bar on a
+    terminal)."""
     if isinstance(model, LoadedModel):
         return model
     stored = None
@@ -53,9 +53,11 @@ def load(model: str | ModelSource | LoadedModel | None, quantization_encoding: s
     if progress:
         log.info("Loading weights: %s", getattr(model, "model_path", model)
                  or "the embedded SmolLM2-135M-Instruct")
-    loaded = load_model(model, quantization_encoding, chat_template,
+    header = read_checkpoint(model, prepared.config.quantization_encoding)
+    prepared = prepared.with_header(header)
+    loaded = load_model(header, prepared.encoding, chat_template,
                         progress=progress and sys.stderr.isatty(), params_source=stored,
-                        platform=platform, kernels=kernels)
+                        kernels=prepared.kernels)
     if progress:
         log.info("Loaded %s (%s) in %.1f s", loaded.name, loaded.dtype, loaded.load_seconds)
     return loaded
@@ -102,10 +104,8 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
         if use_cache and not precompiled_artifacts else None
     clock.mark("CPU kernels and cache key")
     restored = stored_at and _restore_weights(stored_at, model, progress)
-    model = restored or load(model, flags.quantization_encoding, chat_template,
-                             precompiled_artifacts, progress,
-                             replica_mesh(flags, replica) if precompiled_artifacts else None,
-                             kernels=kernels)
+    model = restored or load(model, prepared, chat_template, precompiled_artifacts, progress,
+                             replica_mesh(flags, replica) if precompiled_artifacts else None)
     clock.mark("weights")
     model = on_devices(model, flags, replica, kernels=kernels)
     if stored_at and not restored:

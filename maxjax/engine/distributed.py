@@ -294,8 +294,8 @@ def build_group_core(model_opts, engine_cfg, channel: Leader | Follower, progres
     # The mesh spans the processes: the CPU kernels never run here (build_core says so).
     prepared = prepare(engine_cfg, kernels=False)
     flags = prepared.config
-    model = load(model_opts.source(), flags.quantization_encoding, model_opts.chat_template,
-                 artifacts, progress, replica_mesh(flags) if artifacts else None)
+    model = load(model_opts.source(), prepared, model_opts.chat_template, artifacts, progress,
+                 replica_mesh(flags) if artifacts else None)
     model = on_devices(model, flags)
     pins = {}
     if isinstance(channel, Leader):

@@ -26,26 +26,27 @@ from maxjax.engine.runner import ModelRunner, RowRequest
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
 from maxjax.graphs.step import RowSlice
-from maxjax.models.quantize import FLOAT_ENCODINGS
 
 log = logging.getLogger("maxjax.engine")
 _GREEDY = SamplingParams(temperature=0.0)
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
-def load_draft(cfg, target, max_length: int | None = None):
-    """The draft LoadedModel, loaded from the draft's ModelSource (--draft-* flags), its params on
-    --draft-devices (default: --devices); UserError if it cannot draft for `target` of
-    `max_length` (--draft-max-length below it)."""
-    from maxjax.models.loader import load_model
+def load_draft(cfg, target, max_length: int | None = None, platform: str | None = None):
+    """The draft LoadedModel, loaded from the draft's ModelSource (--draft-* flags) in the
+    planner's encoding for it (maxjax/engine/encoding.py draft_encoding, on `platform`, the
+    target's: None this machine's), its params on --draft-devices (default: --devices);
+    UserError if it cannot draft for `target` of `max_length` (--draft-max-length below it)."""
+    from maxjax.engine.encoding import draft_encoding
+    from maxjax.engine.plan import local_platform
+    from maxjax.models.loader import load_model, read_checkpoint
     if cfg.draft_max_length is not None and max_length and cfg.draft_max_length < max_length:
         raise UserError(f"--draft-max-length {cfg.draft_max_length}: must be >= the target's max "
                         f"length ({max_length}): the draft sees every position the target does")
     mesh = draft_mesh(cfg)
-    # A quantized target's encoding may not exist in the draft's checkpoint: it takes its own.
-    same = target.dtype if target.dtype in FLOAT_ENCODINGS else None
-    draft = load_model(cfg.draft_source(), cfg.draft_quantization_encoding or same,
-                       progress=False)
+    header = read_checkpoint(cfg.draft_source(), cfg.draft_quantization_encoding)
+    encoding = draft_encoding(cfg, target.dtype, header, platform or local_platform())
+    draft = load_model(header, encoding, progress=False)
     check_vocabulary(draft, target, cfg.draft_model_path)
     from maxjax.engine.devices import place_model
     return place_model(draft, mesh)

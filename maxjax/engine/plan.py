@@ -115,6 +115,16 @@ class Prepared:
     draft_tokens: int
     lora_items: tuple
     seconds: float = field(default=0.0, compare=False)     # how long it took
+    encoding: str | None = None     # the weights' (`with_header`; None: the header is not read)
+
+    def with_header(self, header, default: bool = False) -> Prepared:
+        """This start once the checkpoint's header is read (maxjax/models/loader.py
+        `Checkpoint`): the weights' `encoding` chosen (maxjax/engine/encoding.py; `default`:
+        as --quantization-encoding unset would choose it, what `maxjax suggest` reports)."""
+        from maxjax.engine.encoding import weights_encoding
+        asked = None if default else self.config.quantization_encoding
+        return dataclasses.replace(self, encoding=weights_encoding(asked, header, self.platform,
+                                                                   self.kernels))
 
     def adopt(self, pins: Pins, platform: str | None = None) -> Prepared:
         """The same start with what artifacts pin adopted (`adopt_pins`; read when the weights

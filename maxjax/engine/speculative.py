@@ -58,8 +58,8 @@ def build(cfg, layout, model=None, graphs=None, k: int = 0, plan=None) -> "Specu
         return None
     if cfg.speculative_method == "draft":
         from maxjax.engine import draft
-        proposer = draft.DraftProposer(draft.load_draft(cfg, model, layout.max_length), plan,
-                                       graphs)
+        proposer = draft.DraftProposer(
+            draft.load_draft(cfg, model, layout.max_length, layout.platform), plan, graphs)
     else:
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,

@@ -80,9 +80,7 @@ def warm_plan(model_opts, flags: EngineConfig, platforms: list[str]):
     attention backend; the other targets get exports of the same graphs). In a group every
     process adopts process 0's pool size and max length."""
     prepared = prepare(flags, platform=platforms[0], platforms=platforms)
-    model = load(model_opts.source(), prepared.config.quantization_encoding,
-                 model_opts.chat_template, progress=True, platform=platforms[0],
-                 kernels=prepared.kernels)
+    model = load(model_opts.source(), prepared, model_opts.chat_template, progress=True)
     model = on_devices(model, prepared.config, kernels=prepared.kernels)   # replica 0's
     plan = plan_engine(prepared, model)
     pinned = dict(zip(plan.pins, group.from_leader(list(plan.pins.values()))))
@@ -96,7 +94,7 @@ def _draft_graphs(model, plan, directory: str | None, platforms, jobs, archs, ca
     """The draft model's graphs (maxjax/engine/plan.py draft_plan) into `directory` (inside
     the target's artifacts), or into the compile cache (None)."""
     from maxjax.engine import draft
-    dmodel = draft.load_draft(plan.config, model, plan.layout.max_length)
+    dmodel = draft.load_draft(plan.config, model, plan.layout.max_length, plan.layout.platform)
     dplan = draft_plan(plan, dmodel)
     if directory is None:
         path = cache.entry_path(dmodel, dplan)

@@ -47,13 +47,6 @@ class LoadedModel:
         return DTYPES.get(self.dtype, jnp.float32)
 
 
-def default_dtype(platform: str | None = None) -> str:
-    """float32 on the CPU (XLA:CPU's bf16 matrix-vector products are ~15x slower, DESIGN.md),
-    bfloat16 on an accelerator; `platform` None: this machine's."""
-    import jax
-    return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
-
-
 def resolve_model_path(model, encoding: str | None = None) -> str:
     """The local file or directory holding `model`'s config (maxjax/models/source.py)."""
     return source.resolve(model, encoding).config
@@ -82,26 +75,34 @@ def read_chat_template_file(path: str) -> str:
     return text
 
 
-def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
-               chat_template: str | None = None, progress: bool = True, params_source=None,
-               platform: str | None = None, kernels: bool = False) -> LoadedModel:
-    """`model`: a ModelSource (maxjax/models/source.py), or its path alone (a GGUF file, an HF
-    directory or repo id, None: the embedded default). `dtype`: the --quantization-encoding
-    (maxjax/models/quantize.py; None: for a quantized GGUF int8, or its own 4-bit blocks with
-    --use-experimental-kernels (`kernels`), else float32 on CPU, bfloat16 on GPU: `platform`'s,
-    None this machine's, `default_dtype`). params_source(arch, cfg, dtype, path) -> (config,
-    params) or None: converted weights stored with precompiled artifacts (maxjax/aot/weights.py;
-    on a mesh laid out and placed already), used instead of converting the checkpoint."""
-    if dtype is not None:
-        quantize.check_name(dtype)      # before reading anything; whether the file has it below
+def read_checkpoint(model: str | ModelSource | None = None,
+                    encoding: str | None = None) -> Checkpoint:
+    """The Checkpoint (header only) of `model`: a ModelSource (maxjax/models/source.py), or its
+    path alone (a GGUF file, an HF directory or repo id, None: the embedded default).
+    `encoding`: the --quantization-encoding as given, which picks a GGUF repo's file."""
+    if encoding is not None:
+        quantize.check_name(encoding)      # before anything is fetched
     src = source.as_source(model)
-    files = source.resolve(src, dtype)
-    path = files.config
+    return open_checkpoint(source.resolve(src, encoding), src)
+
+
+def load_model(model: str | ModelSource | Checkpoint | None, encoding: str,
+               chat_template: str | None = None, progress: bool = True, params_source=None,
+               kernels: bool = False) -> LoadedModel:
+    """`model`'s weights converted to `encoding` (maxjax/models/quantize.py), with its tokenizer
+    and chat template. `model`: a Checkpoint read already (`read_checkpoint`), else as
+    `read_checkpoint` takes it. `encoding` is the plan's (maxjax/engine/encoding.py: a start
+    gets it from maxjax/engine/build.py `load`); one the checkpoint cannot give is a UserError.
+    `kernels`: the CPU kernels run, so 4-bit GGUF blocks are packed for them as they are read.
+    params_source(arch, cfg, encoding, path) -> (config, params) or None: converted weights
+    stored with precompiled artifacts (maxjax/aot/weights.py; on a mesh laid out and placed
+    already), used instead of converting the checkpoint."""
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(files, src)
+    ckpt = model if isinstance(model, Checkpoint) else read_checkpoint(model, encoding)
+    files, src, path = ckpt.files, ckpt.src, ckpt.path
     arch, cfg, reader, template = ckpt.arch, ckpt.config, ckpt.reader, ckpt.template
     make_tokenizer = ckpt.make_tokenizer
-    dtype = serving_encoding(dtype, ckpt.types, platform, kernels, arch)
+    quantize.check_encoding(encoding, ckpt.types, arch)
     if reader is None:
         from maxjax.models import hf as hfw
         reader = hfw.SafetensorsReader(files.weights)
@@ -113,14 +114,14 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
         if arch.vision is not None:
             from maxjax.models import vision as vm
             processing = pool.submit(vm.image_processor, files.tokenizer)
-            vcfg, vparams = vision_weights_of(arch, ckpt, reader, dtype, files)
-        stored = params_source(arch, cfg, dtype, path) if params_source else None
+            vcfg, vparams = vision_weights_of(arch, ckpt, reader, encoding, files)
+        stored = params_source(arch, cfg, encoding, path) if params_source else None
         if stored is not None:
             cfg, params = stored
             if hasattr(reader, "close"):
                 reader.close()
         else:
-            params = load_params(arch, cfg, reader, dtype, progress, os.path.basename(path),
+            params = load_params(arch, cfg, reader, encoding, progress, os.path.basename(path),
                                  kernels)
         tokenizer = tokenizing.result()
         if arch.vision is not None:
@@ -130,7 +131,7 @@ def load_model(model: str | ModelSource | None = None, dtype: str | None = None,
         template = jinja_template(files.tokenizer)
     if chat_template:
         template = read_chat_template_file(chat_template)
-    return LoadedModel(arch, cfg, params, tokenizer, template, path, dtype,
+    return LoadedModel(arch, cfg, params, tokenizer, template, path, encoding,
                        model_name(src.model_path, path), time.perf_counter() - t0,
                        served_name=src.model_path or EMBEDDED_NAME, vision=vision)
 
@@ -158,6 +159,8 @@ class Checkpoint:
     reader: Any                    # a GGUF's tensor reader; None for HF (opened by load_model)
     template: str | None           # the GGUF's chat template
     make_tokenizer: Any
+    files: source.Resolved | None = None    # where it was read from (`open_checkpoint`)
+    src: ModelSource | None = None
 
     def tensor_types(self, hf_names: list[str]) -> list[str] | None:
         """The GGUF types of these HF-named tensors (None: an HF checkpoint)."""
@@ -180,29 +183,19 @@ def open_checkpoint(files, src: ModelSource) -> Checkpoint:
         check_rope_type(src, gguf_rope_type(reader))
         arch, cfg = model_config(hf, path, src)
         return Checkpoint(path, arch, cfg, hf, reader.matrix_types(), reader, template,
-                          make_tokenizer)
+                          make_tokenizer, files, src)
     from maxjax.models import hf as hfw
     check_rope_type(src, None)
     hf = hfw.read_config(path)
     check_remote_code(src, path)
     arch, cfg = model_config(hf, path, src)   # fail before reading weights or the tokenizer
     return Checkpoint(path, arch, cfg, hf, None, None, None,
-                      lambda: load_hf_tokenizer(files.tokenizer, src.trust_remote_code))
-
-
-def serving_encoding(dtype: str | None, types: list[str] | None, platform: str | None = None,
-                     kernels: bool = False, arch=None) -> str:
-    """The --quantization-encoding `dtype` checked against a checkpoint whose 2-D tensors have
-    GGUF `types` (None: an HF float one), or its default (see `load_model`)."""
-    if dtype is None:
-        dtype = quantize.gguf_encoding(types, kernels) if types is not None else \
-            default_dtype(platform)
-    quantize.check_encoding(dtype, types, arch)
-    return dtype
+                      lambda: load_hf_tokenizer(files.tokenizer, src.trust_remote_code), files,
+                      src)
 
 
 def abstract_model(ckpt: Checkpoint, dtype: str, name: str) -> LoadedModel:
-    """`load_model`'s LoadedModel in encoding `dtype` (`serving_encoding`) from the checkpoint's
+    """`load_model`'s LoadedModel in encoding `dtype` (the plan's) from the checkpoint's
     header alone: its params the ShapeDtypeStructs the conversion would give
     (maxjax/models/quantize.py `abstract_params`), no tokenizer. What `maxjax suggest` plans
     with (maxjax/cli/suggest.py)."""
