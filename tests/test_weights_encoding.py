@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 # conftest.py's smollm2_chat engine: the kernels' default, no --quantization-encoding
 SHARED = ["--max-length", "512", "--max-batch-size", "16", "--max-batch-input-tokens", "128",
           "--kv-cache-page-size", "16", "--num-kv-pages", "300"]
-SMALL = ["--max-length", "512", "--max-batch-size", "2", "--max-batch-input-tokens", "32",
-         "--num-kv-pages", "64"]
+SMALL = ["--max-length", "512", "--max-batch-size", "1", "--max-batch-input-tokens", "4",
+         "--num-kv-pages", "64"]       # three step graphs
 OFF = "--no-use-experimental-kernels"
 
 
