@@ -1,4 +1,4 @@
-"""The newer families round trip through AOT artifacts and the compile cache with 0 compiles:
+"""The newer families (MLA, group-routed MoE, the hybrids with request-state pools) round trip through AOT artifacts and the compile cache with 0 compiles:
 `warm-cache` on machine A (a subprocess with its own HOME and caches), then `generate` on A with
 the same flags (its compile cache) and on machine B from a copy of the artifacts with the JAX
 cache off; both compile nothing and print the same tokens. Tiny random checkpoints made by
@@ -34,7 +34,18 @@ def _glm4_moe():
     return scramble_grouped_moe(make())
 
 
-FAMILIES = {"deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe}
+def _qwen3_next():
+    from test_qwen3_next import _model, scramble
+    return scramble(_model("qwen3_next"))
+
+
+def _granite4():
+    from test_granitemoehybrid import _model
+    return _model(0)
+
+
+FAMILIES = {"deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "qwen3_next": _qwen3_next,
+            "granitemoehybrid": _granite4}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
