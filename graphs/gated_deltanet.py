@@ -12,9 +12,13 @@ the state S [k_dim, v_dim] goes token by token through the delta rule
   S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   out = S^T q
 and the output through the gated RMSNorm (weight `gdn_norm`, no +1) times silu(z), then `w_out`.
 
-The recurrence here runs one token at a time (`delta_step` under recurrent.scan_rows), for
-prefill as for decode. transformers prefills in chunks of 64 (the UT transform); a chunked form
-can replace the scan for prefill with `delta_step` kept for decode.
+Decode runs the recurrence a token at a time (`delta_step` under recurrent.scan_rows); a
+prefill bucket runs it in chunks of CHUNK a row (`chunk_delta` under recurrent.scan_chunks), as
+transformers' torch_chunk_gated_delta_rule and the FLA library do: in a chunk, with gc the
+cumulative log decay from its start and G[i, j] = exp(gc_i - gc_j) for j <= i,
+  A = (beta k k^T) * G below the diagonal,  (I + A) [u | w] = [beta v | beta exp(gc) k]
+(a unit lower-triangular solve); then from the chunk's initial state S
+  d = u - w S,  out = exp(gc) q S + ((q k^T) * G) d,  S <- exp(gc_C) S + (exp(gc_C - gc) k)^T d.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from maxjax.graphs.sharding import ArraySpec
 from maxjax.graphs.state import conv_channels
 
 L2_EPS = 1e-6         # transformers' l2norm (the FLA library's)
+CHUNK = 64            # transformers' chunk size
 
 
 def in_sizes(cfg) -> tuple[int, ...]:
@@ -63,6 +68,37 @@ def delta_step(state, inputs):
     return state, jnp.einsum("hkv,hk->hv", state, q)
 
 
+def chunk_delta(q, k, v, g, beta, state_pool, step, size: int = CHUNK):
+    """The delta rule over a prefill step in chunks (module docstring): q, k [T, heads, k_dim],
+    v [T, heads, v_dim], the log decay g and beta [T, heads] -> (out [T, heads, v_dim], the
+    updated state_pool)."""
+    lay = recurrent.chunk_layout(step, size)
+    q, k, v, g, beta = (jnp.swapaxes(recurrent.to_chunks(lay, a), 1, 2)      # [N, H, C, ...]
+                        for a in (q, k, v, g, beta))
+    gc = jnp.cumsum(g, axis=-1)
+    below = jnp.tril(jnp.ones((size, size), bool))
+    gap = jnp.exp(jnp.where(below, gc[..., :, None] - gc[..., None, :], -jnp.inf))
+    kb = k * beta[..., None]
+    a = jnp.einsum("nhik,nhjk->nhij", kb, k) * gap * ~jnp.eye(size, dtype=bool)
+    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gc)[..., None]], axis=-1)
+    uw = jax.lax.linalg.triangular_solve(jnp.eye(size) + a, rhs, left_side=True, lower=True,
+                                         unit_diagonal=True)
+    u, w = uw[..., :v.shape[-1]], uw[..., v.shape[-1]:]
+    qk = jnp.einsum("nhik,nhjk->nhij", q, k) * gap
+    qg = q * jnp.exp(gc)[..., None]
+    kd = k * jnp.exp(gc[..., -1:] - gc)[..., None]
+    total = jnp.exp(gc[..., -1])
+
+    def update(state, inp):                                   # state [H, k_dim, v_dim]
+        u, w, qk, qg, kd, total = inp
+        d = u - jnp.einsum("hck,hkv->hcv", w, state)
+        out = jnp.einsum("hck,hkv->hcv", qg, state) + jnp.einsum("hij,hjv->hiv", qk, d)
+        state = total[:, None, None] * state + jnp.einsum("hck,hcv->hkv", kd, d)
+        return state, jnp.swapaxes(out, 0, 1)
+
+    return recurrent.scan_chunks(update, (u, w, qk, qg, kd, total), state_pool, lay)
+
+
 def gated_deltanet(cfg, step, x, conv_pool, state_pool, p, live):
     """x [T, D] (normed) through the layer: (out [T, D], conv_pool, state_pool), the pools
     this layer's [slots, ...] of graphs/state.py RECURRENT, each row's state read and written
@@ -82,8 +118,11 @@ def gated_deltanet(cfg, step, x, conv_pool, state_pool, p, live):
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    out, state_pool = recurrent.scan_rows(delta_step, (q, k, v, jnp.exp(g), beta), state_pool,
-                                          step)
+    if recurrent.chunked(step, CHUNK):
+        out, state_pool = chunk_delta(q, k, v, g, beta, state_pool, step)
+    else:
+        out, state_pool = recurrent.scan_rows(delta_step, (q, k, v, jnp.exp(g), beta),
+                                              state_pool, step)
     out = L.rms_norm(out, p["gdn_norm"], cfg.rms_norm_eps).astype(jnp.float32)
     out = out * jax.nn.silu(z.astype(jnp.float32).reshape(T, H, dv))
     return L.linear(out.reshape(T, H * dv).astype(x.dtype), p["w_out"], live=live), \

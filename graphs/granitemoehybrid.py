@@ -9,7 +9,9 @@ g = h // (heads / groups), with dt = softplus(dt + dt_bias) and A = -exp(A_log),
   state_h = exp(dt A) state_h + dt B_g x_h^T      (here [state, head_dim] a head: graphs/state.py)
   y_h     = C_g . state_h + D_h x_h
 then y * silu(gate) is RMS-normed in `groups` groups (norm after the gate) and projected out.
-The conv window and state live in the request-state pools (graphs/recurrent.py). Attention
+The conv window and state live in the request-state pools (graphs/recurrent.py); decode runs
+the recurrence a token at a time, a prefill bucket in chunks (`chunk_ssd`, SSD's quadratic form
+in a chunk, the state carried between chunks). Attention
 layers are the decoder's, their K/V at their place among the attention layers; rope only where
 position_embedding_type is "rope" (otherwise none: `rotary_dim` 0). Routing is a softmax over
 the top k router logits (graphs/moe.py `route` renormalised).
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.graphs import decoder, quant, sharding
+from maxjax.graphs import decoder, quant, recurrent, sharding
 from maxjax.graphs import layers as L
 from maxjax.graphs.arch import Architecture, base_config
 from maxjax.graphs.config import ModelConfig
@@ -108,6 +110,44 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
+CHUNK = 64
+
+
+def ssd_step(state, inp):
+    """One token of every head: state [heads, state_dim, head_dim] float32; inp (x [heads,
+    head_dim], B, C [heads, state_dim], decay exp(dt A) and dt [heads]) -> (state, y)."""
+    x_t, b_t, c_t, decay_t, dt_t = inp
+    state = decay_t[:, None, None] * state + (dt_t[:, None] * b_t)[:, :, None] * x_t[:, None, :]
+    return state, jnp.einsum("hn,hnp->hp", c_t, state)
+
+
+def chunk_ssd(xs, b, c, log_decay, dt, pool, step, size: int = CHUNK):
+    """The Mamba2 recurrence over a prefill step in chunks: in a chunk, with ac the cumulative
+    log decay from its start and G[i, j] = exp(ac_i - ac_j) for j <= i, from its initial state S
+      y = ((C B^T) * G * dt_j) x + exp(ac) C S,   S <- exp(ac_C) S + (exp(ac_C - ac) dt B)^T x.
+    xs [T, heads, head_dim], b, c [T, heads, state_dim], log_decay, dt [T, heads] -> (y [T,
+    heads, head_dim], the updated pool)."""
+    lay = recurrent.chunk_layout(step, size)
+    xs, b, c, ac, dt = (jnp.swapaxes(recurrent.to_chunks(lay, a), 1, 2)      # [N, H, C, ...]
+                        for a in (xs, b, c, log_decay, dt))
+    ac = jnp.cumsum(ac, axis=-1)
+    below = jnp.tril(jnp.ones((size, size), bool))
+    gap = jnp.exp(jnp.where(below, ac[..., :, None] - ac[..., None, :], -jnp.inf))
+    scores = jnp.einsum("zhin,zhjn->zhij", c, b) * gap * dt[..., None, :]
+    inner = jnp.einsum("nhij,nhjp->nhip", scores, xs)
+    cg = c * jnp.exp(ac)[..., None]
+    bd = b * (dt * jnp.exp(ac[..., -1:] - ac))[..., None]
+    total = jnp.exp(ac[..., -1])
+
+    def update(state, inp):                                   # state [H, state_dim, head_dim]
+        inner, cg, bd, x, total = inp
+        y = inner + jnp.einsum("hcn,hnp->hcp", cg, state)
+        state = total[:, None, None] * state + jnp.einsum("hcn,hcp->hnp", bd, x)
+        return state, jnp.swapaxes(y, 0, 1)
+
+    return recurrent.scan_chunks(update, (inner, cg, bd, xs, total), pool, lay)
+
+
 def mamba2(cfg: ModelConfig, step, x, conv_pool, ssm_pool, p, live):
     """The Mamba2 mixer of x [T, D] -> ([T, D], conv_pool, ssm_pool), the pools one layer's
     [slots, ...] (graphs/state.py RECURRENT)."""
@@ -123,15 +163,11 @@ def mamba2(cfg: ModelConfig, step, x, conv_pool, ssm_pool, p, live):
     b = jnp.repeat(b.reshape(T, G, N), H // G, axis=1)              # [T, H, N] a head's group
     c = jnp.repeat(c.reshape(T, G, N), H // G, axis=1)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    decay = jnp.exp(dt * -jnp.exp(p["A_log"].astype(jnp.float32)))   # [T, H]
-
-    def update(state, inp):                                          # state [H, N, P]
-        x_t, b_t, c_t, decay_t, dt_t = inp
-        state = (decay_t[:, None, None] * state
-                 + (dt_t[:, None] * b_t)[:, :, None] * x_t[:, None, :])
-        return state, jnp.einsum("hn,hnp->hp", c_t, state)
-
-    y, ssm_pool = scan_rows(update, (xs, b, c, decay, dt), ssm_pool, step)
+    log_decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))        # [T, H]
+    if recurrent.chunked(step, CHUNK):
+        y, ssm_pool = chunk_ssd(xs, b, c, log_decay, dt, ssm_pool, step)
+    else:
+        y, ssm_pool = scan_rows(ssd_step, (xs, b, c, jnp.exp(log_decay), dt), ssm_pool, step)
     y = (y + p["D"].astype(jnp.float32)[:, None] * xs).reshape(T, inner)
     y = y * jax.nn.silu(gate.astype(jnp.float32))
     y = L.rms_norm(y.reshape(T, G, inner // G), jnp.ones((inner // G,), jnp.float32),

@@ -6,8 +6,19 @@ slot at its first token in the step (zero when that token is at position 0: a ne
 one recomputed after a preemption) and written back at its last, so a prompt split into chunks
 carries its state from chunk to chunk with the boundaries anywhere. Padding tokens (row -1) run on
 zero state in the scratch slot 0 and their outputs are ignored.
+
+Two ways through a step's recurrence: `scan_rows`, token by token (decode: a token a row), and
+`scan_chunks` for prefill. The chunked form lays each row's tokens into chunks of C token slots
+of their own (`chunk_layout`: a row starts a fresh chunk, its last one padded with zero inputs
+that leave the state as it is), so a chunk holds one row: the layer computes each chunk's
+intra-chunk part for all chunks at once (a masked C x C matmul form), and a scan over the
+chunks carries the state, reset to the row's slot (or zero) at its first chunk and written back
+at its last. A step of T token slots and R rows needs at most `num_chunks` chunks, static;
+`chunked` picks the form from the bucket's shape.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -77,3 +88,85 @@ def scan_rows(update, inputs, pool, step: StepInputs):
     zero = jnp.zeros(pool.shape[1:], jnp.float32)
     (_, pool), outs = jax.lax.scan(body, (zero, pool), (inputs, slot, first, last, fresh))
     return outs, pool
+
+
+def num_chunks(num_tokens: int, num_rows: int, size: int) -> int:
+    """The most chunks of `size` a step of this bucket's rows can fill: a row of n tokens takes
+    ceil(n / size), and every chunk holds at least one token."""
+    return min(num_tokens, (num_tokens + num_rows * (size - 1)) // size)
+
+
+def chunked(step: StepInputs, size: int) -> bool:
+    """Whether the chunked form runs this bucket: when its scan is at most a quarter of the
+    token scan's length (a chunk's step does a few matmuls where a token's does outer
+    products); decode buckets (a token a row) keep the token scan."""
+    T, R = step.bucket
+    return 4 * num_chunks(T, R, size) <= T
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ChunkLayout:
+    """Where a step's tokens sit in chunks of `size`: each row's tokens from the start of a
+    chunk of their own. Arrays over the N chunks and their N * size slots."""
+    index: jax.Array        # int32[N, size] the token slot in each chunk slot; T: none (zeros)
+    at: jax.Array           # int32[T] each token's chunk slot (flat); padding tokens: 0
+    slot: jax.Array         # int32[N] the chunk's row's state slot (0: an empty chunk)
+    first: jax.Array        # bool[N]  the row's first chunk in this step (empty chunks too)
+    last: jax.Array         # bool[N]  the row's last chunk in this step, of a real row
+    fresh: jax.Array        # bool[N]  its state starts at zero (position 0; empty chunks)
+
+
+def chunk_layout(step: StepInputs, size: int) -> ChunkLayout:
+    T, R = step.bucket
+    N = num_chunks(T, R, size)
+    slot, first, last, fresh, start = token_rows(step)
+    row = step.token_row
+    real = row >= 0
+    idx = jnp.arange(T, dtype=jnp.int32)
+    count = jnp.zeros(R, jnp.int32).at[jnp.where(real, row, R)].add(1, mode="drop")
+    chunks = (count + size - 1) // size
+    base = jnp.cumsum(chunks) - chunks                          # each row's first chunk
+    offset = idx - start
+    at = base[jnp.maximum(row, 0)] * size + offset
+    index = jnp.full(N * size, T, jnp.int32).at[jnp.where(real, at, N * size)].set(
+        idx, mode="drop").reshape(N, size)
+    head = index[:, 0]
+    used = head < T
+    h = jnp.minimum(head, T - 1)
+    tail = jnp.zeros(N, bool).at[jnp.where(real & last, at // size, N)].set(True, mode="drop")
+    return ChunkLayout(index=index, at=jnp.where(real, at, 0),
+                       slot=jnp.where(used, slot[h], 0),
+                       first=~used | first[h], last=tail,
+                       fresh=~used | fresh[h])
+
+
+def to_chunks(layout: ChunkLayout, x):
+    """x [T, ...] -> [N, size, ...], zeros in the chunk slots no token fills."""
+    pad = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
+    return pad[layout.index]
+
+
+def from_chunks(layout: ChunkLayout, y):
+    """[N, size, ...] -> [T, ...] (padding tokens read chunk slot 0)."""
+    return y.reshape((-1,) + y.shape[2:])[layout.at]
+
+
+def scan_chunks(update, inputs, pool, layout: ChunkLayout):
+    """Run `update(state, inputs_n) -> (state, out_n [size, ...])` chunk by chunk (inputs: a
+    pytree of [N, ...]; state float32 of one request, shaped like a slot of pool); each row
+    starts from its slot (or zero) at its first chunk and its state after its last is written
+    back. Returns (outs [T, ...] in token order, the updated pool)."""
+    def body(carry, xs):
+        state, pool = carry
+        inp, s, is_first, is_last, is_fresh = xs
+        held = pool[s].astype(jnp.float32)
+        state = jnp.where(is_first, jnp.where(is_fresh, jnp.zeros_like(held), held), state)
+        state, out = update(state, inp)
+        pool = pool.at[s].set(jnp.where(is_last, state.astype(pool.dtype), pool[s]))
+        return (state, pool), out
+
+    zero = jnp.zeros(pool.shape[1:], jnp.float32)
+    (_, pool), outs = jax.lax.scan(body, (zero, pool), (inputs, layout.slot, layout.first,
+                                                        layout.last, layout.fresh))
+    return from_chunks(layout, outs), pool
