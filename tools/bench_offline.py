@@ -2,6 +2,10 @@
 maxjax's batch-1 decode against the float32 roofline (weight bytes / measured copy bandwidth).
 
     .venv/bin/python tools/bench_offline.py [--batches 1,8,32] [--input-len 128] [--output-len 128]
+    .venv/bin/python tools/bench_offline.py --overlap-ab [--batches 1,32] [--repeats 3]
+
+--overlap-ab: the overlap scheduler on and off in one run, on one engine of default flags (but
+--num-kv-pages): the same prompts alternately with each, best of --repeats.
 
 Prints a markdown table (paste it into BENCHMARKS.md with the command line).
 """
@@ -65,6 +69,31 @@ def bench_maxjax(batches, input_len, output_len, engine_kw):
     return rows, decode_tps, weight_bytes(model.params), warm, llm.stats()
 
 
+def overlap_ab(batches, input_len, output_len, repeats, num_kv_pages):
+    """{batch: (tok/s overlap on, tok/s off)}, best of `repeats`, alternating on one engine."""
+    import maxjax
+    from maxjax.engine.overlap import OverlapLoop
+    llm = maxjax.LLM(enable_overlap_scheduler=True, num_kv_pages=num_kv_pages)
+    params = maxjax.SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts_of(None, 1, input_len, 99), maxjax.SamplingParams(max_new_tokens=4))
+    loops = {True: llm.core.overlap, False: None}
+    best = {b: {True: 0.0, False: 0.0} for b in batches}
+    tokens = {}
+    for _ in range(repeats):
+        for b in batches:
+            ps = prompts_of(None, b, input_len, b)
+            for on in (True, False):
+                llm.core.overlap = loops[on]
+                t = time.perf_counter()
+                outs = llm.generate(ps, params)
+                dt = time.perf_counter() - t
+                got = [o.token_ids for o in outs]
+                assert tokens.setdefault(b, got) == got, "overlap changed the output"
+                best[b][on] = max(best[b][on], sum(map(len, got)) / dt)
+    llm.core.overlap = loops[True] or OverlapLoop(llm.core)
+    return {b: (v[True], v[False]) for b, v in best.items()}
+
+
 def bench_transformers(batches, input_len, output_len):
     import torch
     from transformers import AutoModelForCausalLM
@@ -94,8 +123,22 @@ def main():
     ap.add_argument("--max-batch-input-tokens", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--overlap-ab", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-kv-pages", type=int, default=600)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.overlap_ab:
+        got = overlap_ab(batches, args.input_len, args.output_len, args.repeats,
+                         args.num_kv_pages)
+        print(f"\nSmolLM2 (embedded GGUF, default flags, --num-kv-pages {args.num_kv_pages}), "
+              f"{args.input_len}-token prompts, {args.output_len} new tokens, greedy, "
+              f"ignore_eos; best of {args.repeats}, alternating\n")
+        print("| prompts | overlap on tok/s | overlap off tok/s | on / off |")
+        print("|---:|---:|---:|---:|")
+        for b, (on, off) in got.items():
+            print(f"| {b} | {on:.1f} | {off:.1f} | {on / off:.3f}x |")
+        return
     engine_kw = dict(max_batch_size=max(batches), max_batch_input_tokens=args.max_batch_input_tokens,
                      max_length=args.input_len + args.output_len + 16, kv_cache_page_size=args.page_size)
     ours, decode_tps, wbytes, warm, stats = bench_maxjax(batches, args.input_len, args.output_len, engine_kw)

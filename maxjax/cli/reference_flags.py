@@ -70,8 +70,6 @@ REFUSED = [
             str, (None, "init-only"), ("enabled", "disabled", "init-only")),
     Refused("enable-dp-cross-replica-prefix-copy", "replicas do not copy pages between each "
             "other; a request goes to the replica caching its longest prefix instead"),
-    Refused("enable-overlap-scheduler", "the scheduler plans step N+1 after step N's tokens are "
-            "back"),
     Refused("enable-variable-logits", "always on: a step samples any number of positions per "
             "row (echo, speculative decoding) without another mode", bool, (None, True)),
     Refused("ep-fuse-ffn-combine-send", _MOE),

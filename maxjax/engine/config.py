@@ -150,6 +150,12 @@ class EngineConfig:
                 "VNNI or AVX2+FMA, built with g++ on first use; one device). Default: on wherever "
                 "they run (one log line names why not); --use-experimental-kernels requires them "
                 "(an error where they cannot run); --no-use-experimental-kernels: XLA's path"})
+    enable_overlap_scheduler: bool | None = field(default=None, metadata={
+        "help": "Schedule and build step N+1 while step N runs on the device, its tokens fed "
+                "from N's outputs there (maxjax/engine/overlap.py); outputs are the same. "
+                "Default: on where it measured faster and can run (one device, one process, no "
+                "speculative decoding; the start-up log names why not); "
+                "--enable-overlap-scheduler where it cannot run is an error"})
     enable_lora: bool = field(default=False, metadata={
         "help": "Serve LoRA adapters: a request's `model` names one (--lora-paths, or loaded at "
                 "run time with POST /v1/load_lora_adapter)"})

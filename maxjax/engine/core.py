@@ -25,6 +25,7 @@ from maxjax.engine import compile_counter, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.output import OutputProcessor, final_output
+from maxjax.engine.overlap import OverlapLoop
 from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
@@ -101,6 +102,7 @@ class EngineCore:
         self.step_compiles = 0
         self.grammar_faults = 0     # sampled tokens their grammar refused (a server fault)
         self._priming = None
+        self.overlap = OverlapLoop(self) if cfg.enable_overlap_scheduler else None
         # Seconds spent per phase of a step, summed over steps (`maxjax generate --profile`).
         # "detokenize" is the output processing (text, stop strings, logprobs).
         self.profile = {"schedule": 0.0, "build_inputs": 0.0, "device_step": 0.0, "update": 0.0,
@@ -115,6 +117,8 @@ class EngineCore:
             self.images.prime()
         if self.speculator:
             self.speculator.warmup()
+        if self.overlap is not None:
+            self.runner.compile_feeds()
         self._priming = self.runner.prime_steps()
 
     @property
@@ -130,8 +134,8 @@ class EngineCore:
                 return False
         except Exception:
             self._priming = None
-            if self._kv_lost():
-                self._replace_kv()
+            if self.kv_lost():
+                self.replace_kv()
             raise
         return True
 
@@ -221,23 +225,39 @@ class EngineCore:
         return None if req is None else final_output(req, reason, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or a step still on the device (the overlap scheduler's)."""
+        return self.scheduler.has_unfinished() or bool(self.overlap and self.overlap.pending)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, take the result in (the scheduler, once), make the outputs."""
+        """Schedule, run, take the result in (the scheduler, once), make the outputs. With
+        the overlap scheduler: maxjax/engine/overlap.py's step, whose outputs are those of the
+        step before the one it leaves on the device."""
+        if self.overlap is not None:
+            return self.overlap.step()
+        plan = self._schedule()
+        if plan is None:
+            return []
+        return self.take(plan, self._run(plan.rows))
+
+    def _schedule(self):
+        """The next StepPlan (None: nothing to run), after --ce-delay-ms and the drafts."""
         self._ce_delay()
         t0 = time.perf_counter()
         self._propose()
         plan = self.scheduler.schedule()
         if plan is None or not plan.rows:
-            return []
+            return None
         if plan.num_admitted:
             self._ce_waited = False
-        t_sched = time.perf_counter() - t0
-        out = self._run(plan.rows)
+        self.profile["schedule"] += time.perf_counter() - t0
+        return plan
+
+    def take(self, plan, out: StepOutput, advanced: bool = False) -> list[RequestOutput]:
+        """What running `plan` gave, taken in (`advanced`: the overlap scheduler advanced the
+        plan while it ran): the scheduler's update, the grammars, the outputs."""
         t1 = time.perf_counter()
-        updates = self.scheduler.update_from_output(plan, out)
+        updates = self.scheduler.update_from_output(plan, out, advanced)
         self._advance_grammars(updates)
         t2 = time.perf_counter()
         processed = self.output.process(updates)
@@ -248,7 +268,6 @@ class EngineCore:
         if self.speculator:
             self.speculator.observe(plan.rows, out.results, out.bucket, out.device_seconds)
         prof = self.profile
-        prof["schedule"] += t_sched
         prof["update"] += t2 - t1 + time.perf_counter() - t3
         prof["detokenize"] += t3 - t2
         prof["steps"] += 1
@@ -294,7 +313,7 @@ class EngineCore:
         one slot: drafts for it need its matcher's `validate` first. A grammar that allows no
         next token is the request's own ("grammar_error", appended to `failed`)."""
         rows = [r for r in rows if r.sample and r.request.grammar is not None
-                and r.request.grammar.mask_needed]
+                and r.request.grammar.mask_needed and r.request.status is RequestStatus.RUNNING]
         if not rows:
             return {}
         t0 = time.perf_counter()
@@ -343,26 +362,8 @@ class EngineCore:
         """Run the rows: a RowResult per row, None where its request failed (its last output in
         `failed`) or went back to the queue; with --synthetic-acceptance-rate, the samples
         rewritten to keep drafts at that rate."""
-        failed: list[RequestOutput] = []
         steps: list[StepResult] = []      # each runner call that returned, in order
-        inputs = []
-        try:
-            masks = self._grammar_masks(rows, failed)
-        except Exception as e:          # a fault of the grammar engine: its rows fail
-            masks = {}
-            for row in rows:
-                if row.request.grammar is not None:
-                    failed.append(self._fail(row.request, "filling its grammar mask", e))
-        for row in rows:
-            if row.request.is_finished:
-                continue
-            try:
-                x = self._row_input(row)
-                if id(row) in masks:
-                    x.token_masks = [masks[id(row)]] + [None] * (row.num_samples - 1)
-                inputs.append((row, x))
-            except Exception as e:
-                failed.append(self._fail(row.request, "building its step inputs", e))
+        inputs, failed = self.inputs(rows)
         got = dict(zip((id(row) for row, _ in inputs), self._execute(inputs, failed, steps)))
         results = [got.get(id(row)) for row in rows]
         if self.speculator:
@@ -370,6 +371,30 @@ class EngineCore:
         if not steps:
             return StepOutput(results, failed)
         return StepOutput(results, failed, steps[-1].bucket, steps[-1].timing["device_step"])
+
+    def inputs(self, rows: list[ScheduledRow]) -> tuple[list, list[RequestOutput]]:
+        """[(row, RowRequest)] of the rows whose inputs were built (grammar masks included),
+        and the last outputs of the requests that failed meanwhile."""
+        failed: list[RequestOutput] = []
+        inputs = []
+        try:
+            masks = self._grammar_masks(rows, failed)
+        except Exception as e:          # a fault of the grammar engine: its rows fail
+            masks = {}
+            for row in rows:
+                if row.request.grammar is not None:
+                    failed.append(self.fail(row.request, "filling its grammar mask", e))
+        for row in rows:
+            if row.request.status is not RequestStatus.RUNNING:
+                continue
+            try:
+                x = self._row_input(row)
+                if id(row) in masks:
+                    x.token_masks = [masks[id(row)]] + [None] * (row.num_samples - 1)
+                inputs.append((row, x))
+            except Exception as e:
+                failed.append(self.fail(row.request, "building its step inputs", e))
+        return inputs, failed
 
     def _execute(self, inputs: list[tuple], failed: list,
                  steps: list[StepResult]) -> list[RowResult | None]:
@@ -387,25 +412,25 @@ class EngineCore:
             return result.rows
         finally:
             self.step_compiles += compile_counter.count() - before
-        lost = self._kv_lost()
+        lost = self.kv_lost()
         if len(inputs) == 1 or lost:
             for row, _ in inputs:
-                failed.append(self._fail(row.request, "the model step", error))
+                failed.append(self.fail(row.request, "the model step", error))
             if lost:
-                self._replace_kv()
+                self.replace_kv()
             return [None] * len(inputs)
         # The pool is intact, so nothing of this step reached it: find the rows at fault.
         return [self._execute([x], failed, steps)[0]
                 if x[0].request.status is RequestStatus.RUNNING else None for x in inputs]
 
-    def _fail(self, req: Request, where: str, error: Exception) -> RequestOutput:
+    def fail(self, req: Request, where: str, error: Exception) -> RequestOutput:
         log.error("request %s failed in %s: %s: %s", req.request_id, where,
                   type(error).__name__, error, exc_info=error)
         self.scheduler.finish(req.request_id, FinishReason.ERROR)
         return final_output(req, FinishReason.ERROR, f"engine step failed in {where}: "
                                                      f"{type(error).__name__}: {error}")
 
-    def _kv_lost(self) -> bool:
+    def kv_lost(self) -> bool:
         """True when the KV pool was donated into a call that failed, or holds its error."""
         leaves = jax.tree.leaves(self.runner.kv)
         if any(a.is_deleted() for a in leaves):
@@ -416,7 +441,7 @@ class EngineCore:
             return True
         return False
 
-    def _replace_kv(self) -> None:
+    def replace_kv(self) -> None:
         """A new, zeroed pool; the K/V of every running request and of every cached page went
         with the old one."""
         log.warning("the KV pool was lost in a failed call: recomputing %d running requests",

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.engine import memory, spec_flags, state_plan
+from maxjax.engine import memory, overlap_plan, spec_flags, state_plan
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig, ResolvedConfig
 from maxjax.errors import UserError
@@ -166,6 +166,8 @@ def plan_engine(flags: EngineConfig | Prepared, model, *, platform: str | None =
     cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=flags.kernels)
     layout = plan_layout(cfg, model, flags.platform, resident, flags.draft_tokens)
     cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length,
+                      enable_overlap_scheduler=overlap_plan.plan_overlap(cfg, layout,
+                                                                         flags.draft_tokens),
                       **({"enable_prefix_caching": False} if layout.state_slots else {}))
     return EnginePlan(cfg, layout, flags.draft_tokens, flags.lora_items, flags.flags)
 

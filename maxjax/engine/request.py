@@ -22,6 +22,9 @@ from maxjax.engine.detokenizer import TextStream
 from maxjax.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
+# The overlap scheduler's stand-in for a token sampled by a step still on the device
+# (maxjax/engine/overlap.py): the last token of a request while its step is in flight.
+PLACEHOLDER = -1
 
 
 def new_seed(rng: np.random.Generator | None = None) -> int:
@@ -97,6 +100,20 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._tokens.append(token_id)
+
+    @property
+    def has_placeholder(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
+
+    def fill_placeholder(self, token_id: int) -> None:
+        """The in-flight step's token, now read back, in place of its PLACEHOLDER."""
+        assert self.has_placeholder, self
+        self.output_token_ids[-1] = self._tokens[-1] = token_id
+
+    def drop_placeholder(self) -> None:
+        if self.has_placeholder:
+            self.output_token_ids.pop()
+            self._tokens.pop()
 
     @property
     def cache_token_ids(self) -> list[int]:

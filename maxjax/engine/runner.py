@@ -9,6 +9,12 @@ every call and updated in place; it is made by the program's KV initializer grap
 or are compiled here (`compile_all`, and the initializer at construction); `run` never compiles.
 The calls go through the runner's executor (maxjax/engine/executor.py): this process's own, or
 multi-host process 0's, which makes every process of the group run them.
+
+`run` = `launch` (inputs built, the step queued on the device, nothing waited for) then `collect`
+(the one transfer back). The overlap scheduler (maxjax/engine/overlap.py) launches step N+1
+before it collects step N: the rows that continue from N take their token from N's sampled
+ids on the device (`feed`: a gather, one small graph per token bucket, compiled by
+`compile_feeds` before the engine is ready).
 """
 from __future__ import annotations
 
@@ -67,6 +73,16 @@ class RowResult:
 
 
 @dataclass(frozen=True)
+class Launched:
+    """A step queued on the device, its outputs not read back yet."""
+    rows: list[RowRequest]
+    bucket: Bucket
+    outputs: tuple            # (SampleOutput, PromptLogprobs, PooledHidden) of device arrays
+    build_seconds: float
+    t_launch: float
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What one `ModelRunner.run` gives back."""
     rows: list[RowResult]         # one per row given, in order
@@ -122,6 +138,8 @@ class ModelRunner:
         self.embeds = image_embeds(self.cfg, model.params)
         self.mrope = self.cfg.mrope_section is not None
         self.state = state_slots > 0
+        self.feeds: dict[int, Callable] = {}     # token bucket T -> its gather (compile_feeds)
+        self.widen: dict[int, Callable] = {}     # sample slots S -> padded to the most
 
     @property
     def kv(self) -> tuple:
@@ -187,7 +205,32 @@ class ModelRunner:
                 jax.block_until_ready(self._step(b, step, samp))
                 yield b
 
+    def compile_feeds(self) -> None:
+        """The overlap scheduler's graphs: per sample-slot count S, N's sampled ids padded to
+        the most slots; per token bucket T, step N+1's token ids with N's gathered in."""
+        pool = jax.tree.leaves(self.kv)[0].sharding
+        if len(pool.device_set) != 1:
+            raise ValueError("the overlap scheduler feeds tokens on one device")
+        dev = jax.sharding.SingleDeviceSharding(next(iter(pool.device_set)))
+        top = max(b.num_samples for b in self.buckets)
+
+        def spec(n):
+            return jax.ShapeDtypeStruct((n,), np.int32, sharding=dev)
+
+        for S in sorted({b.num_samples for b in self.buckets} - {top}):
+            self.widen[S] = jax.jit(lambda x: jax.numpy.pad(x, (0, top - x.shape[0]))).lower(
+                spec(S)).compile()
+        for T in sorted({b.num_tokens for b in self.buckets}):
+            self.feeds[T] = jax.jit(_feed).lower(spec(top), spec(T), spec(T)).compile()
+
     def run(self, rows: list[RowRequest]) -> StepResult:
+        return self.collect(self.launch(rows))
+
+    def launch(self, rows: list[RowRequest], feed: tuple[Launched, list] | None = None
+               ) -> Launched:
+        """Queue the step of `rows` on the device. `feed`: (the launched step N, per row the
+        index of N's sample slot whose token is the row's first token, or None): those tokens
+        are taken from N's outputs on the device."""
         t0 = time.perf_counter()
         num_tokens = sum(len(r.slice.token_ids) for r in rows)
         slots = [slot for r in rows for slot in _slots(r)]
@@ -198,13 +241,33 @@ class ModelRunner:
                                  state=self.state)
         samp = sampling.build_sampling_arrays(slots, bucket.num_samples, self.history_len, self.eos,
                                               self.cfg.vocab_size)
+        if feed is not None:
+            step.token_ids = self._fed(bucket, rows, step.token_ids, *feed)
         t1 = time.perf_counter()
-        out, plp, pooled = self._step(bucket, step, samp)
+        return Launched(rows, bucket, tuple(self._step(bucket, step, samp)), t1 - t0, t1)
+
+    def _fed(self, bucket: Bucket, rows: list[RowRequest], token_ids, prev: Launched, src):
+        """`token_ids` (numpy) with the tokens `src` names taken from `prev`'s sampled ids."""
+        where = np.full(bucket.num_tokens, -1, np.int32)
+        t = 0
+        for r, s in zip(rows, src):
+            if s is not None:
+                where[t] = s
+            t += len(r.slice.token_ids)
+        prev_ids = prev.outputs[0].token_ids
+        widen = self.widen.get(prev_ids.shape[0])
+        return self.feeds[bucket.num_tokens](widen(prev_ids) if widen else prev_ids,
+                                             token_ids, where)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Wait for a launched step and read its results back (one transfer)."""
+        rows, bucket, (out, plp, pooled) = launched.rows, launched.bucket, launched.outputs
+        t1 = launched.t_launch
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None
         pooled = jax.device_get(tuple(pooled)) if any(r.pool for r in rows) else None
-        timing = {"build_inputs": t1 - t0, "device_step": time.perf_counter() - t1}
+        timing = {"build_inputs": launched.build_seconds, "device_step": time.perf_counter() - t1}
         results, t, s = [], 0, 0
         for j, r in enumerate(rows):
             n, k = len(r.slice.token_ids), r.slice.num_samples
@@ -216,3 +279,7 @@ class ModelRunner:
                                      (pooled[0][j], pooled[1][j]) if r.pool else None))
             t, s = t + n, s + k
         return StepResult(results, bucket, timing)
+
+
+def _feed(prev_ids, token_ids, src):
+    return jax.numpy.where(src >= 0, prev_ids[jax.numpy.maximum(src, 0)], token_ids)

@@ -35,6 +35,12 @@ Embedding requests (`Request.pooling`) are prompts only: chunked and batched lik
 they get no sample slot, no drafts and no prefix-cache pages, and they finish (pages freed, an
 update with no tokens) in the update of their last chunk.
 
+Overlap (maxjax/engine/overlap.py): `advance(plan)` takes a plan as computed while its step
+is still on the device (a sampling row's request holds a PLACEHOLDER token), so the next plan
+is made before its tokens are back; `update_from_output(plan, out, advanced=True)` fills them
+in. While a step is in flight nothing is preempted: a row that would need it waits, and
+`short` says so.
+
 Not thread-safe: call abort()/finish() from the loop, between schedule() and the next schedule().
 """
 from __future__ import annotations
@@ -48,7 +54,7 @@ from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.output import keep_prompt_logprobs
 from maxjax.engine.vision import chunk_end
-from maxjax.engine.request import Request, RequestStatus
+from maxjax.engine.request import PLACEHOLDER, Request, RequestStatus
 from maxjax.engine.stats import SchedulerStats
 from maxjax.engine.step_io import ScheduledRow, StepOutput, StepPlan, StepUpdate
 from maxjax.engine.types import FinishReason
@@ -99,6 +105,8 @@ class Scheduler:
         self.num_scheduled_rows = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.in_flight = False    # an advanced plan's tokens are not back yet: no preemption
+        self.short = False        # the last schedule() left a row out rather than preempt
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -157,6 +165,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Give back what a request holds while running: its pages and its state slot."""
+        req.drop_placeholder()
         self.bm.free(req)
         if self.state_slots is not None:
             self.state_slots.release(req)
@@ -249,6 +258,7 @@ class Scheduler:
                 self.bm.page_size
 
     def schedule(self) -> StepPlan | None:
+        self.short = False
         kinds = self._kinds()
         st = _StepState(self.cfg.max_batch_input_tokens, self.cfg.max_batch_total_tokens)
         phases = ((kinds.decode, self._schedule_decodes), (kinds.prefill, self._schedule_chunks),
@@ -280,19 +290,25 @@ class Scheduler:
         while i < len(self.running) and len(st.rows) < max_rows and st.budget > 0:
             req = self.running[i]
             room = self._room(st, req.num_computed_tokens)
-            if req.is_prefilling or req.request_id in st.scheduled or room < 1:
+            if req.is_prefilling or req.request_id in st.scheduled or room < 1 or \
+                    self._ends_in_flight(req):
                 i += 1
                 continue
             drafts = self._drafts(req, st.budget)[:room - 1]
+            fits = True
             while not self.bm.allocate(req, 1 + len(drafts)):
                 if drafts:
                     drafts = []       # drafts never preempt anyone
                     continue
+                if self.in_flight:
+                    self.short, fits = True, False
+                    break
                 if self._preempt_newest(st.scheduled, st.preempted) is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                self._add_row(st, self._row(req, 1, drafts))
-                st.num_decode += 1
+                if fits:
+                    self._add_row(st, self._row(req, 1, drafts))
+                    st.num_decode += 1
                 i += 1
 
     def _schedule_chunks(self, st: _StepState) -> None:
@@ -317,10 +333,14 @@ class Scheduler:
                     if not self.bm.allocate(req, chunk):
                         raise RuntimeError(f"{chunk} tokens fit the free pages but allocation failed")
                     break
+                if self.in_flight:
+                    self.short = True
+                    break
                 if self._preempt_newest(st.scheduled, st.preempted) is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                self._add_row(st, self._row(req, chunk))
+                if chunk:
+                    self._add_row(st, self._row(req, chunk))
                 i += 1
 
     def _schedule_admissions(self, st: _StepState) -> None:
@@ -356,6 +376,27 @@ class Scheduler:
             st.num_admitted += 1
         self.waiting.extendleft(reversed(passed))
 
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Nothing left to compute (an embedding's last chunk in flight), or its in-flight
+        token is its last by length: it finishes when that token is back."""
+        return req.num_uncomputed_tokens < 1 or req.has_placeholder and (
+            req.num_output_tokens >= req.sampling.max_new_tokens
+            or req.num_tokens >= self.length_limit)
+
+    def advance(self, plan: StepPlan) -> None:
+        """Take `plan` as computed while its step is still on the device: each row's tokens
+        count as computed and a sampling row's request ends with a PLACEHOLDER, so the next
+        plan can be made now. A plan with drafts is never advanced."""
+        for row in plan.rows:
+            req = row.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            assert not row.draft_token_ids and req.num_computed_tokens == row.start_pos, req
+            req.num_computed_tokens += len(row.token_ids)
+            if row.sample:
+                req.append_token(PLACEHOLDER)
+        self.in_flight = True
+
     def begins_prefill(self) -> bool:
         """Whether the next schedule() would likely admit a waiting request (--ce-delay-ms):
         the step policy allows it and a page is free (the prefix cache is not consulted)."""
@@ -368,10 +409,12 @@ class Scheduler:
         return self.policy.kinds(self.num_steps, num_decoding, len(self.running) - num_decoding,
                                  self.waiting, len(self.running))
 
-    def update_from_output(self, plan: StepPlan, out: StepOutput) -> list[StepUpdate]:
+    def update_from_output(self, plan: StepPlan, out: StepOutput,
+                           advanced: bool = False) -> list[StepUpdate]:
         """Take in what running `plan` gave, once: each row's prompt logprobs and pooled
         states kept on its request, its samples accepted (update()); the updates carry each
-        row's samples on to output processing."""
+        row's samples on to output processing. `advanced`: the plan was `advance`d, its
+        placeholders are filled in."""
         for row, res in zip(plan.rows, out.results):
             if res is None:
                 continue
@@ -381,7 +424,7 @@ class Scheduler:
             if res.pooled is not None:
                 row.request.add_pooled(row.start_pos, *res.pooled)
         return self._apply(plan, [None if res is None else res.token_ids for res in out.results],
-                           [[] if res is None else res.samples for res in out.results])
+                           [[] if res is None else res.samples for res in out.results], advanced)
 
     def update(self, plan: StepPlan, sampled) -> list[StepUpdate]:
         """Apply a step's sampled tokens (update_from_output without the rest of a result).
@@ -396,16 +439,20 @@ class Scheduler:
             sampled = [next(it) if r.sample else None for r in plan.rows]
         return self._apply(plan, sampled, [[]] * len(plan.rows))
 
-    def _apply(self, plan: StepPlan, sampled: list, samples: list[list]) -> list[StepUpdate]:
+    def _apply(self, plan: StepPlan, sampled: list, samples: list[list],
+               advanced: bool = False) -> list[StepUpdate]:
         updates = []
+        self.in_flight = False
         for row, tokens, row_samples in zip(plan.rows, sampled, samples):
             req = row.request
             if req.status is not RequestStatus.RUNNING:
                 continue                    # finished or aborted since the plan was made
-            assert req.num_computed_tokens == row.start_pos, (req, row.start_pos)
+            computed = len(row.token_ids) * (not advanced)
+            assert req.num_computed_tokens + computed == row.start_pos + len(row.token_ids), \
+                (req, row.start_pos)
             req.draft_token_ids = []
             if not row.sample:
-                req.num_computed_tokens += len(row.token_ids)
+                req.num_computed_tokens += computed
                 self.bm.cache_full_pages(req)
                 if req.is_embedding and req.num_computed_tokens == req.num_tokens:
                     updates.append(StepUpdate(req, []))   # its last chunk: done, pages freed
@@ -417,12 +464,15 @@ class Scheduler:
                 raise ValueError(f"{len(tokens)} tokens for {row.num_samples} sample slots")
             accepted = accept_drafts(row.draft_token_ids, tokens)
             rejected = len(row.draft_token_ids) - (len(accepted) - 1)
-            req.num_computed_tokens += len(row.token_ids) - rejected
+            req.num_computed_tokens += computed - rejected
             if rejected:
                 self.bm.truncate(req, req.num_computed_tokens)
             reason, added = None, []
             for token in accepted:
-                req.append_token(token)
+                if advanced:
+                    req.fill_placeholder(token)
+                else:
+                    req.append_token(token)
                 added.append(token)
                 reason = self._stop_reason(req, token)
                 if reason is not None:
