@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from maxjax.graphs import quant, sampling, sharding
+from maxjax.graphs import quant, sampling, sharding, snapshots
 from maxjax.graphs.attention import AttentionBackend, backend_named
 from maxjax.graphs.decoder import init_kv, kv_pool_specs, kv_specs
 from maxjax.graphs.state import request_state_of, state_of
@@ -69,14 +69,17 @@ class GraphSpec:
 
 def step_program(arch, cfg, num_top_logprobs: int, params, kv, step):
     """The compiled step: model, the sample slots' logits (float32, for the sampler graph), and
-    (only in steps that ask) prompt logprobs of every token slot."""
+    (only in steps that ask) prompt logprobs of every token slot. A hybrid model's state
+    snapshots are restored before it and saved after it (graphs/snapshots.py)."""
+    kv = snapshots.restore(cfg, kv, step)
     if arch.hidden_states is None:     # an architecture without hidden states: no embeddings
         logits, kv = arch.forward(cfg, params, kv, step)
         R, H = step.page_table.shape[0], cfg.hidden_size
         zeros = jnp.zeros((R, H), jnp.float32)
         return (logits.astype(jnp.float32), _no_prompt_logprobs(step, num_top_logprobs),
-                PooledHidden(zeros, zeros)), kv
+                PooledHidden(zeros, zeros)), snapshots.save(cfg, kv, step)
     h, kv = arch.hidden_states(cfg, params, kv, step)
+    kv = snapshots.save(cfg, kv, step)
     logits = arch.lm_logits(cfg, params, h[step.sample_idx]).astype(jnp.float32)
 
     def prompt_lps(h):

@@ -24,7 +24,10 @@ the last position each token attends to (its own position; for Gemma 3's image t
 image's last one: an image attends to itself both ways). A model with M-RoPE (Qwen2.5-VL) takes
 `rope_positions`, each token's (temporal, height, width) rope positions; `positions` stays its
 place in the sequence, which the KV writes and the attention masks read. A hybrid model
-(graphs/state.py RECURRENT) takes `state_slot`, each row's request-state slot (0 for padding).
+(graphs/state.py RECURRENT) takes `state_slot`, each row's request-state slot (0 for padding),
+and for the prefix cache's state snapshots `state_from`, a snapshot slot copied into the row's
+slot before the step (a cached prefix resumed; 0: none), and `state_save`, a snapshot slot the
+row's final state is also copied to after the step (0: none) (graphs/snapshots.py).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import numpy as np
 from maxjax.graphs.attention import AttentionBackend, backend_for
 
 SCRATCH_PAGE = 0
+STATE_ROWS = ("state_slot", "state_from", "state_save")     # a hybrid model's per-row slots
 
 
 @jax.tree_util.register_dataclass
@@ -57,6 +61,8 @@ class StepInputs:
     visible_end: Any = None   # int32[T]  last position each token attends to
     rope_positions: Any = None  # int32[3, T] M-RoPE positions (cfg.mrope_section); None: 1-D
     state_slot: Any = None    # int32[R]  each row's request-state slot (0: padding); None: none
+    state_from: Any = None    # int32[R]  snapshot slot restored into state_slot first (0: none)
+    state_save: Any = None    # int32[R]  snapshot slot its final state is saved to (0: none)
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -82,6 +88,8 @@ class RowSlice:
     visible_end: Any = None   # int[k] per token, the last position it sees (None: its own)
     rope_positions: Any = None  # int[3, k] its M-RoPE positions (None: its position, 3 times)
     state_slot: int = 0       # its request-state slot (a hybrid model's; graphs/state.py)
+    state_from: int = 0       # the snapshot slot its state resumes from (0: its own slot's)
+    state_save: int = 0       # the snapshot slot its final state is saved to (0: none)
 
 
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
@@ -91,7 +99,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
                      state: bool = False) -> StepInputs:
     """`embeds`: (hidden size, dtype) of a model that reads images; None: text only.
     `mrope`: the step takes `rope_positions` (a model with cfg.mrope_section); `state`: it
-    takes `state_slot` (a hybrid model)."""
+    takes `state_slot`, `state_from` and `state_save` (a hybrid model)."""
     i32 = np.int32
     backend = backend or backend_for()
     return StepInputs(
@@ -106,7 +114,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
         lora_slot=jax.ShapeDtypeStruct((num_tokens,), i32) if lora else None,
         **(_embed_specs(num_tokens, *embeds) if embeds else {}),
         rope_positions=jax.ShapeDtypeStruct((3, num_tokens), i32) if mrope else None,
-        state_slot=jax.ShapeDtypeStruct((num_rows,), i32) if state else None,
+        **({k: jax.ShapeDtypeStruct((num_rows,), i32) for k in STATE_ROWS} if state else {}),
     )
 
 
@@ -124,7 +132,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
     bucket. `lora`: fill `lora_slot` (padding tokens: slot 0); `embeds`: (hidden size, dtype),
     fill the image inputs (`step_input_specs`); `mrope`: fill `rope_positions`; `state`: fill
-    `state_slot` (padding rows: slot 0)."""
+    `state_slot`, `state_from` and `state_save` (padding rows: slot 0)."""
     n = sum(len(r.token_ids) for r in rows)
     num_samples = num_samples or num_rows
     n_samples = sum(r.num_samples for r in rows)
@@ -170,8 +178,10 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     if mrope:
         step.rope_positions = _rope_positions(rows, positions)
     if state:
-        step.state_slot = np.zeros(num_rows, np.int32)
-        step.state_slot[:len(rows)] = [getattr(r, "state_slot", 0) for r in rows]
+        for name in STATE_ROWS:
+            a = np.zeros(num_rows, np.int32)
+            a[:len(rows)] = [getattr(r, name, 0) for r in rows]
+            setattr(step, name, a)
     return step
 
 

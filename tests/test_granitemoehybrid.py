@@ -170,7 +170,7 @@ def test_engine_holds_attention_pages_and_state_slots(core):
     import jax
     k, v, conv_pool, ssm_pool = jax.tree.leaves(core.runner.kv)
     assert k.shape == v.shape == (2, ENGINE["num_kv_pages"], 2, 8, 16)
-    slots = ENGINE["max_batch_size"] + 1                      # the scratch slot and one a row
+    slots = 2 * ENGINE["max_batch_size"] + 1    # scratch, one a row, a prefix-cache snapshot a row
     assert conv_pool.shape == (2, slots, 2 * GROUPS * STATE + HEADS * HEAD_DIM, KERNEL - 1)
     assert ssm_pool.shape == (2, slots, HEADS, STATE, HEAD_DIM)
 
@@ -192,6 +192,16 @@ def test_engine_batched_chunked_equals_transformers_generate(checkpoint, core):
     assert steps > NEW_TOKENS                     # the prompts took more than one step
     for i, prompt in enumerate(prompts):
         assert tokens[f"r{i}"] == _hf_generate(checkpoint[0], prompt), i
+
+
+def test_engine_shared_prefix_resumes_from_its_state_snapshot(core):
+    """The prefix cache on a real hybrid (tests/hybrid_prefix.py): a prompt sharing 3 pages
+    with an earlier one resumes from the Mamba2 layers' snapshot at their end and gives the
+    cold run's tokens; one diverging in the first page reuses nothing; a mixed workload with a
+    preemption leaks no slot."""
+    from hybrid_prefix import check_mixed_with_preemption, check_shared_prefix
+    check_shared_prefix(core, VOCAB, NEW_TOKENS)
+    check_mixed_with_preemption(core, VOCAB, 12)
 
 
 def test_engine_recomputed_after_preemption(checkpoint, core):

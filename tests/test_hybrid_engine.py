@@ -1,9 +1,11 @@
 """A hybrid model's request state through the real engine (issue 58 item 1), on the toy hybrid of
 tests/toy_hybrid.py (registered as --custom-architectures modules are): the plan's state pools
-(max batch size + 1 slots, their bytes out of the memory budget, --state-pool-dtype), the
-prefix cache off and speculation refused for it, and greedy tokens served batched, in chunks
-whose boundaries fall inside the prompts, and after a preemption, equal to tests/paged_harness.py
-driving the same graph with one slot a prompt."""
+(max batch size + 1 slots and as many prefix-cache snapshots, their bytes out of the memory
+budget, --state-pool-dtype), speculation refused for it, and greedy tokens served batched, in
+chunks whose boundaries fall inside the prompts, and after a preemption, equal to
+tests/paged_harness.py driving the same graph with one slot a prompt (the prefix cache on:
+later tests' prompts resume from the earlier ones' snapshots); the prefix cache's state
+snapshots (tests/hybrid_prefix.py)."""
 import json
 import os
 
@@ -14,6 +16,7 @@ import pytest
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
+from hybrid_prefix import check_mixed_with_preemption, check_shared_prefix
 from paged_harness import load_checkpoint, paged_greedy
 
 pytestmark = pytest.mark.slow
@@ -68,17 +71,18 @@ def _greedy():
     return SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def test_the_engine_holds_state_pools_of_batch_size_plus_one_slots(core, model):
+def test_the_engine_holds_state_pools_of_batch_size_plus_one_slots_and_snapshots(core, model):
     from maxjax.graphs.state import conv_channels
     mc = model.config
     assert mc.state_layers == (False, True, True)
     k, v, conv, rec = jax.tree.leaves(core.runner.kv)
     assert k.shape[0] == 1 and v.shape[0] == 1           # one paged layer: the attention one
-    assert conv.shape == (2, 5, conv_channels(mc), mc.ssm_conv_kernel - 1)
-    assert rec.shape == (2, 5, mc.ssm_heads, mc.ssm_state_dim, mc.ssm_head_dim)
+    assert conv.shape == (2, 9, conv_channels(mc), mc.ssm_conv_kernel - 1)
+    assert rec.shape == (2, 9, mc.ssm_heads, mc.ssm_state_dim, mc.ssm_head_dim)
     assert conv.dtype == rec.dtype == np.float32
-    assert core.layout.state_slots == 5 and not core.cfg.enable_prefix_caching
-    assert core.state_slots.num_free == 4
+    assert core.layout.state_slots == 9 and core.cfg.enable_prefix_caching
+    assert core.state_slots.num_free == 4 and core.state_slots.num_slots == 5
+    assert (core.snapshots.first, core.snapshots.count) == (5, 4)      # after the requests'
 
 
 def test_batched_chunked_equals_the_paged_harness(core, expected):
@@ -132,6 +136,14 @@ def test_parallel_requests_of_one_prompt_each_keep_their_state(core, expected):
     assert all(t == expected[3] for t in tokens.values())
 
 
+def test_a_shared_prefix_resumes_from_its_state_snapshot(core):
+    check_shared_prefix(core, 256, NEW_TOKENS)
+
+
+def test_mixed_workload_with_preemption_leaks_no_slot(core):
+    check_mixed_with_preemption(core, 256, 12)
+
+
 def test_the_plan(model, monkeypatch):
     from maxjax.engine import memory
     from maxjax.engine.plan import plan_engine
@@ -139,20 +151,23 @@ def test_the_plan(model, monkeypatch):
     per = RECURRENT.values_per_request(model.config)
     plan = plan_engine(EngineConfig(**ENGINE), model)
     lay = plan.layout
-    assert (lay.state_slots, lay.state_dtype) == (5, "float32")
-    assert not plan.config.enable_prefix_caching
-    assert "5 slots" in lay.state_report and "prefix cache off: ToyHybridForCausalLM" in \
-        lay.state_report
+    assert (lay.state_slots, lay.state_snapshots, lay.state_dtype) == (9, 4, "float32")
+    assert plan.config.enable_prefix_caching
+    assert "9 slots (4 requests + 4 prefix-cache snapshots + scratch)" in lay.state_report
+    off = plan_engine(EngineConfig(**ENGINE, enable_prefix_caching=False), model)
+    assert not off.config.enable_prefix_caching
+    assert (off.layout.state_slots, off.layout.state_snapshots) == (5, 0)
+    assert "no prefix-cache snapshots (--no-enable-prefix-caching)" in off.layout.state_report
     bf16 = plan_engine(EngineConfig(**ENGINE, state_pool_dtype="bfloat16"), model).layout
     assert bf16.state_dtype == "bfloat16" and bf16.kv_dtype == "float32"
     from maxjax.aot.graphs import pool_specs          # what the graphs and artifacts take
     assert [str(s.dtype) for s in pool_specs(model, bf16)] == ["float32"] * 2 + ["bfloat16"] * 2
     from maxjax.aot.manifest import engine_fingerprint
     fps = [engine_fingerprint(x, plan.config, "float32") for x in (lay, bf16)]
-    assert fps[0]["state_pool_dtype"] == "float32" and fps[0]["state_slots"] == 5
+    assert fps[0]["state_pool_dtype"] == "float32" and fps[0]["state_slots"] == 9
     assert fps[0]["fingerprint"] != fps[1]["fingerprint"]
     big = plan_engine(EngineConfig(**{**ENGINE, "max_batch_size": 8}), model).layout
-    assert big.state_slots == 9
+    assert big.state_slots == 17
     with pytest.raises(UserError, match=r"^--speculative-method ngram: ToyHybridForCausalLM "
                                         r"keeps a fixed-size state per request") as e:
         plan_engine(EngineConfig(**ENGINE, speculative_method="ngram"), model)
@@ -162,7 +177,7 @@ def test_the_plan(model, monkeypatch):
     # the state pools' bytes come out of the budget before the pages are sized
     monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 8 << 30)
     page = memory.page_bytes(model.config, 8, 4)
-    state = 5 * per * 4
+    state = 9 * per * 4
     pools = []
     for reserve in (0, state):
         pools.append(memory.plan_pool(model.config, model.params, 8, 0.9, list(lay.buckets),
@@ -190,9 +205,11 @@ def test_suggest_and_list_show_the_state(checkpoint, capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report["notes"]
     st = report["plan"]["request_state"]
-    assert st["slots"] == 5 and st["state_pool_dtype"] == "bfloat16"
-    assert st["bytes"] == 5 * st["bytes_per_request"] and st["kind"] == RECURRENT.name
-    assert any(n.startswith("prefix cache off: ToyHybridForCausalLM") for n in report["notes"])
+    assert st["slots"] == 9 and st["state_pool_dtype"] == "bfloat16"
+    assert st["bytes"] == 9 * st["bytes_per_request"] and st["kind"] == RECURRENT.name
+    assert st["snapshots"] == 4 and st["snapshot_bytes"] == 4 * st["bytes_per_request"]
+    assert "4 prefix-cache snapshots" in st["line"]
+    assert not any("prefix cache off" in n for n in report["notes"])
     assert "--state-pool-dtype bfloat16" in report["command"]
     assert cli.main(["list", "--json"]) == 0         # registered in this process already
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}

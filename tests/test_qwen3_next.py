@@ -189,7 +189,7 @@ def _hf_generate(model, prompt):
 
 def test_engine_holds_attention_pages_and_state_slots(engine):
     k, v, conv, rec = jax.tree.leaves(engine[1].runner.kv)
-    slots = ENGINE["max_batch_size"] + 1                      # the scratch slot and one a row
+    slots = 2 * ENGINE["max_batch_size"] + 1    # scratch, one a row, a prefix-cache snapshot a row
     assert k.shape == v.shape == (2, ENGINE["num_kv_pages"], 2, 8, 16)
     assert conv.shape == (2, slots, 80, 3) and rec.shape == (2, slots, 4, 8, 12)
 

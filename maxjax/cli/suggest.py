@@ -159,10 +159,7 @@ def plan_into(report: dict, model_opts, engine_cfg, customs: dict, drop: set, fi
     report["precompiled_artifacts"] = [artifact_entry(d, model, engine_cfg, layout)
                                        for d in artifacts] or None
     notes.extend(model_notes(ckpt, model, engine_cfg, layout, report))
-    if layout.state_slots:
-        from maxjax.engine.state_plan import prefix_cache_reason
-        notes.append(f"prefix cache off: {prefix_cache_reason(model.config)}")
-    elif engine_cfg.state_pool_dtype is not None:
+    if engine_cfg.state_pool_dtype is not None and not layout.state_slots:
         notes.append(f"--state-pool-dtype {engine_cfg.state_pool_dtype}: ignored, "
                      f"{model.config.architecture} keeps no request state")
         drop.add("state_pool_dtype")
@@ -258,6 +255,7 @@ def request_state_entry(model, layout) -> dict | None:
     per = rs.values_per_request(model.config) * jnp.dtype(layout.state_dtype).itemsize
     return {"kind": rs.name, "slots": layout.state_slots, "state_pool_dtype": layout.state_dtype,
             "bytes_per_request": per, "bytes": per * layout.state_slots,
+            "snapshots": layout.state_snapshots, "snapshot_bytes": per * layout.state_snapshots,
             "line": layout.state_report}
 
 

@@ -103,6 +103,7 @@ class BlockManager:
         self._entry: list[_Entry | None] = [None] * num_pages
         self._cache: dict[object, int] = {}
         self._next_uid = _ROOT_UID + 1
+        self.on_uncache = None           # called with each page that leaves the cache
         self.prefix_queries = 0          # admissions that looked up the cache
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -226,6 +227,17 @@ class BlockManager:
         e = self._entry[page]
         del self._cache[e.key]
         self._entry[page] = None
+        if self.on_uncache is not None:
+            self.on_uncache(page)
+
+    def cached_page(self, req: Request, i: int) -> int | None:
+        """The page the cache holds req's i-th full page in (its own, or an equal one computed
+        beside it); None when that page is not registered."""
+        uids = req.page_uids
+        if i >= len(uids) or uids[i] is None:
+            return None
+        page = self._cache.get(self._page_hash(req, i))
+        return page if page is not None and self._entry[page].uid == uids[i] else None
 
     # ---- allocation -------------------------------------------------------------------------
     def _take(self) -> int:

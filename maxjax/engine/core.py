@@ -30,7 +30,7 @@ from maxjax.engine.plan import EnginePlan, plan_engine
 from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.runner import ModelRunner, RowRequest, RowResult, StepResult
 from maxjax.engine.scheduler import Scheduler
-from maxjax.engine.state_slots import StateSlots
+from maxjax.engine.state_slots import Snapshots, StateSlots
 from maxjax.engine.step_io import ScheduledRow, StepOutput
 from maxjax.engine.stats import EngineStats, SpecStats
 from maxjax.engine.types import FinishReason, PoolingParams, RequestOutput, SamplingParams
@@ -84,10 +84,13 @@ class EngineCore:
         self.block_manager = BlockManager(lay.num_pages, lay.page_size, cfg.enable_prefix_caching,
                                           cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
         self.speculator = speculative.build(cfg, lay, model, graphs, plan.draft_tokens, plan)
-        self.state_slots = StateSlots(lay.state_slots) if lay.state_slots else None
+        n = lay.state_slots - lay.state_snapshots
+        self.state_slots = StateSlots(n) if lay.state_slots else None
+        self.snapshots = Snapshots(n, lay.state_snapshots, self.block_manager) \
+            if lay.state_snapshots else None
         self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids,
                                    self.speculator.k if self.speculator else 0, lora=self.lora,
-                                   state_slots=self.state_slots)
+                                   state_slots=self.state_slots, snapshots=self.snapshots)
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
                                   self.lora, lay.attention, lay.kv_dtype, lay.mesh, executor,
@@ -296,7 +299,8 @@ class EngineCore:
     def _row_input(self, row: ScheduledRow) -> RowRequest:
         req = row.request
         rs = RowSlice(row.token_ids, row.start_pos, row.pages, self._next_tokens(row),
-                      row.num_samples, req.lora_slot, state_slot=req.state_slot)
+                      row.num_samples, req.lora_slot, state_slot=req.state_slot,
+                      state_from=row.state_from, state_save=row.state_save)
         if req.images:
             rs.embeds, rs.embed_mask, rs.visible_end = image_rows(req.images, row.start_pos,
                                                                   len(row.token_ids))

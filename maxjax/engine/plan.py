@@ -167,8 +167,7 @@ def plan_engine(flags: EngineConfig | Prepared, model, *, platform: str | None =
     layout = plan_layout(cfg, model, flags.platform, resident, flags.draft_tokens)
     cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length,
                       enable_overlap_scheduler=overlap_plan.plan_overlap(cfg, layout,
-                                                                         flags.draft_tokens),
-                      **({"enable_prefix_caching": False} if layout.state_slots else {}))
+                                                                         flags.draft_tokens))
     return EnginePlan(cfg, layout, flags.draft_tokens, flags.lora_items, flags.flags)
 
 
@@ -375,7 +374,8 @@ class EngineLayout:
     # a hybrid model's request-state pools (maxjax/engine/state_plan.py); 0: none
     state_slots: int = 0
     state_dtype: str = ""           # --state-pool-dtype as resolved
-    state_report: str = field(default="", compare=False)   # their line, prefix cache's reason
+    state_report: str = field(default="", compare=False)   # their line
+    state_snapshots: int = 0        # the prefix cache's state snapshots among state_slots
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -463,7 +463,7 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
                         f"{report} ({memory.POOL_FLAGS})")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
                         attention.name, report, *lora_shape(cfg), kv_dtype, mesh, state.slots,
-                        state.dtype, state.report())
+                        state.dtype, state.report(), state.snapshots)
 
 
 def _resolved_for(cfg: EngineConfig, platform: str | None = None) -> ResolvedConfig:

@@ -56,6 +56,7 @@ from maxjax.engine.output import keep_prompt_logprobs
 from maxjax.engine.vision import chunk_end
 from maxjax.engine.request import PLACEHOLDER, Request, RequestStatus
 from maxjax.engine.stats import SchedulerStats
+from maxjax.engine.state_slots import cut_at_page
 from maxjax.engine.step_io import ScheduledRow, StepOutput, StepPlan, StepUpdate
 from maxjax.engine.types import FinishReason
 from maxjax.engine.step_policy import ALL, StepPolicy
@@ -76,10 +77,13 @@ class _StepState:
 
 class Scheduler:
     def __init__(self, engine_config: EngineConfig, block_manager: BlockManager, max_length: int,
-                 eos_token_ids=(), max_draft_tokens: int = 0, lora=None, state_slots=None):
+                 eos_token_ids=(), max_draft_tokens: int = 0, lora=None, state_slots=None,
+                 snapshots=None):
         """`lora`: the LoraManager (maxjax/lora/manager.py) whose device slots running requests
         hold, None without LoRA; `state_slots`: a hybrid model's StateSlots
-        (maxjax/engine/state_slots.py), one held by each running request, None: none."""
+        (maxjax/engine/state_slots.py), one held by each running request, None: none;
+        `snapshots`: its prefix cache's state Snapshots there, None: none (then its prefill
+        chunks are cut as any model's)."""
         cfg = engine_config      # its flags were checked by maxjax/engine/plan.py check_flags
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {max_length}")
@@ -90,6 +94,7 @@ class Scheduler:
         self.max_draft_tokens = max_draft_tokens
         self.lora = lora
         self.state_slots = state_slots
+        self.snapshots = snapshots
         self.policy = StepPolicy(cfg)
         total = cfg.max_batch_total_tokens
         ps = block_manager.page_size
@@ -169,6 +174,8 @@ class Scheduler:
         self.bm.free(req)
         if self.state_slots is not None:
             self.state_slots.release(req)
+        if self.snapshots is not None:
+            self.snapshots.release(req)
 
     @property
     def max_pages_per_row(self) -> int:
@@ -188,6 +195,15 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int, remaining: int) -> int:
+        """`_chunk_tokens`, cut for a hybrid model's state snapshots to end on a page boundary
+        where it can (state_slots.py cut_at_page: a state exists only where a step ends)."""
+        chunk = self._chunk_tokens(req, budget, remaining)
+        if not chunk or self.snapshots is None or req.images or req.is_embedding or \
+                not self.cfg.enable_chunked_prefill:
+            return chunk
+        return cut_at_page(req.num_tokens - remaining, chunk, req.num_tokens, self.bm.page_size)
+
+    def _chunk_tokens(self, req: Request, budget: int, remaining: int) -> int:
         """Tokens of `remaining` to prefill within `budget`: all of them, or a chunk such that the
         chunk and what is left are both >= the min chunk size (when the rest allows), or 0."""
         if remaining <= budget:
@@ -207,8 +223,11 @@ class Scheduler:
 
     def _row(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledRow:
         s = req.num_computed_tokens
-        return ScheduledRow(req, s, req.all_token_ids[s:s + n] + list(drafts), list(req.pages),
-                            s + n == req.num_tokens and not req.is_embedding, list(drafts))
+        row = ScheduledRow(req, s, req.all_token_ids[s:s + n] + list(drafts), list(req.pages),
+                           s + n == req.num_tokens and not req.is_embedding, list(drafts))
+        if self.snapshots is not None and req.is_prefilling:
+            row.state_save = self.snapshots.claim(req, s + n)
+        return row
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The request's draft tokens that fit: the step's budget, the model's length (the
@@ -356,7 +375,9 @@ class Scheduler:
             if self.lora is not None and not self.lora.can_acquire(req):
                 passed.append(self.waiting.popleft())
                 continue
-            prefix = self.bm.match_prefix(req)
+            prefix, restored = self.bm.match_prefix(req), 0
+            if self.snapshots is not None:      # a hybrid resumes where a state was saved
+                prefix, restored = self.snapshots.restore_point(prefix)
             start = len(prefix.pages) * ps
             limit = min(self._room(st, start), self.input_cap)
             chunk = self._chunk(req, limit, req.num_tokens - start) if limit > 0 else 0
@@ -372,7 +393,9 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._add_row(st, self._row(req, chunk))
+            row = self._row(req, chunk)
+            row.state_from = restored
+            self._add_row(st, row)
             st.num_admitted += 1
         self.waiting.extendleft(reversed(passed))
 
@@ -453,7 +476,7 @@ class Scheduler:
             req.draft_token_ids = []
             if not row.sample:
                 req.num_computed_tokens += computed
-                self.bm.cache_full_pages(req)
+                self._cache_pages(req)
                 if req.is_embedding and req.num_computed_tokens == req.num_tokens:
                     updates.append(StepUpdate(req, []))   # its last chunk: done, pages freed
                     self.running.remove(req)
@@ -477,12 +500,19 @@ class Scheduler:
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     break
-            self.bm.cache_full_pages(req)
+            self._cache_pages(req)
             updates.append(StepUpdate(req, added, row_samples))
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
         return updates
+
+    def _cache_pages(self, req: Request) -> None:
+        """Offer req's computed full pages to the prefix cache, then its pending state
+        snapshots to the cached pages they end."""
+        self.bm.cache_full_pages(req)
+        if self.snapshots is not None:
+            self.snapshots.bind(req)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling

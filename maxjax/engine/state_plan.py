@@ -4,8 +4,12 @@ the memory budget, and what such a model cannot do yet. Called by maxjax/engine/
 (the planner: nothing after the plan decides anything, tests/test_plan_once.py).
 
 Slots: max batch size + 1 (slot 0 is scratch), so every running request holds one
-(maxjax/engine/state_slots.py). Dtype: --state-pool-dtype, else the KV pool's (float16 keeps
-the state in float32: bfloat16's range, or exact, never float16's).
+(maxjax/engine/state_slots.py StateSlots), then with the prefix cache on as many again for its
+state snapshots (Snapshots): a hit resumes a cached prefix at the end of its last page that has
+one, and each prompt saves one at its last full page's end, so the last max-batch-size prompts'
+prefixes (and their earlier pages, LRU) stay resumable at a state's bytes each; none with
+--no-enable-prefix-caching. Dtype: --state-pool-dtype, else the KV pool's (float16 keeps the
+state in float32: bfloat16's range, or exact, never float16's).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ class StatePools:
     slots: int = 0
     dtype: str = ""
     bytes_per_request: int = 0
-    prefix_cache_off: str = ""     # why the prefix cache is off for this model ("": it is not)
+    snapshots: int = 0             # the prefix cache's state snapshots among the slots
 
     @property
     def total_bytes(self) -> int:
@@ -35,10 +39,12 @@ class StatePools:
         """One line for the start-up log and `maxjax suggest`."""
         if not self.slots:
             return ""
-        return (f"request state {self.slots} slots ({self.slots - 1} requests + scratch) x "
+        requests = self.slots - 1 - self.snapshots
+        snaps = (f"{self.snapshots} prefix-cache snapshots" if self.snapshots else
+                 "no prefix-cache snapshots (--no-enable-prefix-caching)")
+        return (f"request state {self.slots} slots ({requests} requests + {snaps} + scratch) x "
                 f"{self.bytes_per_request / 1024:.1f} KiB {self.dtype} = "
-                f"{self.total_bytes / (1 << 20):.2f} MiB; prefix cache off: "
-                f"{self.prefix_cache_off}")
+                f"{self.total_bytes / (1 << 20):.2f} MiB")
 
 
 def check_state_flags(cfg) -> None:
@@ -68,12 +74,5 @@ def plan_state_pools(cfg, model_cfg, kv_dtype: str) -> StatePools:
         return StatePools()
     dtype = cfg.state_pool_dtype or (kv_dtype if kv_dtype in STATE_POOL_DTYPES else "float32")
     per_request = rs.values_per_request(model_cfg) * jnp.dtype(dtype).itemsize
-    return StatePools(cfg.max_batch_size + 1, dtype, per_request,
-                      prefix_cache_reason(model_cfg))
-
-
-def prefix_cache_reason(model_cfg) -> str:
-    """Why the prefix cache is off for a model with state layers (the plan turns it off)."""
-    return (f"{model_cfg.architecture} keeps a fixed-size {request_state_of(model_cfg).name} "
-            "state per request, which a cached prefix's pages do not restore (no state "
-            "snapshots yet)")
+    snapshots = cfg.max_batch_size if cfg.enable_prefix_caching else 0
+    return StatePools(cfg.max_batch_size + 1 + snapshots, dtype, per_request, snapshots)

@@ -1,5 +1,6 @@
 """The request-state slots of a hybrid model (graphs/state.py RECURRENT): which running request
-holds which slot of the state pools. Called by the Scheduler.
+holds which slot of the state pools (StateSlots), and which slots hold the prefix cache's state
+snapshots (Snapshots, after the requests' slots). Called by the Scheduler.
 
 Slot 0 is scratch (padding rows read and write it); slots 1..n-1 are handed out. A request holds
 one from the step that first schedules it to its finish, abort or preemption. The plan makes
@@ -11,6 +12,10 @@ token is at position 0 from zero state, and a request (re)starts there.
 Not thread-safe: the engine loop owns it.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+
+from maxjax.engine.block_manager import PrefixMatch
 
 
 class StateSlots:
@@ -47,3 +52,120 @@ class StateSlots:
         assert self._holder.pop(slot) == req.request_id, (slot, req.request_id)
         self._free.append(slot)
         req.state_slot = 0
+
+
+class Snapshots:
+    """The prefix cache's request-state snapshots of a hybrid model: slots [first, first + count)
+    of the state pools (after the requests' slots, so a snapshot never aliases a running
+    request's), each holding the state of a cached prefix at the end of one of its full pages.
+
+    A snapshot is claimed for a prefill row whose step ends on a page boundary (`claim`: the
+    step saves its final state there, graphs/snapshots.py), stays pending with its request until
+    the step's pages are registered in the cache, then belongs to the cached page that ends at
+    its boundary (`bind`), or is freed when that page was not cached or has one already. The
+    BlockManager's eviction of a page frees its snapshot (`drop`); when no slot is free a claim
+    takes the least recently used snapshot (its page stays cached, no longer a hit's end). A hit
+    (`restore_point`) is the longest cached prefix whose last page has a snapshot.
+
+    Not thread-safe: the engine loop owns it.
+    """
+
+    def __init__(self, first: int, count: int, block_manager):
+        """Slots [first, first + count), for the cached pages of `block_manager` (whose
+        evictions it follows from now on)."""
+        if first < 1 or count < 1:
+            raise ValueError(f"snapshot slots [{first}, {first + count}): slot 0 is scratch")
+        self.first, self.count = first, count
+        self.bm, self.page_size = block_manager, block_manager.page_size
+        block_manager.on_uncache = self.drop
+        self._free = list(range(first + count - 1, first - 1, -1))   # pop() hands out the lowest
+        self._page_slot: OrderedDict[int, int] = OrderedDict()        # page -> slot, LRU first
+        self._pending: dict[str, list[tuple[int, int]]] = {}          # id -> [(slot, page index)]
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_bound(self) -> int:
+        return len(self._page_slot)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(v) for v in self._pending.values())
+
+    def slot_of(self, page: int) -> int:
+        """The snapshot of cached `page` (its state at the page's end), 0: none."""
+        return self._page_slot.get(page, 0)
+
+    def restore_point(self, prefix: PrefixMatch) -> tuple[PrefixMatch, int]:
+        """`prefix` (BlockManager.match_prefix) cut to its longest run whose last page has a
+        snapshot, and that snapshot's slot (0 and no pages: none)."""
+        for n in range(len(prefix.pages), 0, -1):
+            slot = self._page_slot.get(prefix.pages[n - 1])
+            if slot:
+                self._page_slot.move_to_end(prefix.pages[n - 1])
+                return PrefixMatch(prefix.pages[:n], prefix.uids[:n]), slot
+        return PrefixMatch([], []), 0
+
+    def claim(self, req, end: int) -> int:
+        """A slot for `req`'s state after its step ending at token `end`, when that is a page
+        boundary whose page the prefix cache may register; 0: no snapshot."""
+        ps = self.page_size
+        if end < ps or end % ps or req.is_embedding or (req.page_uids
+                                                        and req.page_uids[-1] is None):
+            return 0
+        if self._free:
+            slot = self._free.pop()
+        elif self._page_slot:
+            _, slot = self._page_slot.popitem(last=False)
+            self.evictions += 1
+        else:
+            return 0                      # every snapshot is pending in this step
+        self._pending.setdefault(req.request_id, []).append((slot, end // ps - 1))
+        return slot
+
+    def bind(self, req) -> None:
+        """After `req`'s step and BlockManager.cache_full_pages: its pending snapshots whose
+        pages the cache has taken (or refused) go to the cached pages they end (the page cached
+        for that prefix, its own or an equal one), or are freed."""
+        uids, left = req.page_uids, []
+        for slot, index in self._pending.pop(req.request_id, ()):
+            if index >= len(uids) and not (uids and uids[-1] is None):
+                left.append((slot, index))          # its step is not taken in yet
+                continue
+            page = self.bm.cached_page(req, index)
+            if page is None or page in self._page_slot:
+                self._free.append(slot)
+            else:
+                self._page_slot[page] = slot
+        if left:
+            self._pending[req.request_id] = left
+
+    def release(self, req) -> None:
+        """Free `req`'s pending snapshots (finished, aborted or preempted before its update)."""
+        for slot, _ in self._pending.pop(req.request_id, ()):
+            self._free.append(slot)
+
+    def drop(self, page: int) -> None:
+        """`page` left the prefix cache: its snapshot is freed."""
+        slot = self._page_slot.pop(page, 0)
+        if slot:
+            self._free.append(slot)
+
+
+def cut_at_page(start: int, chunk: int, num_tokens: int, page_size: int) -> int:
+    """A hybrid prefill chunk of `chunk` tokens from `start` of a `num_tokens`-token sequence, cut
+    to end on a page boundary, a snapshot point: at the sequence's last full page boundary
+    before its last token when the chunk spans it (the tail after it runs as a chunk of its
+    own), else at the last boundary inside a chunk that does not end the sequence; as it is
+    when no boundary falls inside it."""
+    end = start + chunk
+    last = (num_tokens - 1) // page_size * page_size
+    if start < last < end:
+        return last - start
+    aligned = end // page_size * page_size
+    if end < num_tokens and aligned > start:
+        return aligned - start
+    return chunk

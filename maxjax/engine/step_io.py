@@ -25,6 +25,8 @@ class ScheduledRow:
     pages: list[int]
     sample: bool       # its last token yields a new token (False for a non-final prefill chunk)
     draft_token_ids: list[int] = field(default_factory=list)
+    state_from: int = 0       # a hybrid model's state snapshot this row resumes from (0: none)
+    state_save: int = 0       # the snapshot its state after this step is saved to (0: none)
 
     @property
     def num_samples(self) -> int:
