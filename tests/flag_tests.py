@@ -225,6 +225,12 @@ ADDED = {
     "--ep-size": ["tests/test_moe.py::test_engine_serves_moe_on_one_and_four_devices",
                   "tests/test_moe.py::test_expert_parallel_2_by_tensor_parallel_2_equals_one_device",
                   "tests/test_moe.py::test_ep_size_refusals_for_models"],
+    # step N+1 launched before step N is read; outputs equal the synchronous engine's; the
+    # planner's choice and refusals
+    "--enable-overlap-scheduler": [
+        "tests/test_overlap_scheduler.py::test_the_next_step_is_launched_before_this_one_is_read",
+        "tests/test_overlap_engine.py::test_greedy_and_seeded_outputs_equal_the_synchronous_engine",
+        "tests/test_overlap_engine.py::test_the_planner_decides"],
 }
 
 FLAG_TESTS = {flag: EXISTING.get(flag, []) + ADDED.get(flag, [])
