@@ -149,7 +149,7 @@ def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = Fa
     def fix(m, field):
         if command:
             return command
-        eng = {k: getattr(user, k) for k in mf.FLAGS if k != "dtype"}
+        eng = {k: getattr(user, k) for k in mf.FLAGS if hasattr(user, k)}   # flags, not derived
         for k, v in eng.items():
             if v is None or (not user_chose(user, k) and k != field):
                 eng[k] = (m.data.get("engine", {}).get(k) if m else None) or v
