@@ -153,7 +153,9 @@ def test_the_plan(model, monkeypatch):
     lay = plan.layout
     assert (lay.state_slots, lay.state_snapshots, lay.state_dtype) == (9, 4, "float32")
     assert plan.config.enable_prefix_caching
-    assert "9 slots (4 requests + 4 prefix-cache snapshots + scratch)" in lay.state_report
+    snap_mib = f"{4 * per * 4 / (1 << 20):.2f} MiB"
+    assert f"9 slots (4 requests + 4 prefix-cache snapshots of {snap_mib} + scratch)" in \
+        lay.state_report
     off = plan_engine(EngineConfig(**ENGINE, enable_prefix_caching=False), model)
     assert not off.config.enable_prefix_caching
     assert (off.layout.state_slots, off.layout.state_snapshots) == (5, 0)

@@ -40,8 +40,9 @@ class StatePools:
         if not self.slots:
             return ""
         requests = self.slots - 1 - self.snapshots
-        snaps = (f"{self.snapshots} prefix-cache snapshots" if self.snapshots else
-                 "no prefix-cache snapshots (--no-enable-prefix-caching)")
+        snaps = (f"{self.snapshots} prefix-cache snapshots of "
+                 f"{self.snapshots * self.bytes_per_request / (1 << 20):.2f} MiB" if self.snapshots
+                 else "no prefix-cache snapshots (--no-enable-prefix-caching)")
         return (f"request state {self.slots} slots ({requests} requests + {snaps} + scratch) x "
                 f"{self.bytes_per_request / 1024:.1f} KiB {self.dtype} = "
                 f"{self.total_bytes / (1 << 20):.2f} MiB")
