@@ -19,6 +19,8 @@ paged ones in the pool pytree, each [state layers, slots, ...]; a request holds 
 first step to its end (StepInputs.state_slot; slot 0 is scratch, as page 0 is), and the graphs
 (graphs/recurrent.py) read it at the request's first token of a step (zero at position 0) and
 write it back after its last. The paged pools then have one layer per attention layer only.
+The prefix cache's state snapshots take more slots of the same pools, after the requests'
+(graphs/snapshots.py copies a row's state from or to one around the step).
 """
 from __future__ import annotations
 
