@@ -17,7 +17,7 @@ prefill bucket runs it in chunks of CHUNK a row (`chunk_delta` under recurrent.s
 transformers' torch_chunk_gated_delta_rule and the FLA library do: in a chunk, with gc the
 cumulative log decay from its start and G[i, j] = exp(gc_i - gc_j) for j <= i,
   A = (beta k k^T) * G below the diagonal,  (I + A) [u | w] = [beta v | beta exp(gc) k]
-(a unit lower-triangular solve); then from the chunk's initial state S
+(a unit lower-triangular inverse, `unit_lower_inverse`); then from the chunk's initial state S
   d = u - w S,  out = exp(gc) q S + ((q k^T) * G) d,  S <- exp(gc_C) S + (exp(gc_C - gc) k)^T d.
 """
 from __future__ import annotations
@@ -68,6 +68,28 @@ def delta_step(state, inputs):
     return state, jnp.einsum("hkv,hk->hv", state, q)
 
 
+def unit_lower_inverse(a):
+    """(I + a)^-1 of strictly lower-triangular a [..., C, C] (C a power of two), by doubling
+    inverted diagonal blocks: [[X1, 0], [A21, X2]]^-1 = [[X1^-1, 0], [-X2^-1 A21 X1^-1, X2^-1]]
+    (batched matmuls only; XLA's triangular solve runs far slower on the CPU)."""
+    *lead, C, _ = a.shape
+    if C & (C - 1):
+        raise ValueError(f"chunk size {C}: a power of two")
+    inv = jnp.ones((*lead, C, 1, 1), a.dtype)                 # the inverted b x b blocks
+    b = 1
+    while b < C:
+        P = C // (2 * b)
+        below = a.reshape(*lead, P, 2, b, P, 2, b)[..., :, 1, :, :, 0, :]
+        a21 = jnp.moveaxis(jnp.diagonal(below, axis1=-4, axis2=-2), -1, -3)    # [.., P, b, b]
+        x1, x2 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        l21 = -(x2 @ a21 @ x1)
+        zero = jnp.zeros_like(x1)
+        inv = jnp.concatenate([jnp.concatenate([x1, zero], -1),
+                               jnp.concatenate([l21, x2], -1)], -2)
+        b *= 2
+    return inv[..., 0, :, :]
+
+
 def chunk_delta(q, k, v, g, beta, state_pool, step, size: int = CHUNK):
     """The delta rule over a prefill step in chunks (module docstring): q, k [T, heads, k_dim],
     v [T, heads, v_dim], the log decay g and beta [T, heads] -> (out [T, heads, v_dim], the
@@ -81,8 +103,7 @@ def chunk_delta(q, k, v, g, beta, state_pool, step, size: int = CHUNK):
     kb = k * beta[..., None]
     a = jnp.einsum("nhik,nhjk->nhij", kb, k) * gap * ~jnp.eye(size, dtype=bool)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gc)[..., None]], axis=-1)
-    uw = jax.lax.linalg.triangular_solve(jnp.eye(size) + a, rhs, left_side=True, lower=True,
-                                         unit_diagonal=True)
+    uw = jnp.einsum("nhij,nhjd->nhid", unit_lower_inverse(a), rhs)
     u, w = uw[..., :v.shape[-1]], uw[..., v.shape[-1]:]
     qk = jnp.einsum("nhik,nhjk->nhij", q, k) * gap
     qg = q * jnp.exp(gc)[..., None]
