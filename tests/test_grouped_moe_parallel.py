@@ -1,4 +1,5 @@
-"""The group-routed families (DeepSeek-V3 with MLA, GLM-4.5) on 4 forced CPU devices, at tensor
+"""The newer MoE families (DeepSeek-V3 with MLA, GLM-4.5; the hybrids Qwen3-Next, Qwen3.5 MoE
+and Granite 4, whose request-state pools and linear layers stay whole) on 4 forced CPU devices, at tensor
 parallelism 4 and at expert parallelism 2 x tensor parallelism 2 (--ep-size 2: the experts split
 over the expert axis, the rest over the model axis; MLA's one latent head stays whole): one ragged
 step's logits equal one device's within 1e-4 (a sharded matmul sums in another order, measured
@@ -36,11 +37,21 @@ def _glm4_moe():
         use_qk_norm=True, num_mtp_layers=0, eos_token_id=None, max_position_embeddings=512))
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def _makers():
+    from test_granitemoehybrid import _model as granite
+    from test_qwen3_next import _model as qwen, scramble
+    return {"deepseek_v3": lambda: scramble_grouped_moe(_deepseek_v3().eval()),
+            "glm4_moe": lambda: scramble_grouped_moe(_glm4_moe().eval()),
+            "qwen3_next": lambda: scramble(qwen("qwen3_next")),
+            "qwen3_5_moe": lambda: scramble(qwen("qwen3_5_moe")),
+            "granitemoehybrid": lambda: granite(0)}
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe",
+                                        "granitemoehybrid"])
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
-    make = {"deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe}[request.param]
-    model = scramble_grouped_moe(make().eval())
+    model = _makers()[request.param]()
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)
@@ -50,9 +61,11 @@ def _one_step(arch, cfg, params):
     """Logits of one ragged step: a 5-token prompt and 12-token chunks of two others."""
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(3, 256, n))) for n in (5, 20, 30)]
-    rows = [RowSlice(p[:12], 0, [1 + r]) for r, p in enumerate(prompts)]
-    step = build_step_inputs(rows, 32, 4, 1, 16)
-    kv = init_kv(cfg, 4, 16, jnp.float32)
+    hybrid = any(cfg.state_layers)
+    rows = [RowSlice(p[:12], 0, [1 + r], state_slot=1 + r if hybrid else 0)
+            for r, p in enumerate(prompts)]
+    step = build_step_inputs(rows, 32, 4, 1, 16, state=hybrid)
+    kv = init_kv(cfg, 4, 16, jnp.float32, state_slots=4 if hybrid else 0)
     logits, _ = jax.jit(lambda p, k, s: arch.forward(cfg, p, k, s))(params, kv, step)
     return np.asarray(logits)[:3]
 
@@ -74,8 +87,11 @@ def test_parallel_equals_one_device(checkpoint, tp, ep):
     # tp 4: each device 2 whole experts; ep 2 x tp 2: 4 experts, each's intermediate halved
     split, inner_f = (E // 4, F) if ep == 1 else (E // 2, F // 2)
     shards = {"experts_gate_up": (split, D, 2 * inner_f), "experts_down": (split, inner_f, D)}
+    layers = placed["layers"]
+    routed = next(p for p in layers if "experts_down" in p)
     for key, shard in shards.items():
-        assert {s.data.shape for s in placed["layers"][1][key].addressable_shards} == {shard}
-    assert {s.data.shape for s in placed["layers"][0]["w_down"].addressable_shards} == \
-        {(cfg.intermediate_size // tp, D)}
+        assert {s.data.shape for s in routed[key].addressable_shards} == {shard}
+    for dense in (p for p in layers if "w_down" in p):
+        assert {s.data.shape for s in dense["w_down"].addressable_shards} == \
+            {(cfg.intermediate_size // tp, D)}
     np.testing.assert_allclose(_one_step(arch, ep_cfg, placed), one, rtol=1e-4, atol=1e-4)
