@@ -87,6 +87,11 @@ class ServeConfig:
         "help": "With several models: how many stay loaded at once; a request for another "
                 "unloads the least recently used one once its requests have finished "
                 "(default: all of them)"})
+    models_memory_budget: str | None = field(default=None, metadata={
+        "help": "With several models: the memory the loaded models may hold together (their "
+                "planned weights, KV and state pools), e.g. 12G; a request for a model that "
+                "does not fit unloads the least recently used ones once their requests have "
+                "finished (default: the free memory at start x --device-memory-utilization)"})
 
     webui: bool = field(default=True, metadata={
         "help": "Serve the browser playground and engine dashboard at / (--no-webui: / is a 404; "
@@ -133,6 +138,10 @@ class ServeConfig:
                                 f"(got {getattr(self, name)})")
         if self.max_loaded_models is not None and self.max_loaded_models < 1:
             raise UserError(f"--max-loaded-models must be >= 1 (got {self.max_loaded_models})")
+        if self.models_memory_budget is not None:
+            from maxjax.aot.cache import size_bytes
+            if size_bytes(self.models_memory_budget, "--models-memory-budget") < 1:
+                raise UserError("--models-memory-budget must be more than 0 bytes")
         for name in ("max_queue_size", "max_pending_requests", "shutdown_grace_period"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0 "

@@ -21,22 +21,25 @@ def _configured(st: RoutedState, name: str) -> ModelSlot:
 
 
 def _cards(st: RoutedState, slot: ModelSlot) -> list[dict]:
+    # planned_bytes: what it holds once loaded, by its memory plan (None: unplanned)
+    planned = slot.memory.bytes if slot.memory is not None else None
     if not slot.loaded:
         return [{"id": slot.name, "object": "model", "created": st.created,
-                 "owned_by": "maxjax", "root": slot.name, "parent": None, "loaded": False}]
+                 "owned_by": "maxjax", "root": slot.name, "parent": None, "loaded": False,
+                 "planned_bytes": planned}]
     ms = slot.state
     defaults = ms.sampling_defaults.in_force()
     adapters = slot.engine.lora_adapters()
     return [dict(model_card(slot.name, ms.created, slot.engine.max_length, defaults),
-                 loaded=True)] + [
+                 loaded=True, planned_bytes=planned)] + [
         dict(model_card(a, ms.created, slot.engine.max_length, defaults, parent=slot.name,
                         root=path), loaded=True) for a, path in adapters.items()]
 
 
 @describe(response=ModelList)
 async def list_models(request: web.Request) -> web.Response:
-    """Every configured model (`loaded`: whether it is in memory now) and the LoRA adapters of
-    the loaded ones."""
+    """Every configured model (`loaded`: whether it is in memory now; `planned_bytes`: what it
+    holds once loaded, by its memory plan) and the LoRA adapters of the loaded ones."""
     st: RoutedState = request.app[STATE]
     return web.json_response({"object": "list", "data": [
         card for slot in st.router.slots.values() for card in _cards(st, slot)]})
@@ -54,7 +57,7 @@ async def get_model(request: web.Request) -> web.Response:
 @describe(response=ModelCard)
 async def load_model(request: web.Request) -> web.Response:
     """Load a configured model now (unloading the least recently used others as
-    --max-loaded-models says); answers once it serves."""
+    --max-loaded-models and the memory budget say); answers once it serves."""
     st: RoutedState = request.app[STATE]
     slot = await st.router.load(_configured(st, request.match_info["name"]).name)
     return web.json_response(dict(_cards(st, slot)[0], load_seconds=round(slot.load_seconds or 0,

@@ -1,7 +1,8 @@
 """Several models behind one server (`maxjax serve --model A --model B`, --models-file): a
 ModelRouter holds one ModelSlot per configured model, each with its own engine and its own
 ServerState, loaded on its first request and unloaded, least recently used first, when more than
---max-loaded-models would be loaded.
+--max-loaded-models would be loaded or when the loaded models' planned bytes and its own would
+exceed the memory budget (maxjax/engine/model_memory.py plans both before any model loads).
 
 The routes are not told about it: the app's STATE is a RoutedState that answers for the model the
 request's body names (read_json calls `pick_model`, which loads it if needed and marks it in use
@@ -19,7 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from maxjax.engine.model_memory import GiB, ModelMemory
 from maxjax.engine.stats import EngineStats
+from maxjax.errors import UserError
 
 from .config import ServeConfig
 from .engine_client import EngineClient
@@ -44,6 +47,11 @@ class ModelSlot:
     in_flight: int = 0                      # handlers that picked it and have not ended
     draining: bool = False                  # an unload waits for it to go idle
     load_seconds: float | None = None       # its last load's
+    memory: ModelMemory | None = None       # its planned bytes; None: unplanned (not counted)
+
+    @property
+    def planned_bytes(self) -> int:
+        return self.memory.bytes if self.memory is not None else 0
 
     @property
     def loaded(self) -> bool:
@@ -89,13 +97,15 @@ def _idle(slot: ModelSlot) -> bool:
 class ModelRouter:
     """The configured models, in order (the first answers requests that name none)."""
 
-    def __init__(self, slots: list[ModelSlot], max_loaded: int | None = None):
+    def __init__(self, slots: list[ModelSlot], max_loaded: int | None = None,
+                 budget: int | None = None):
         names = [s.name for s in slots]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
             raise ValueError(f"two models are named {dup!r}: give each its own name")
         self.slots = {s.name: s for s in slots}
         self.max_loaded = max_loaded or len(slots)
+        self.budget = budget        # bytes the loaded models' plans may hold; None: no cap
         self.is_ready = False       # the first model's start-up load has finished
         self.dead: BaseException | None = None
         self._swap: asyncio.Lock | None = None     # one load or eviction at a time
@@ -190,10 +200,38 @@ class ModelRouter:
             self._swap = asyncio.Lock()
         return self._swap
 
-    async def _make_room(self, slot: ModelSlot) -> None:
+    def too_big(self, slot: ModelSlot) -> APIError | None:
+        """The error of a model whose plan alone exceeds the memory budget; None: it fits."""
+        if self.budget is None or slot.planned_bytes <= self.budget:
+            return None
+        return APIError(503, f"model {slot.name!r} needs {slot.planned_bytes} bytes "
+                             f"({slot.planned_bytes / GiB:.3f} GiB: {slot.memory.line()}), more "
+                             f"than the memory budget of {self.budget} bytes "
+                             f"({self.budget / GiB:.3f} GiB) the loaded models share; it "
+                             f"cannot be loaded (--models-memory-budget, or its --num-kv-pages)",
+                        param="model", code="model_too_large")
+
+    def _victims(self, slot: ModelSlot) -> list[ModelSlot]:
+        """The least recently used loaded others to unload so that `slot` fits the count cap
+        and the memory budget."""
         loaded = sorted((s for s in self.slots.values() if s.loaded and s is not slot),
                         key=lambda s: s.last_used)
-        for victim in loaded[:max(len(loaded) + 1 - self.max_loaded, 0)]:
+        held = sum(s.planned_bytes for s in loaded) + slot.planned_bytes
+        out = []
+        for victim in loaded:
+            over_count = len(loaded) - len(out) + 1 > self.max_loaded
+            over_memory = self.budget is not None and held > self.budget
+            if not (over_count or over_memory):
+                break
+            out.append(victim)
+            held -= victim.planned_bytes
+        return out
+
+    async def _make_room(self, slot: ModelSlot) -> None:
+        error = self.too_big(slot)
+        if error is not None:
+            raise error
+        for victim in self._victims(slot):
             log.info("unloading %s (least recently used) to load %s", victim.name, slot.name)
             await self._unload(victim)
 
@@ -228,6 +266,9 @@ class ModelRouter:
         """The first model's engine, built on the calling thread at start-up (as one model's
         is); `is_ready` once it runs."""
         slot = next(iter(self.slots.values()))
+        error = self.too_big(slot)
+        if error is not None:
+            raise UserError(f"{error.message} (it is the first model, loaded at start)")
         engine = slot.start()
         slot.engine, slot.last_used = engine, time.monotonic()
         if self._shared is not None:

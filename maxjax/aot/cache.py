@@ -42,7 +42,12 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def max_bytes(flag: str | None = None) -> int:
     """The size cap: the flag, else $MAXJAX_CACHE_MAX_SIZE, else 10G (bytes, or K/M/G/T)."""
     name = "--compile-cache-max-size" if flag else "MAXJAX_CACHE_MAX_SIZE"
-    text = flag or os.environ.get("MAXJAX_CACHE_MAX_SIZE") or DEFAULT_MAX_SIZE
+    return size_bytes(flag or os.environ.get("MAXJAX_CACHE_MAX_SIZE") or DEFAULT_MAX_SIZE, name)
+
+
+def size_bytes(text, name: str) -> int:
+    """A size flag's bytes: a number of bytes, or with K/M/G/T (powers of 1024); a UserError
+    naming `name` otherwise."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.I)
     if not m:
         raise UserError(f"{name} {text!r}: expected a size such as 500M or 10G")

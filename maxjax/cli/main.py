@@ -244,17 +244,22 @@ def _serve(args) -> int:
     return serve(model_opts, engine_cfg, serve_cfg, args.group, prepared)
 
 
-def _server_flags(args) -> None:
+def _server_flags(args):
     """suggest and warm-cache take serve's server flags (a `maxjax serve` command line or
-    config file as it is): checked as serve checks them; they shape no graph."""
+    config file as it is): checked as serve checks them; they shape no graph (suggest reads
+    the several models' ones)."""
     from maxjax.server.config import ServeConfig
-    build(ServeConfig, args, _config_file(args))
+    return build(ServeConfig, args, _config_file(args))
 
 
 def cmd_suggest(args) -> int:
     from maxjax.cli import suggest
     model_opts, engine_cfg = _setup(args, register=False)
-    _server_flags(args)
+    serve_cfg = _server_flags(args)
+    from maxjax.cli import multi_model
+    specs = multi_model.model_specs(args, model_opts, engine_cfg, serve_cfg)
+    if specs is not None:
+        return multi_model.suggest_models(specs, serve_cfg, args.json)
     return suggest.run(args, model_opts, engine_cfg)
 
 

@@ -16,6 +16,8 @@ from maxjax.cli.args import ModelOptions, config_values, read_yaml_or_json
 from maxjax.engine.config import EngineConfig
 from maxjax.errors import UserError
 
+GiB = float(1 << 30)
+
 # the server flags that are a model's own (the rest are the server's: host, port, api_key...)
 SERVER_KEYS = ("tool_parser", "reasoning_parser", "enable_tool_call_constrained_decode",
                "emit_reasoning_content", "temperature", "top_k")
@@ -49,9 +51,10 @@ def model_specs(args, model_opts: ModelOptions, engine_cfg: EngineConfig,
     elif len(paths) > 1:
         entries, where = [{"model": p} for p in paths], "--model"
     else:
-        if serve_cfg.max_loaded_models is not None:
-            raise UserError("--max-loaded-models: serves several models (repeat --model or "
-                            "give --models-file)")
+        for flag in ("max_loaded_models", "models_memory_budget"):
+            if getattr(serve_cfg, flag) is not None:
+                raise UserError(f"--{flag.replace('_', '-')}: serves several models (repeat "
+                                "--model or give --models-file)")
         return None
     from maxjax.models.loader import EMBEDDED_NAME
     specs = []
@@ -94,10 +97,99 @@ def _read_models_file(path: str) -> list[dict]:
     return data
 
 
+@dataclass(frozen=True)
+class PlannedModel:
+    spec: ModelSpec                 # its flags, a default KV pool pinned at its share
+    memory: object | None           # its ModelMemory; None: its plan failed (`error`)
+    error: str | None = None
+
+
+def plan_memory(specs: list[ModelSpec], serve_cfg):
+    """(each model's PlannedModel, the MemoryBudget): maxjax/engine/model_memory.py, each
+    model planned as `maxjax suggest` plans it; a model whose plan fails keeps its flags (its
+    load will say why)."""
+    from maxjax.aot.cache import size_bytes
+    from maxjax.cli.suggest import empty_report, plan_into
+    from maxjax.engine import model_memory
+    from maxjax.models import source
+    flag = serve_cfg.models_memory_budget
+    budget = model_memory.budget(
+        None if flag is None else size_bytes(flag, "--models-memory-budget"),
+        [s.engine.device_memory_utilization for s in specs], len(specs),
+        serve_cfg.max_loaded_models)
+    out = []
+    for spec in specs:
+        cfg = model_memory.share_flags(spec.engine, budget)
+        shared = cfg is not spec.engine
+        opts = dataclasses.replace(spec.model, compile_cache=False)  # no lookup: bytes only
+        try:
+            files = source.resolve(opts.source(), cfg.quantization_encoding)
+            report = empty_report(opts, files.config, [])
+            plan_into(report, opts, cfg, {}, set(), files)
+        except UserError as e:
+            out.append(PlannedModel(spec, None, f"{e}{SHARE_ADVICE.format(budget.share / GiB)}"
+                                    if shared else str(e)))
+            continue
+        need = model_memory.model_memory(report, shared)
+        out.append(PlannedModel(dataclasses.replace(
+            spec, engine=model_memory.pinned(spec.engine, need.num_kv_pages)), need))
+    return out, budget
+
+
+SHARE_ADVICE = (" (its KV pool was planned from {:.3f} GiB, its share of the models' memory "
+                "budget: give it --num-kv-pages, raise --models-memory-budget or lower "
+                "--max-loaded-models)")
+
+
+def plan_lines(planned: list[PlannedModel], budget) -> list[tuple[bool, str]]:
+    """The memory plan as the start-up log and `maxjax suggest --models-file` give it: (a
+    warning, the line)."""
+    lines = [(False, budget.line())]
+    for p in planned:
+        if p.memory is None:
+            lines.append((True, f"model {p.spec.name}: no memory plan: {p.error}"))
+        elif p.memory.bytes > budget.bytes:
+            lines.append((True, f"model {p.spec.name}: {p.memory.line()} (over the budget "
+                                "alone: its requests get a 503)"))
+        else:
+            lines.append((False, f"model {p.spec.name}: {p.memory.line()}"))
+    return lines
+
+
+def suggest_models(specs: list[ModelSpec], serve_cfg, as_json: bool) -> int:
+    """`maxjax suggest --models-file` (or --model repeated): each model's planned bytes and the
+    budget they share; 1 when a model has no plan or the first is over the budget (serve
+    refuses to start)."""
+    import json
+    planned, budget = plan_memory(specs, serve_cfg)
+    if as_json:
+        print(json.dumps({"budget_bytes": budget.bytes, "budget": budget.how,
+                          "loaded_at_once": budget.loaded_at_once, "models": [
+                              {"name": p.spec.name, "error": p.error} if p.memory is None else
+                              {"name": p.spec.name, "planned_bytes": p.memory.bytes,
+                               **dataclasses.asdict(p.memory),
+                               "fits_budget": p.memory.bytes <= budget.bytes}
+                              for p in planned]}, indent=2))
+    else:
+        print("\n".join(line for _, line in plan_lines(planned, budget)))
+    first = planned[0].memory
+    bad = any(p.memory is None for p in planned) or first.bytes > budget.bytes
+    return 1 if bad else 0
+
+
 def router_of(specs: list[ModelSpec], serve_cfg, start=start_model):
+    import logging
+
     from maxjax.server.router import ModelRouter, model_slots
-    return ModelRouter(model_slots([(s.name, s, s.server) for s in specs], start, serve_cfg),
-                       serve_cfg.max_loaded_models)
+    planned, budget = plan_memory(specs, serve_cfg)
+    log = logging.getLogger("maxjax.server.router")
+    for warn, line in plan_lines(planned, budget):
+        log.log(logging.WARNING if warn else logging.INFO, "%s", line)
+    slots = model_slots([(p.spec.name, p.spec, p.spec.server) for p in planned], start,
+                        serve_cfg)
+    for slot, p in zip(slots, planned):
+        slot.memory = p.memory
+    return ModelRouter(slots, serve_cfg.max_loaded_models, budget.bytes)
 
 
 def serve_models(specs: list[ModelSpec], serve_cfg) -> int:
