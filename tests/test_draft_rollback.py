@@ -6,7 +6,8 @@ import pytest
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.request import Request
-from maxjax.engine.scheduler import Scheduler, accept_drafts
+from maxjax.engine.accept import accept_drafts
+from maxjax.engine.scheduler import Scheduler
 from maxjax.engine.types import SamplingParams
 from mock_model import MockModel, reference_generate
 from pool_check import check_pool

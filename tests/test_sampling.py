@@ -143,11 +143,11 @@ def _chi2(counts, want):
 def test_draft_verification_emits_the_target_distribution(drafts):
     """Speculative decoding's rule (maxjax/engine/speculative.py): every slot of a verified row
     samples as a step without drafts would (same seed, its own output position, the drafts before
-    it counted as output), and Scheduler's accept_drafts keeps a draft while it equals the token
+    it counted as output), and accept.py's accept_drafts keeps a draft while it equals the token
     sampled before it. For deterministic drafts unlike the target, the emitted tokens must follow
     the target: the first ~ p0, and after an accepted first draft, the second ~ p1. [4, 0]: an
     unlikely first draft; [1, 0]: a second draft that top_p filters out (never accepted)."""
-    from maxjax.engine.scheduler import accept_drafts
+    from maxjax.engine.accept import accept_drafts
     R, batches = 4096, 5
     kw = dict(temperature=0.8, top_p=0.9)
     probs = [PROBS, PROBS[::-1].copy(), np.roll(PROBS, 3)]      # the target at slots 0, 1, 2

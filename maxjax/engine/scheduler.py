@@ -36,43 +36,32 @@ they get no sample slot, no drafts and no prefix-cache pages, and they finish (p
 update with no tokens) in the update of their last chunk.
 
 Overlap (maxjax/engine/overlap.py): `advance(plan)` takes a plan as computed while its step
-is still on the device (a sampling row's request holds a PLACEHOLDER token), so the next plan
-is made before its tokens are back; `update_from_output(plan, out, advanced=True)` fills them
-in. While a step is in flight nothing is preempted: a row that would need it waits, and
-`short` says so.
+is still on the device (maxjax/engine/in_flight.py), so the next plan is made before its tokens
+are back; `update_from_output(plan, out, advanced=True)` fills them in. While a step is in
+flight nothing is preempted: a row that would need it waits, and `short` says so.
+
+Its helpers: maxjax/engine/step_budget.py (a step's budgets, chunk sizes, whether a request
+fits), accept.py (a step's results read per row), state_slots.py RequestState (a hybrid
+model's state slots and prefix-cache snapshots).
 
 Not thread-safe: call abort()/finish() from the loop, between schedule() and the next schedule().
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-import numpy as np
-
+from maxjax.engine.accept import (accept_drafts, keep_results, row_tokens, sampled_by_row,
+                                  take_tokens)
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.output import keep_prompt_logprobs
-from maxjax.engine.vision import chunk_end
-from maxjax.engine.request import PLACEHOLDER, Request, RequestStatus
+from maxjax.engine.in_flight import advance_rows, ends_in_flight
+from maxjax.engine.request import Request, RequestStatus
 from maxjax.engine.stats import SchedulerStats
-from maxjax.engine.state_slots import cut_at_page
+from maxjax.engine.state_slots import RequestState
+from maxjax.engine.step_budget import StepBudget, check_fits, fitting_drafts, prefill_chunk
 from maxjax.engine.step_io import ScheduledRow, StepOutput, StepPlan, StepUpdate
 from maxjax.engine.types import FinishReason
 from maxjax.engine.step_policy import ALL, StepPolicy
-from maxjax.errors import RequestError
-
-
-@dataclass
-class _StepState:
-    """A step being planned: what is left of its budgets and what it holds so far."""
-    budget: int                  # tokens left (max_batch_input_tokens)
-    total_left: int | None       # page-aligned context left (max_batch_total_tokens)
-    rows: list[ScheduledRow] = field(default_factory=list)
-    scheduled: set[str] = field(default_factory=set)
-    preempted: list[Request] = field(default_factory=list)
-    num_decode: int = 0
-    num_admitted: int = 0
 
 
 class Scheduler:
@@ -93,8 +82,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
         self.lora = lora
-        self.state_slots = state_slots
-        self.snapshots = snapshots
+        self.request_state = RequestState(state_slots, snapshots, cfg.enable_chunked_prefill)
         self.policy = StepPolicy(cfg)
         total = cfg.max_batch_total_tokens
         ps = block_manager.page_size
@@ -119,25 +107,7 @@ class Scheduler:
         engine's resources could never run it (a ValueError for a request id in use)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        n = req.num_tokens
-        if not self.cfg.enable_chunked_prefill and n > self.cfg.max_batch_input_tokens:
-            raise RequestError("prompt", f"{n} tokens, more than max_batch_input_tokens "
-                                         f"{self.cfg.max_batch_input_tokens}, and chunked "
-                                         "prefill is off")
-        total = self.cfg.max_batch_total_tokens
-        if total is not None and self.bm.pages_for(n) * self.bm.page_size > total:
-            raise RequestError("prompt", f"{n} tokens fill {self.bm.pages_for(n)} KV pages of "
-                                         f"{self.bm.page_size}, more than --max-batch-total-tokens "
-                                         f"{total}")
-        final = min(n + req.sampling.max_new_tokens - req.num_output_tokens, self.length_limit)
-        # The last sampled token is never fed back, so the cache holds at most final - 1 tokens
-        # (an embedding request samples none: its prompt is all it holds).
-        need = self.bm.pages_for(n if req.is_embedding else final - 1)
-        if need > self.bm.num_usable_pages:
-            too_long = self.bm.pages_for(n) > self.bm.num_usable_pages
-            raise RequestError("prompt" if too_long else "max_new_tokens",
-                               f"the request needs up to {need} KV pages ({final - 1} tokens) "
-                               f"but the pool has {self.bm.num_usable_pages}")
+        check_fits(self.cfg, self.bm, req, self.length_limit)
         req.status = RequestStatus.WAITING
         if self.lora is not None and req.adapter_id is not None:
             self.lora.use(req.adapter_id)
@@ -172,10 +142,7 @@ class Scheduler:
         """Give back what a request holds while running: its pages and its state slot."""
         req.drop_placeholder()
         self.bm.free(req)
-        if self.state_slots is not None:
-            self.state_slots.release(req)
-        if self.snapshots is not None:
-            self.snapshots.release(req)
+        self.request_state.release(req)
 
     @property
     def max_pages_per_row(self) -> int:
@@ -195,48 +162,16 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int, remaining: int) -> int:
-        """`_chunk_tokens`, cut for a hybrid model's state snapshots to end on a page boundary
-        where it can (state_slots.py cut_at_page: a state exists only where a step ends)."""
-        chunk = self._chunk_tokens(req, budget, remaining)
-        if not chunk or self.snapshots is None or req.images or req.is_embedding or \
-                not self.cfg.enable_chunked_prefill:
-            return chunk
-        return cut_at_page(req.num_tokens - remaining, chunk, req.num_tokens, self.bm.page_size)
-
-    def _chunk_tokens(self, req: Request, budget: int, remaining: int) -> int:
-        """Tokens of `remaining` to prefill within `budget`: all of them, or a chunk such that the
-        chunk and what is left are both >= the min chunk size (when the rest allows), or 0."""
-        if remaining <= budget:
-            return remaining
-        # Chunking off means a prompt only goes in whole; a preempted sequence longer than any
-        # step must still be split to be recomputed.
-        if not self.cfg.enable_chunked_prefill and remaining <= self.cfg.max_batch_input_tokens:
-            return 0
-        m = max(1, self.cfg.chunked_prefill_min_chunk_size)
-        chunk = budget if remaining < 2 * m else min(budget, remaining - m)
-        if chunk < m:
-            return 0
-        if req.images:           # an image attended both ways is computed in one chunk
-            start = req.num_tokens - remaining
-            return max(0, chunk_end(req.images, start, start + chunk) - start)
-        return chunk
+        """step_budget.prefill_chunk, cut for a hybrid model's snapshots (RequestState.cut)."""
+        chunk = prefill_chunk(self.cfg, req, budget, remaining)
+        return self.request_state.cut(req, req.num_tokens - remaining, chunk)
 
     def _row(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledRow:
         s = req.num_computed_tokens
         row = ScheduledRow(req, s, req.all_token_ids[s:s + n] + list(drafts), list(req.pages),
                            s + n == req.num_tokens and not req.is_embedding, list(drafts))
-        if self.snapshots is not None and req.is_prefilling:
-            row.state_save = self.snapshots.claim(req, s + n)
+        row.state_save = self.request_state.save_slot(req, s + n)
         return row
-
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """The request's draft tokens that fit: the step's budget, the model's length (the
-        last draft's position must fit a page row) and what the request may still generate."""
-        if req.is_embedding:
-            return []
-        room = min(self.max_draft_tokens, budget - 1, self.max_length - 1 - req.num_tokens,
-                   req.sampling.max_new_tokens - req.num_output_tokens - 1)
-        return list(req.draft_token_ids[:max(0, room)])
 
     def _preempt_newest(self, scheduled: set, preempted: list) -> Request:
         for i in range(len(self.running) - 1, -1, -1):
@@ -260,26 +195,11 @@ class Scheduler:
         while self.running:
             self._preempt_newest(set(), [])
 
-    def _room(self, st: _StepState, start: int) -> int:
-        """Tokens a row whose computed part is `start` tokens may compute in this step: the
-        step's token budget, and its page-aligned context budget."""
-        if st.total_left is None:
-            return st.budget
-        ps = self.bm.page_size
-        return min(st.budget, st.total_left // ps * ps - start)
-
-    def _add_row(self, st: _StepState, row: ScheduledRow) -> None:
-        st.rows.append(row)
-        st.scheduled.add(row.request.request_id)
-        st.budget -= len(row.token_ids)
-        if st.total_left is not None:
-            st.total_left -= self.bm.pages_for(row.start_pos + len(row.token_ids)) * \
-                self.bm.page_size
-
     def schedule(self) -> StepPlan | None:
         self.short = False
         kinds = self._kinds()
-        st = _StepState(self.cfg.max_batch_input_tokens, self.cfg.max_batch_total_tokens)
+        st = StepBudget(self.cfg.max_batch_input_tokens, self.cfg.max_batch_total_tokens,
+                        self.bm.page_size)
         phases = ((kinds.decode, self._schedule_decodes), (kinds.prefill, self._schedule_chunks),
                   (kinds.admit, self._schedule_admissions))
         for on, phase in phases:
@@ -301,19 +221,20 @@ class Scheduler:
         self.num_prefill_tokens += num_tokens - st.num_decode
         return StepPlan(st.rows, num_tokens, st.preempted, st.num_admitted)
 
-    def _schedule_decodes(self, st: _StepState) -> None:
+    def _schedule_decodes(self, st: StepBudget) -> None:
         """Running decodes, one token each (plus drafts), oldest first. Victims come from the
         tail, which this pass has not reached yet."""
         max_rows = self.cfg.max_batch_size
         i = 0
         while i < len(self.running) and len(st.rows) < max_rows and st.budget > 0:
             req = self.running[i]
-            room = self._room(st, req.num_computed_tokens)
+            room = st.room(req.num_computed_tokens)
             if req.is_prefilling or req.request_id in st.scheduled or room < 1 or \
-                    self._ends_in_flight(req):
+                    ends_in_flight(req, self.length_limit):
                 i += 1
                 continue
-            drafts = self._drafts(req, st.budget)[:room - 1]
+            drafts = fitting_drafts(req, st.budget, self.max_draft_tokens,
+                                    self.max_length)[:room - 1]
             fits = True
             while not self.bm.allocate(req, 1 + len(drafts)):
                 if drafts:
@@ -326,11 +247,11 @@ class Scheduler:
                     break
             if req.status is RequestStatus.RUNNING:
                 if fits:
-                    self._add_row(st, self._row(req, 1, drafts))
+                    st.add(self._row(req, 1, drafts))
                     st.num_decode += 1
                 i += 1
 
-    def _schedule_chunks(self, st: _StepState) -> None:
+    def _schedule_chunks(self, st: StepBudget) -> None:
         """Running partial prefills, the next chunk each: a chunk shrinks to the pages left;
         with none left, preempt."""
         max_rows, ps = self.cfg.max_batch_size, self.bm.page_size
@@ -341,7 +262,7 @@ class Scheduler:
                 i += 1
                 continue
             remaining = req.num_uncomputed_tokens
-            limit = min(self._room(st, req.num_computed_tokens), self.input_cap)
+            limit = min(st.room(req.num_computed_tokens), self.input_cap)
             if limit < 1 or self._chunk(req, limit, remaining) == 0:
                 i += 1                      # budget too small for a chunk this step
                 continue
@@ -359,10 +280,10 @@ class Scheduler:
                     break
             if req.status is RequestStatus.RUNNING:
                 if chunk:
-                    self._add_row(st, self._row(req, chunk))
+                    st.add(self._row(req, chunk))
                 i += 1
 
-    def _schedule_admissions(self, st: _StepState) -> None:
+    def _schedule_admissions(self, st: StepBudget) -> None:
         """Waiting requests, FCFS: stop at the first that does not fit. Running requests are
         capped at max_batch_size (and --max-queue-size-tg) too, so every decode finds a row in
         every step. A request whose adapter finds every slot held by running requests is passed
@@ -375,18 +296,15 @@ class Scheduler:
             if self.lora is not None and not self.lora.can_acquire(req):
                 passed.append(self.waiting.popleft())
                 continue
-            prefix, restored = self.bm.match_prefix(req), 0
-            if self.snapshots is not None:      # a hybrid resumes where a state was saved
-                prefix, restored = self.snapshots.restore_point(prefix)
+            prefix, restored = self.request_state.resume_point(self.bm.match_prefix(req))
             start = len(prefix.pages) * ps
-            limit = min(self._room(st, start), self.input_cap)
+            limit = min(st.room(start), self.input_cap)
             chunk = self._chunk(req, limit, req.num_tokens - start) if limit > 0 else 0
             if chunk == 0 or not self.bm.allocate(req, chunk, prefix):
                 break
             if self.lora is not None:
                 self.lora.acquire(req)
-            if self.state_slots is not None:
-                self.state_slots.acquire(req)
+            self.request_state.acquire(req)
             self.waiting.popleft()
             if not req.admitted:
                 req.admitted = True
@@ -395,29 +313,14 @@ class Scheduler:
             self.running.append(req)
             row = self._row(req, chunk)
             row.state_from = restored
-            self._add_row(st, row)
+            st.add(row)
             st.num_admitted += 1
         self.waiting.extendleft(reversed(passed))
 
-    def _ends_in_flight(self, req: Request) -> bool:
-        """Nothing left to compute (an embedding's last chunk in flight), or its in-flight
-        token is its last by length: it finishes when that token is back."""
-        return req.num_uncomputed_tokens < 1 or req.has_placeholder and (
-            req.num_output_tokens >= req.sampling.max_new_tokens
-            or req.num_tokens >= self.length_limit)
-
     def advance(self, plan: StepPlan) -> None:
-        """Take `plan` as computed while its step is still on the device: each row's tokens
-        count as computed and a sampling row's request ends with a PLACEHOLDER, so the next
-        plan can be made now. A plan with drafts is never advanced."""
-        for row in plan.rows:
-            req = row.request
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            assert not row.draft_token_ids and req.num_computed_tokens == row.start_pos, req
-            req.num_computed_tokens += len(row.token_ids)
-            if row.sample:
-                req.append_token(PLACEHOLDER)
+        """Take `plan` as computed while its step is still on the device (in_flight.py
+        advance_rows), so the next plan can be made now."""
+        advance_rows(plan)
         self.in_flight = True
 
     def begins_prefill(self) -> bool:
@@ -438,14 +341,7 @@ class Scheduler:
         states kept on its request, its samples accepted (update()); the updates carry each
         row's samples on to output processing. `advanced`: the plan was `advance`d, its
         placeholders are filled in."""
-        for row, res in zip(plan.rows, out.results):
-            if res is None:
-                continue
-            if res.prompt_logprobs is not None:
-                keep_prompt_logprobs(row.request, row.start_pos, len(row.token_ids),
-                                     res.prompt_logprobs)
-            if res.pooled is not None:
-                row.request.add_pooled(row.start_pos, *res.pooled)
+        keep_results(plan, out)
         return self._apply(plan, [None if res is None else res.token_ids for res in out.results],
                            [[] if res is None else res.samples for res in out.results], advanced)
 
@@ -453,14 +349,7 @@ class Scheduler:
         """Apply a step's sampled tokens (update_from_output without the rest of a result).
         `sampled[i]`: row i's sampled tokens, one per sample slot (a bare int for a one-slot
         row; ignored for rows that do not sample), or the same for the sampling rows only."""
-        if len(sampled) != len(plan.rows):
-            n_sample = sum(r.sample for r in plan.rows)
-            if len(sampled) != n_sample:
-                raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.rows)} rows "
-                                 f"({n_sample} sampling)")
-            it = iter(sampled)
-            sampled = [next(it) if r.sample else None for r in plan.rows]
-        return self._apply(plan, sampled, [[]] * len(plan.rows))
+        return self._apply(plan, sampled_by_row(plan, sampled), [[]] * len(plan.rows))
 
     def _apply(self, plan: StepPlan, sampled: list, samples: list[list],
                advanced: bool = False) -> list[StepUpdate]:
@@ -482,24 +371,13 @@ class Scheduler:
                     self.running.remove(req)
                     self._finish(req, FinishReason.STOP)
                 continue
-            tokens = [int(tokens)] if isinstance(tokens, (int, np.integer)) else [int(t) for t in tokens]
-            if len(tokens) != row.num_samples:
-                raise ValueError(f"{len(tokens)} tokens for {row.num_samples} sample slots")
-            accepted = accept_drafts(row.draft_token_ids, tokens)
+            accepted = accept_drafts(row.draft_token_ids, row_tokens(row, tokens))
             rejected = len(row.draft_token_ids) - (len(accepted) - 1)
             req.num_computed_tokens += computed - rejected
             if rejected:
                 self.bm.truncate(req, req.num_computed_tokens)
-            reason, added = None, []
-            for token in accepted:
-                if advanced:
-                    req.fill_placeholder(token)
-                else:
-                    req.append_token(token)
-                added.append(token)
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    break
+            added, reason = take_tokens(req, accepted, advanced, self.eos_token_ids,
+                                        self.length_limit)
             self._cache_pages(req)
             updates.append(StepUpdate(req, added, row_samples))
             if reason is not None:
@@ -511,21 +389,7 @@ class Scheduler:
         """Offer req's computed full pages to the prefix cache, then its pending state
         snapshots to the cached pages they end."""
         self.bm.cache_full_pages(req)
-        if self.snapshots is not None:
-            self.snapshots.bind(req)
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        sp = req.sampling
-        n = req.num_output_tokens
-        # min_tokens: the output, stop token included, has at least min_tokens tokens (as vLLM).
-        if n >= sp.min_tokens:
-            if token in self.eos_token_ids and not sp.ignore_eos:
-                return FinishReason.STOP
-            if token in sp.stop_token_ids:
-                return FinishReason.STOP
-        if n >= sp.max_new_tokens or req.num_tokens >= self.length_limit:
-            return FinishReason.LENGTH
-        return None
+        self.request_state.bind(req)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -534,14 +398,3 @@ class Scheduler:
             scheduled_rows=self.num_scheduled_rows, prefill_tokens=self.num_prefill_tokens,
             decode_tokens=self.num_decode_tokens)
 
-
-def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
-    """The tokens a row emits: sampled[i] is the token after draft i (sampled[0] after the last
-    real token). A draft stands while it equals the token sampled before it; the emitted tokens
-    are the accepted drafts plus the next sample (the bonus token). With a one-hot proposal this
-    is exact rejection sampling: a draft d is kept with probability p(d), and otherwise the
-    sample is drawn from p without d."""
-    n = 0
-    while n < len(drafts) and sampled[n] == drafts[n]:
-        n += 1
-    return list(sampled[:n + 1])

@@ -35,10 +35,10 @@ from typing import Sequence
 import numpy as np
 
 from maxjax.engine import spec_flags
+from maxjax.engine.accept import accept_drafts
 from maxjax.engine.buckets import pick_bucket
 from maxjax.engine.ngram import propose as ngram_propose
 from maxjax.engine.request import Request
-from maxjax.engine.scheduler import accept_drafts
 from maxjax.engine.stats import SpecStats
 from maxjax.errors import UserError
 
@@ -60,6 +60,9 @@ def build(cfg, layout, model=None, graphs=None, k: int = 0, plan=None) -> "Specu
         from maxjax.engine import draft
         proposer = draft.DraftProposer(
             draft.load_draft(cfg, model, layout.max_length, layout.platform), plan, graphs)
+    elif cfg.speculative_method == "mtp":
+        from maxjax.engine import mtp
+        proposer = mtp.MtpProposer(model, plan)
     else:
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return Speculator(proposer, k, layout.buckets, cfg.max_batch_size,
@@ -134,6 +137,11 @@ class Speculator:
     def warmup(self) -> None:
         """Compile (and prime) what the proposer runs: the draft model's graphs."""
         self.proposer.warmup()
+
+    def attach(self, runner) -> None:
+        """The target's ModelRunner, for a proposer that reads its steps (MTP's)."""
+        if hasattr(self.proposer, "attach"):
+            self.proposer.attach(runner)
 
     def reset(self, scheduler) -> None:
         """After a failed proposal: no drafts, and the proposer's state starts over."""

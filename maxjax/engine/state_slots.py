@@ -1,6 +1,7 @@
 """The request-state slots of a hybrid model (graphs/state.py RECURRENT): which running request
 holds which slot of the state pools (StateSlots), and which slots hold the prefix cache's state
-snapshots (Snapshots, after the requests' slots). Called by the Scheduler.
+snapshots (Snapshots, after the requests' slots). The Scheduler asks them through RequestState,
+which does nothing for other models.
 
 Slot 0 is scratch (padding rows read and write it); slots 1..n-1 are handed out. A request holds
 one from the step that first schedules it to its finish, abort or preemption. The plan makes
@@ -169,3 +170,54 @@ def cut_at_page(start: int, chunk: int, num_tokens: int, page_size: int) -> int:
     if end < num_tokens and aligned > start:
         return aligned - start
     return chunk
+
+
+class RequestState:
+    """What the Scheduler asks of the request state: for a hybrid model a slot held by each
+    running request (`slots`, StateSlots) and, with the prefix cache, the state snapshots
+    (`snapshots`, Snapshots; then `chunked`: whether prefills run in chunks, cut at pages);
+    for other models (both None) every call does nothing."""
+
+    def __init__(self, slots: StateSlots | None = None, snapshots: Snapshots | None = None,
+                 chunked: bool = True):
+        self.slots, self.snapshots, self.chunked = slots, snapshots, chunked
+
+    def acquire(self, req) -> None:
+        """A slot for `req`, admitted."""
+        if self.slots is not None:
+            self.slots.acquire(req)
+
+    def release(self, req) -> None:
+        """What `req` holds while running: its slot and its pending snapshots."""
+        if self.slots is not None:
+            self.slots.release(req)
+        if self.snapshots is not None:
+            self.snapshots.release(req)
+
+    def resume_point(self, prefix: PrefixMatch) -> tuple[PrefixMatch, int]:
+        """Where a request whose cached prefix is `prefix` resumes: a hybrid at its longest
+        run with a snapshot, and that snapshot's slot (0: none; Snapshots.restore_point)."""
+        if self.snapshots is None:
+            return prefix, 0
+        return self.snapshots.restore_point(prefix)
+
+    def cut(self, req, start: int, chunk: int) -> int:
+        """A prefill chunk of `chunk` tokens from `start`, cut to end on a page boundary where
+        it can when snapshots are kept (`cut_at_page`: a state exists only where a step ends)."""
+        if not chunk or self.snapshots is None or req.images or req.is_embedding or \
+                not self.chunked:
+            return chunk
+        return cut_at_page(start, chunk, req.num_tokens, self.snapshots.page_size)
+
+    def save_slot(self, req, end: int) -> int:
+        """The snapshot that `req`'s prefill step ending at token `end` saves its state to
+        (0: none; Snapshots.claim)."""
+        if self.snapshots is None or not req.is_prefilling:
+            return 0
+        return self.snapshots.claim(req, end)
+
+    def bind(self, req) -> None:
+        """After `req`'s pages were offered to the prefix cache: its pending snapshots to the
+        cached pages they end (Snapshots.bind)."""
+        if self.snapshots is not None:
+            self.snapshots.bind(req)
