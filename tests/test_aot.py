@@ -424,7 +424,7 @@ def test_replicas_and_platform_defaults_come_from_the_manifest(warmed, model, tm
     assert (cfg.devices, cfg.data_parallel_degree) == ("cpu:2", 2)
     with pytest.raises(UserError, match="^--data-parallel-degree 3 differs from the 2"):
         aot_load.adopt_flags([d], None, EngineConfig(data_parallel_degree=3))
-    from maxjax.engine.plan import adopt_pins
+    from maxjax.engine.pins import adopt_pins
     filled = EngineConfig().for_platform("cpu")
     assert filled.max_batch_size == 32
     pins = aot_load.open_artifacts([warmed], model, filled).pins

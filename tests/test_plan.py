@@ -141,7 +141,8 @@ def test_pins_are_adopted_once_in_the_planner_over_what_the_user_left_unset():
     value the user left unset takes the pinned one, platform defaults included; a value the
     user chose and the pins differ from is refused, even one equal to the platform default;
     another plan's pins (no refusal) are the same flags planned, adopted."""
-    from maxjax.engine.plan import Pins, prepare
+    from maxjax.engine.pins import Pins
+    from maxjax.engine.plan import prepare
     pins = Pins({"max_length": 32, "max_batch_size": 2},
                 lambda k, have, want: f"--{k} {have}: pinned {want}")
     p = prepare(EngineConfig(), pins=pins, kernels=False)

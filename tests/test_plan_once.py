@@ -24,7 +24,8 @@ import os
 from test_import_cycles import ROOT, module_files
 
 PLANNER = {"maxjax.engine.plan", "maxjax.engine.spec_flags", "maxjax.engine.config",
-           "maxjax.engine.encoding", "maxjax.engine.state_plan"}
+           "maxjax.engine.encoding", "maxjax.engine.state_plan", "maxjax.engine.overlap_plan",
+           "maxjax.engine.pins"}
 DERIVATIONS = {"for_platform", "_resolved", "_resolved_for", "choose_kernels", "plan_layout", "draft_tokens",
                "lora_path_items", "resolve_max_length", "default_kv_format", "draft_plan",
                "lora_shape", "check_model_flags", "weights_encoding", "draft_encoding",

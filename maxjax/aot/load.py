@@ -39,7 +39,7 @@ PINNED_ENGINE = ("max_length", "max_batch_size", "max_batch_input_tokens", "kv_c
 
 
 def _pinned(m: mf.Manifest, flags: EngineConfig, fix) -> dict:
-    """The engine values the artifacts pin (the plan adopts them: maxjax/engine/plan.py
+    """The engine values the artifacts pin (the plan adopts them: maxjax/engine/pins.py
     adopt_pins); LoRA graphs take the slot stacks as inputs, so --enable-lora must match them."""
     pinned = m.data.get("engine", {})
     out = {}
@@ -78,7 +78,7 @@ def adopt_flags(dirs, model_path, flags: EngineConfig) -> tuple[str | None, Engi
         pinned = mf.read_manifest(d, "maxjax warm-cache").data.get("serve") or {}
     except UserError:
         return model_path, flags    # open_artifacts reports it, with the command that fixes it
-    from maxjax.engine.plan import Pins, adopt_pins
+    from maxjax.engine.pins import Pins, adopt_pins
 
     def refuse(k, have, want):
         flag = "--" + k.replace("_", "-")
@@ -129,7 +129,7 @@ def pinned_kernels(dirs) -> bool | None:
 class Artifacts:
     """Artifact directories read and checked (`open_artifacts`), before any graph is loaded."""
     manifests: tuple
-    pins: object            # what they pin (maxjax/engine/plan.py Pins), for the plan to adopt
+    pins: object            # what they pin (maxjax/engine/pins.py Pins), for the plan to adopt
     platform: str | None    # the platform their layout was planned for
     fix: Callable           # (manifest, field) -> the warm-cache command that rebuilds them
 
@@ -141,7 +141,7 @@ def open_artifacts(dirs, model, flags: EngineConfig, require_compiled: bool = Fa
     of `flags` that chose another value); artifacts/FORMAT.md lists the order. A mismatch is a
     UserError naming the field and the command that fixes it (`command`: that command, when it
     is not warm-cache's for `model` into these directories)."""
-    from maxjax.engine.plan import Pins, user_chose
+    from maxjax.engine.pins import Pins, user_chose
     dirs = [dirs] if isinstance(dirs, str) else list(dirs)
     local = mf.local_device()
     user = flags.replace(quantization_encoding=model.dtype)

@@ -22,8 +22,9 @@ from typing import Sequence
 
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.core import EngineCore
-from maxjax.engine.plan import (EnginePlan, Pins, Prepared, check_mesh_flags, plan_engine,
-                                 prepare, replica_mesh)
+from maxjax.engine.pins import Pins
+from maxjax.engine.plan import (EnginePlan, Prepared, check_mesh_flags, plan_engine, prepare,
+                                 replica_mesh)
 from maxjax.errors import UserError
 from maxjax.models import sampling_defaults
 from maxjax.models.sampling_defaults import describe

@@ -29,6 +29,7 @@ import numpy as np
 from maxjax.engine import memory, overlap_plan, spec_flags, state_plan
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig, ResolvedConfig
+from maxjax.engine.pins import PINNED_FIELDS, Pins, adopt_pins
 from maxjax.errors import UserError
 from maxjax.graphs.attention import choose_backend
 
@@ -37,8 +38,6 @@ log = logging.getLogger("maxjax.engine")
 # is the model's max_position_embeddings; rows that long share the pool instead).
 DEFAULT_ROW_TOKENS = 4096
 KV_CACHE_FORMATS = ("float32", "bfloat16", "float16")
-# What artifacts (or a group's process 0) pin: the layout values a run adopts.
-PINNED_FIELDS = ("max_length", "num_kv_pages")
 
 
 @dataclass(frozen=True)
@@ -64,45 +63,6 @@ class EnginePlan:
         """The values another engine adopts to run this layout (a group's followers, the other
         data-parallel replicas): `flags.replace(**plan.pins)`."""
         return {k: getattr(self.config, k) for k in PINNED_FIELDS}
-
-
-@dataclass(frozen=True)
-class Pins:
-    """Values a start must run with that the user's flags do not choose: what artifacts were
-    built with (maxjax/aot/load.py), or the plan of a group's process 0 or of the first
-    data-parallel replica (`EnginePlan.pins`). The planner adopts them (`adopt_pins`), the one
-    place pins meet flags. `refuse(field, have, want)`: the UserError's text for a flag the user
-    chose with another value (None: the pins are another plan of the same flags, adopted)."""
-    values: dict = field(default_factory=dict)
-    refuse: Any = None
-
-
-def user_chose(flags: EngineConfig, name: str) -> bool:
-    """Whether the user's `flags` hold a value of their own for `name`: set, and neither the
-    field's default nor (a ResolvedConfig's) a platform default filled in."""
-    value = getattr(flags, name)
-    return not (value is None or flags.is_default(name) or value == _FIELD_DEFAULTS[name])
-
-
-_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-
-
-def adopt_pins(flags: EngineConfig, pins: Pins | dict | None,
-               chosen: EngineConfig | None = None) -> EngineConfig:
-    """`flags` with `pins` adopted: a value the user did not choose (in `chosen`, the user's
-    flags; None: `flags` are) takes the pinned one, a chosen other value is refused (a
-    UserError naming the flag)."""
-    if not isinstance(pins, Pins):
-        pins = Pins(dict(pins or {}))
-    adopted = {}
-    for k, want in pins.values.items():
-        have = getattr(flags, k)
-        if have == want:
-            continue
-        if pins.refuse is not None and user_chose(flags if chosen is None else chosen, k):
-            raise UserError(pins.refuse(k, have, want))
-        adopted[k] = want
-    return flags.replace(**adopted) if adopted else flags
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from maxjax.aot.export import DRAFT_DIR, default_jobs, normalize_targets, write_
 from maxjax.aot.load import check_target_arch
 from maxjax.engine.build import weights_entry, load, on_devices
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.plan import Pins, draft_plan, plan_engine, prepare
+from maxjax.engine.pins import Pins
+from maxjax.engine.plan import draft_plan, plan_engine, prepare
 from maxjax.errors import UserError
 
 
