@@ -56,8 +56,8 @@ def causal_conv(x, weight, bias, conv_pool, step: StepInputs):
     for k in range(K):                                     # oldest tap first
         back = K - 1 - k
         from_x = xf[jnp.maximum(idx - back, 0)]
-        at = jnp.clip(K - 1 - back + before, 0, K - 2)
-        from_state = jnp.take_along_axis(held, at[:, None, None], axis=2)[:, :, 0]
+        at = jnp.clip(K - 1 - back + before, 0, K - 2)[:, None]
+        from_state = sum(jnp.where(at == j, held[:, :, j], 0.0) for j in range(K - 1))
         taps.append(jnp.where((back <= before)[:, None], from_x, from_state))
     window = jnp.stack(taps, axis=-1)                      # [T, C, K]
     y = jnp.einsum("tck,ck->tc", window, weight.astype(jnp.float32))
