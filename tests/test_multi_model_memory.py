@@ -159,3 +159,36 @@ def test_default_pools_of_several_models_share_the_budget(specs):
     [alone], _ = plan_memory(two[:1], budget)
     assert alone.memory.num_kv_pages > needs[0].num_kv_pages
     assert 2 * alone.memory.bytes > b.bytes
+
+
+def test_suggest_prints_each_models_plan_and_the_budget(specs, capsys, tmp_path):
+    """`maxjax suggest --models-file`: the plan serve logs at start, one line a model; --json
+    the same numbers; 1 when the first model is over the budget (serve would not start)."""
+    import yaml
+
+    from maxjax import cli
+    path = specs[0].model.model_path
+    models = tmp_path / "models.yaml"
+    models.write_text(yaml.safe_dump([{"name": "a", "model": path, **TINY},
+                                      {"name": "huge", "model": path,
+                                       **{**TINY, "num_kv_pages": 4000}}]))
+    planned, _ = plan_memory(specs, ServeConfig(models_memory_budget="1G"))
+    small, huge = planned[0].memory, planned[3].memory
+    budget = 2 * small.bytes
+    assert cli.main(["suggest", "--models-file", str(models), "--models-memory-budget",
+                     str(budget)]) == 0
+    text = capsys.readouterr().out
+    assert "--models-memory-budget" in text and "1/2 of it" in text
+    assert f"model a: {small.line()}" in text
+    assert f"model huge: {huge.line()} (over the budget alone" in text
+    assert cli.main(["suggest", "--json", "--models-file", str(models), "--models-memory-budget",
+                     str(budget), "--max-loaded-models", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["budget_bytes"] == budget and r["loaded_at_once"] == 1
+    assert [(m["name"], m["planned_bytes"], m["fits_budget"]) for m in r["models"]] == [
+        ("a", small.bytes, True), ("huge", huge.bytes, False)]
+    models.write_text(yaml.safe_dump([{"name": "huge", "model": path,
+                                       **{**TINY, "num_kv_pages": 4000}},
+                                      {"name": "a", "model": path, **TINY}]))
+    assert cli.main(["suggest", "--models-file", str(models), "--models-memory-budget",
+                     str(budget)]) == 1

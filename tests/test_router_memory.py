@@ -118,3 +118,10 @@ def test_a_first_model_bigger_than_the_budget_stops_the_start():
     with pytest.raises(UserError, match="'huge' needs"):
         router.start_first()
     assert events == []
+
+
+def test_the_budget_flag_is_a_size():
+    assert ServeConfig(models_memory_budget="1.5G").models_memory_budget == "1.5G"
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(UserError, match="--models-memory-budget"):
+            ServeConfig(models_memory_budget=bad)
