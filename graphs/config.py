@@ -78,6 +78,9 @@ class ModelConfig:
     # Expert parallelism (graphs/sharding.py `tensor_parallel_layout`): the expert stacks split
     # over this many devices of the mesh axis, each running the pairs routed to its experts.
     expert_shards: int = field(default=1, metadata=_OMIT_DEFAULT)
+    # Multi-token prediction layers the checkpoint ships after its decoder (DeepSeek-V3's
+    # num_nextn_predict_layers: graphs/mtp.py), drafts for --speculative-method mtp.
+    num_mtp_layers: int = field(default=0, metadata=_OMIT_DEFAULT)
     # --ep-size: the 2-D mesh (expert groups, model-axis devices) the experts are split over
     # (graphs/sharding.py `expert_parallel_rules`); (): a 1-D mesh, or one device.
     expert_mesh: tuple[int, ...] = field(default=(), metadata=_OMIT_DEFAULT)

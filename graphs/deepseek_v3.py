@@ -19,7 +19,8 @@ rotate-half one on (x0, x2, ... | x1, x3, ...), which is what is stored.
 
 Routing is graphs/moe.py `route_grouped` (sigmoid, group-limited top-k, correction bias, routed
 scaling factor); every routed layer adds its shared expert's MLP (moe_intermediate_size x
-n_shared_experts wide). MTP layers (num_nextn_predict_layers) are not loaded.
+n_shared_experts wide). The MTP layers (num_nextn_predict_layers, stored as the layers after
+the last) draft for --speculative-method mtp: graphs/mtp.py.
 """
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         attention_bias=False, attention_out_bias=False,
         q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0), kv_lora_rank=rank,
         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(hf.get("v_head_dim", 128)),
-        rope_interleave=bool(hf.get("rope_interleave", True)), **routing)
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0),
+        **routing)
 
 
 def param_specs(cfg: ModelConfig) -> dict:

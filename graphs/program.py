@@ -52,6 +52,9 @@ class PooledHidden(NamedTuple):
     few KB whatever the token bucket, so no [T, hidden] array leaves the device."""
     total: jax.Array      # f32[R, H] sum over the row's tokens in this step
     last: jax.Array       # f32[R, H] at the row's last token in this step (0: no tokens)
+    # [T, H] every token slot's, kept on the device for the MTP draft (graphs/mtp.py); None:
+    # not asked (`step_program`'s `hidden`)
+    hidden: Any = None
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,11 @@ class GraphSpec:
     arg_names: tuple = STEP_ARGS
 
 
-def step_program(arch, cfg, num_top_logprobs: int, params, kv, step):
+def step_program(arch, cfg, num_top_logprobs: int, params, kv, step, hidden: bool = False):
     """The compiled step: model, the sample slots' logits (float32, for the sampler graph), and
     (only in steps that ask) prompt logprobs of every token slot. A hybrid model's state
-    snapshots are restored before it and saved after it (graphs/snapshots.py)."""
+    snapshots are restored before it and saved after it (graphs/snapshots.py). `hidden`: the
+    outputs keep every slot's hidden state too (PooledHidden.hidden, for the MTP draft)."""
     kv = snapshots.restore(cfg, kv, step)
     if arch.hidden_states is None:     # an architecture without hidden states: no embeddings
         logits, kv = arch.forward(cfg, params, kv, step)
@@ -89,7 +93,10 @@ def step_program(arch, cfg, num_top_logprobs: int, params, kv, step):
 
     plp = jax.lax.cond(jnp.any(step.next_token >= 0), prompt_lps,
                        lambda h: _no_prompt_logprobs(step, num_top_logprobs), h)
-    return (logits, plp, pool_rows(h, step)), kv
+    pooled = pool_rows(h, step)
+    if hidden:
+        pooled = pooled._replace(hidden=h.astype(params["final_norm"].dtype))
+    return (logits, plp, pooled), kv
 
 
 def sample_program(num_top_logprobs: int, logits, samp):
@@ -162,12 +169,13 @@ def abstract(tree):
 
 def step_graph_specs(arch, cfg, params, kv, buckets: Sequence, max_pages: int,
                      num_top_logprobs: int, backend: AttentionBackend | None = None,
-                     mesh=None) -> list[GraphSpec]:
+                     mesh=None, hidden: bool = False) -> list[GraphSpec]:
     """One GraphSpec per bucket. `params` and `kv` may be real arrays or abstract ones (params
     with a "lora" entry, graphs/lora.py, take a per-token adapter slot input);
     `backend`: the attention backend (graphs/attention.py; None: the default platform's);
-    `mesh`: the tensor-parallel mesh the graphs are sharded over (None: one device)."""
-    fn = partial(step_program, arch, cfg, num_top_logprobs)
+    `mesh`: the tensor-parallel mesh the graphs are sharded over (None: one device); `hidden`:
+    the steps return every slot's hidden state (`step_program`)."""
+    fn = partial(step_program, arch, cfg, num_top_logprobs, hidden=hidden)
     params, kv = abstract(params), abstract(kv)
     out_shardings = None
     if mesh is not None:

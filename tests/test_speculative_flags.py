@@ -192,7 +192,7 @@ def test_greedy_acceptance_verifies_greedy_requests_only(flags, greedy_only):
 # ---- refusals -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("options,message", [
     *[(dict(speculative_method=m), f"--speculative-method {m}: not supported here; supported: "
-       "ngram, draft") for m in ("eagle", "mtp", "dflash", "dflash2")],
+       "ngram, draft, mtp") for m in ("eagle", "dflash", "dflash2")],
     (dict(draft_proposal="sampled"), "--draft-proposal sampled: .*supported: argmax"),
     (dict(rejection_sampling_strategy="typical-acceptance"),
      "--rejection-sampling-strategy typical-acceptance: not implemented; supported: residual"),

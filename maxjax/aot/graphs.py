@@ -59,7 +59,7 @@ def graph_specs(model, layout) -> list[GraphSpec]:
     steps = step_graph_specs(model.arch, cfg, params, pool_specs(model, layout),
                              layout.buckets, layout.max_pages_per_row,
                              MAX_TOP_LOGPROBS, backend_named(layout.attention),
-                             mesh=layout.mesh)
+                             mesh=layout.mesh, hidden=layout.mtp_layers > 0)
     samplers = sampler_specs(cfg, layout.buckets, layout.max_length, MAX_TOP_LOGPROBS,
                              mesh=layout.mesh)
     vision = vision_graph_specs(model.vision) if model.vision else []

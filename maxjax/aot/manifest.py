@@ -305,6 +305,8 @@ def engine_fingerprint(layout, engine_cfg, dtype: str) -> dict:
           "mesh": describe_mesh(layout.mesh)}
     if layout.state_slots:      # a hybrid model's request-state pools (graphs/state.py)
         fp["state_slots"], fp["state_pool_dtype"] = layout.state_slots, layout.state_dtype
+    if layout.mtp_layers:       # the steps keep their hidden states for the MTP draft
+        fp["mtp_layers"] = layout.mtp_layers
     if backend_named(layout.attention).needs_cpu_kernels:  # its calls are built for one ISA
         fp["kernel_isa"] = cpu_kernels.isa()
     fp["fingerprint"] = digest(fp)

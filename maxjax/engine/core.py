@@ -94,7 +94,9 @@ class EngineCore:
         self.runner = ModelRunner(model, lay.buckets, lay.num_pages, lay.page_size,
                                   lay.max_pages_per_row, lay.max_length, executables, kv_init,
                                   self.lora, lay.attention, lay.kv_dtype, lay.mesh, executor,
-                                  lay.state_slots, lay.state_dtype)
+                                  lay.state_slots, lay.state_dtype, hidden=lay.mtp_layers > 0)
+        if self.speculator:
+            self.speculator.attach(self.runner)
         self.output = OutputProcessor(model.tokenizer)
         self.images = ImageEncoder(model.vision, vision_executables) if model.vision else None
         self.grammars = backend_for(cfg, model)     # None: structured output off

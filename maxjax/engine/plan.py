@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.engine import memory, overlap_plan, spec_flags, state_plan
+from maxjax.engine import memory, mtp_plan, overlap_plan, spec_flags, state_plan
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig, ResolvedConfig
 from maxjax.engine.pins import PINNED_FIELDS, Pins, adopt_pins
@@ -123,6 +123,7 @@ def plan_engine(flags: EngineConfig | Prepared, model, *, platform: str | None =
     cfg = flags.config
     check_mesh_flags(cfg, _params_mesh(model), model.config)
     check_model_flags(cfg, model.config)
+    mtp_plan.check(cfg, model.config, _params_mesh(model))
     cfg = cfg.replace(quantization_encoding=model.dtype, use_experimental_kernels=flags.kernels)
     layout = plan_layout(cfg, model, flags.platform, resident, flags.draft_tokens)
     cfg = cfg.replace(num_kv_pages=layout.num_pages, max_length=layout.max_length,
@@ -336,6 +337,7 @@ class EngineLayout:
     state_dtype: str = ""           # --state-pool-dtype as resolved
     state_report: str = field(default="", compare=False)   # their line
     state_snapshots: int = 0        # the prefix cache's state snapshots among state_slots
+    mtp_layers: int = 0             # MTP layers drafting (maxjax/engine/mtp_plan.py); 0: none
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -393,12 +395,13 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
     buckets = tuple(bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size, draft_tokens + 1))
     kv_itemsize = jnp.dtype(kv_dtype).itemsize
     state = state_plan.plan_state_pools(cfg, mc, kv_dtype)
+    pool_mc = mtp_plan.pool_config(cfg, mc)
     if cfg.num_kv_pages is not None:
         num_pages = cfg.num_kv_pages
         report = f"KV pool of --num-kv-pages {num_pages}"
         if platform == local_platform() == "cpu":   # the host's memory, before the pool is made
-            memory.check_layout_pages(cfg, mc, model.params, page, buckets, kv_itemsize, mesh,
-                                      resident, state.total_bytes)
+            memory.check_layout_pages(cfg, pool_mc, model.params, page, buckets, kv_itemsize,
+                                      mesh, resident, state.total_bytes)
     elif platform != local_platform():
         raise UserError(f"--num-kv-pages is needed for graphs that run on {platform}: this "
                         f"{local_platform()} machine cannot measure that device's memory")
@@ -407,8 +410,8 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
         # but at least one row at max_length), plus the scratch page.
         row_tokens = max_length if cfg.max_length else min(max_length, DEFAULT_ROW_TOKENS)
         most = max(cfg.max_batch_size * math.ceil(row_tokens / page), per_row) + 1
-        plan = memory.layout_plan(cfg, mc, model.params, page, buckets, most, kv_itemsize, mesh,
-                                  resident, state.total_bytes)
+        plan = memory.layout_plan(cfg, pool_mc, model.params, page, buckets, most, kv_itemsize,
+                                  mesh, resident, state.total_bytes)
         num_pages, report = plan.num_pages, plan.report()
     if cfg.max_length is None and 2 <= num_pages <= per_row:
         lowered = (num_pages - 1) * page
@@ -423,7 +426,8 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
                         f"{report} ({memory.POOL_FLAGS})")
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
                         attention.name, report, *lora_shape(cfg), kv_dtype, mesh, state.slots,
-                        state.dtype, state.report(), state.snapshots)
+                        state.dtype, state.report(), state.snapshots,
+                        mtp_plan.mtp_layers(cfg, mc))
 
 
 def _resolved_for(cfg: EngineConfig, platform: str | None = None) -> ResolvedConfig:

@@ -108,11 +108,13 @@ class ModelRunner:
                  kv_init: Callable[[], tuple] | None = None, lora=None,
                  attention: str | None = None, kv_dtype: str = "float32", mesh=None,
                  executor: Callable[[LocalExecutor], StepExecutor] | None = None,
-                 state_slots: int = 0, state_dtype: str | None = None):
+                 state_slots: int = 0, state_dtype: str | None = None, hidden: bool = False):
         """`lora`: the LoraManager whose device slots join the params (None: no LoRA);
         `state_slots`, `state_dtype`: a hybrid model's request-state pools (graphs/state.py;
         0: none), each row then passes its slot;
-        `attention`: the attention backend's name (None: this platform's);
+        `attention`: the attention backend's name (None: this platform's); `hidden`: the steps
+        keep every slot's hidden state on the device, the last step's in `last_hidden` (the MTP
+        draft's input: maxjax/engine/mtp.py);
         `mesh`: the tensor-parallel mesh the model's params are placed on (None: one device);
         `executor`: wraps this process's LocalExecutor into the one every call goes through
         (None: the local one itself; multi-host process 0: distributed.py's LeaderExecutor)."""
@@ -140,6 +142,8 @@ class ModelRunner:
         self.state = state_slots > 0
         self.feeds: dict[int, Callable] = {}     # token bucket T -> its gather (compile_feeds)
         self.widen: dict[int, Callable] = {}     # sample slots S -> padded to the most
+        self.hidden = hidden
+        self.last_hidden = None      # (rows, [T, H] on the device) of the last step collected
 
     @property
     def kv(self) -> tuple:
@@ -158,7 +162,8 @@ class ModelRunner:
     def graph_specs(self) -> list[GraphSpec]:
         """The step graphs of the buckets, then their samplers."""
         return step_graph_specs(self.model.arch, self.cfg, self.params, self.kv, self.buckets,
-                                self.max_pages, MAX_TOP_LOGPROBS, self.attention, self.mesh) + \
+                                self.max_pages, MAX_TOP_LOGPROBS, self.attention, self.mesh,
+                                self.hidden) + \
             sampler_specs(self.cfg, self.buckets, self.history_len, MAX_TOP_LOGPROBS, self.mesh)
 
     def input_structures(self) -> list:
@@ -266,7 +271,9 @@ class ModelRunner:
         want_prompt = any(r.slice.next_tokens is not None for r in rows)
         token_ids, logprobs, top_ids, top_lps = jax.device_get(tuple(out))
         plp = jax.device_get(tuple(plp)) if want_prompt else None
-        pooled = jax.device_get(tuple(pooled)) if any(r.pool for r in rows) else None
+        if self.hidden:
+            self.last_hidden = (rows, pooled.hidden)
+        pooled = jax.device_get(tuple(pooled)[:2]) if any(r.pool for r in rows) else None
         timing = {"build_inputs": launched.build_seconds, "device_step": time.perf_counter() - t1}
         results, t, s = [], 0, 0
         for j, r in enumerate(rows):

@@ -18,7 +18,7 @@ SPEC_ONLY = ("num_speculative_tokens", "draft_model_path", "draft_quantization_e
 DRAFT_ONLY = ("draft_quantization_encoding", "draft_devices")
 STRATEGIES = "residual (the default), greedy"
 _KEYS = ("batch_start", "batch_end", "num_tokens")
-DEFAULT_TOKENS = {"ngram": 7, "draft": 4}
+DEFAULT_TOKENS = {"ngram": 7, "draft": 4, "mtp": 1}   # mtp: one per MTP layer used
 
 
 def flag(name: str) -> str:
