@@ -32,11 +32,7 @@ def restore(cfg, kv, step: StepInputs):
     """Copy each row's `state_from` snapshot into its `state_slot` (rows with one)."""
     if request_state_of(cfg) is None or step.state_from is None:
         return kv
-    ask = step.state_from > 0
-    src = jnp.where(ask, step.state_from, 0)
-    dst = jnp.where(ask, step.state_slot, 0)
-    return _on_state(cfg, kv, lambda pools: jax.lax.cond(
-        jnp.any(ask), lambda ps: _copy(ps, src, dst), lambda ps: ps, pools))
+    return _copy_rows(cfg, kv, step.state_from > 0, step.state_from, step.state_slot)
 
 
 def save(cfg, kv, step: StepInputs):
@@ -44,8 +40,13 @@ def save(cfg, kv, step: StepInputs):
     one)."""
     if request_state_of(cfg) is None or step.state_save is None:
         return kv
-    ask = step.state_save > 0
-    src = jnp.where(ask, step.state_slot, 0)
-    dst = jnp.where(ask, step.state_save, 0)
+    return _copy_rows(cfg, kv, step.state_save > 0, step.state_slot, step.state_save)
+
+
+def _copy_rows(cfg, kv, ask, src, dst):
+    """Slot `src` copied to slot `dst` of every state pool in the rows where `ask` (the others
+    copy scratch slot 0 onto itself); no copy at all when no row asks."""
+    src = jnp.where(ask, src, 0)
+    dst = jnp.where(ask, dst, 0)
     return _on_state(cfg, kv, lambda pools: jax.lax.cond(
         jnp.any(ask), lambda ps: _copy(ps, src, dst), lambda ps: ps, pools))

@@ -23,6 +23,15 @@ def hf_greedy(hf_model, prompt, new_tokens: int):
     return np.stack(logits), tokens
 
 
+def hf_generate(hf_model, prompt, new_tokens: int) -> list[int]:
+    """transformers' generate: `new_tokens` greedy tokens after `prompt` (EOS not special)."""
+    import torch
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return ref[0, len(prompt):].tolist()
+
+
 def assert_logits_close(ours, ref, rel=1e-3):
     ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
     assert ours.shape == ref.shape, (ours.shape, ref.shape)

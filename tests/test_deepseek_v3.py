@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from maxjax.engine.types import SamplingParams
+from engine_runs import run_preempting
 from maxjax.graphs import moe
 from paged_harness import load_checkpoint, paged_greedy
-from reference import assert_logits_close, hf_greedy, scramble_grouped_moe
+from reference import assert_logits_close, hf_generate, hf_greedy, scramble_grouped_moe
 from tiny_llama import write_word_tokenizer
 
 pytestmark = pytest.mark.slow      # an engine's graphs and four checkpoints: ~2 min on 2 cores
@@ -169,10 +170,7 @@ def core(checkpoint):
 
 
 def _hf_generate(model, prompt):
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return ref[0, len(prompt):].tolist()
+    return hf_generate(model, prompt, NEW_TOKENS)
 
 
 def test_engine_holds_the_latent_pool(core):
@@ -203,18 +201,8 @@ def test_recomputed_after_preemption_matches_transformers(checkpoint, core):
     prompt and its tokens so far, beside another request."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = _prompts()
-    core.add_request("pre", prompts[2], greedy)
-    core.add_request("other", prompts[1], greedy)
-    tokens = {"pre": [], "other": []}
-    preempted = 0
-    while core.has_unfinished():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-        if len(tokens["pre"]) >= 5 and not preempted:
-            core.scheduler.preempt_running()
-            core.block_manager.reset_prefix_cache()
-            preempted = core.scheduler.num_preemptions
-    assert preempted
+    tokens = run_preempting(core, {"pre": prompts[2], "other": prompts[1]}, greedy, "pre",
+                            on_preempt=core.block_manager.reset_prefix_cache)
     assert tokens["pre"] == _hf_generate(checkpoint[0], prompts[2])
     assert tokens["other"] == _hf_generate(checkpoint[0], prompts[1])
 

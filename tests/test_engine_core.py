@@ -10,6 +10,7 @@ from maxjax.engine import runner as runner_mod
 from maxjax.engine.core import EngineCore
 from maxjax.engine.output import merge_outputs
 from maxjax.engine.types import SamplingParams
+from engine_runs import run_to_end
 from tiny_llama import tiny_core
 from pool_check import check_pool
 
@@ -28,21 +29,10 @@ def core(tmp_path_factory):
     return core
 
 
-def run(core, requests: dict) -> dict:
-    """Every request to its end: request id -> its outputs merged into one."""
-    for rid, (prompt, params) in requests.items():
-        core.add_request(rid, prompt, params)
-    got = {rid: [] for rid in requests}
-    while core.has_unfinished():
-        for out in core.step():
-            got[out.request_id].append(out)
-    assert all(outs[-1].finished for outs in got.values())
-    return {rid: merge_outputs(outs) for rid, outs in got.items()}
-
-
 @pytest.fixture(scope="module")
 def alone(core):
-    return {rid: run(core, {rid: (p, GREEDY)})[rid].new_token_ids for rid, p in PROMPTS.items()}
+    return {rid: run_to_end(core, {rid: (p, GREEDY)})[rid].new_token_ids
+            for rid, p in PROMPTS.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +45,8 @@ def no_leaks(core):
 
 
 def together(core):
-    return run(core, {rid: (p, BAD if rid == "bad" else GREEDY) for rid, p in PROMPTS.items()})
+    return run_to_end(core, {rid: (p, BAD if rid == "bad" else GREEDY)
+                             for rid, p in PROMPTS.items()})
 
 
 def assert_only_bad_failed(outs, alone, match: str):
@@ -158,12 +149,12 @@ def test_lost_pool_is_replaced_and_the_others_recompute(core, alone, monkeypatch
 
 def test_lost_pool_in_a_batched_step_fails_that_step_and_serving_goes_on(core, alone,
                                                                         monkeypatch):
-    run(core, {"cached": (PROMPTS["c"], GREEDY)})      # leaves c's first page in the prefix cache
+    run_to_end(core, {"cached": (PROMPTS["c"], GREEDY)})   # c's first page in the prefix cache
     assert core.block_manager.num_cached_pages > 0
     fault_executables(core, monkeypatch, consume=lambda n: True)
     outs = together(core)
     assert {o.finish_reason for o in outs.values()} == {"error"}   # all three were in that step
     assert core.block_manager.num_cached_pages == 0
     monkeypatch.undo()
-    again = run(core, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
+    again = run_to_end(core, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
     assert {rid: o.new_token_ids for rid, o in again.items()} == alone

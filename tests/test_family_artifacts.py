@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from reference import scramble_grouped_moe
+from families import MAKERS
 from test_aot import SIZES, compiles, machine_env, maxjax
 from tiny_llama import write_word_tokenizer
 
@@ -23,29 +23,8 @@ GEN = ["generate", "--prompt", "w5 w7 w9", "--prompt", "w11 w3 w8 w20 w31 w4 w9 
        "--max-new-tokens", "8", "--ignore-eos", "--json"]
 
 
-def _deepseek_v3():
-    from transformers import DeepseekV3ForCausalLM
-    from test_deepseek_v3 import _config
-    return scramble_grouped_moe(DeepseekV3ForCausalLM(_config()))
-
-
-def _glm4_moe():
-    from test_grouped_moe_parallel import _glm4_moe as make
-    return scramble_grouped_moe(make())
-
-
-def _qwen3_next():
-    from test_qwen3_next import _model, scramble
-    return scramble(_model("qwen3_next"))
-
-
-def _granite4():
-    from test_granitemoehybrid import _model
-    return _model(0)
-
-
-FAMILIES = {"deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "qwen3_next": _qwen3_next,
-            "granitemoehybrid": _granite4}
+FAMILIES = {name: MAKERS[name] for name in ("deepseek_v3", "glm4_moe", "qwen3_next",
+                                            "granitemoehybrid")}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

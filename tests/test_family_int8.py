@@ -22,25 +22,15 @@ import torch
 from maxjax.graphs import quant
 from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.step import RowSlice, build_step_inputs
+from families import MAKERS
 from paged_harness import load_checkpoint
-from reference import hf_greedy, scramble_grouped_moe
+from reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
 INT8_PPL_TOLERANCE = {"deepseek_v3": 0.25, "glm4_moe": 0.05, "qwen3_next": 0.05,
                       "qwen3_5_moe": 0.05, "granitemoehybrid": 0.05}
 PAGE = 16
-
-
-def _makers():
-    from test_grouped_moe_parallel import _deepseek_v3, _glm4_moe
-    from test_granitemoehybrid import _model as granite
-    from test_qwen3_next import _model as qwen, scramble
-    return {"deepseek_v3": lambda: scramble_grouped_moe(_deepseek_v3().eval()),
-            "glm4_moe": lambda: scramble_grouped_moe(_glm4_moe().eval()),
-            "qwen3_next": lambda: scramble(qwen("qwen3_next")),
-            "qwen3_5_moe": lambda: scramble(qwen("qwen3_5_moe")),
-            "granitemoehybrid": lambda: granite(0)}
 
 
 def _logprobs(arch, cfg, params, tokens):
@@ -62,7 +52,7 @@ def _logprobs(arch, cfg, params, tokens):
 @pytest.mark.parametrize("family", list(INT8_PPL_TOLERANCE))
 def test_int8_perplexity_next_to_float32(family, tmp_path):
     torch.manual_seed(0)
-    model = _makers()[family]()
+    model = MAKERS[family]()
     model.save_pretrained(tmp_path, safe_serialization=True)
     vocab = model.config.get_text_config().vocab_size
     prompt = list(map(int, np.random.default_rng(2).integers(3, vocab, 32)))

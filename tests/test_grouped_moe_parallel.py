@@ -15,43 +15,17 @@ import torch
 from maxjax.graphs import quant, sharding
 from maxjax.graphs.decoder import init_kv
 from maxjax.graphs.step import RowSlice, build_step_inputs
+from families import MAKERS
 from paged_harness import load_checkpoint
-from reference import scramble_grouped_moe
 
 pytestmark = pytest.mark.slow
-
-
-def _deepseek_v3():
-    from transformers import DeepseekV3ForCausalLM
-    from test_deepseek_v3 import _config
-    return DeepseekV3ForCausalLM(_config())
-
-
-def _glm4_moe():
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    return Glm4MoeForCausalLM(Glm4MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
-        use_qk_norm=True, num_mtp_layers=0, eos_token_id=None, max_position_embeddings=512))
-
-
-def _makers():
-    from test_granitemoehybrid import _model as granite
-    from test_qwen3_next import _model as qwen, scramble
-    return {"deepseek_v3": lambda: scramble_grouped_moe(_deepseek_v3().eval()),
-            "glm4_moe": lambda: scramble_grouped_moe(_glm4_moe().eval()),
-            "qwen3_next": lambda: scramble(qwen("qwen3_next")),
-            "qwen3_5_moe": lambda: scramble(qwen("qwen3_5_moe")),
-            "granitemoehybrid": lambda: granite(0)}
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe",
                                         "granitemoehybrid"])
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = _makers()[request.param]()
+    model = MAKERS[request.param]()
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)

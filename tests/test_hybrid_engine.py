@@ -16,6 +16,7 @@ import pytest
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
+from engine_runs import run_preempting
 from hybrid_prefix import check_mixed_with_preemption, check_shared_prefix
 from paged_harness import load_checkpoint, paged_greedy
 
@@ -108,18 +109,11 @@ def test_recomputed_after_preemption_equals_the_paged_harness(core, expected):
     """Requests preempted mid-decode give their slots back and restart at position 0 with
     whichever slot they get again: the graphs start them from zero state."""
     prompts = _prompts()
-    for i in (2, 1, 0):
-        core.add_request(f"p{i}", prompts[i], _greedy())
-    tokens = {f"p{i}": [] for i in (2, 1, 0)}
-    preempted = 0
-    while core.has_unfinished():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-        if len(tokens["p2"]) >= 5 and not preempted:
-            core.scheduler.preempt_running()
-            preempted = core.scheduler.num_preemptions
-            assert core.state_slots.num_free == 4
-    assert preempted
+
+    def slots_back():
+        assert core.state_slots.num_free == 4
+    tokens = run_preempting(core, {f"p{i}": prompts[i] for i in (2, 1, 0)}, _greedy(), "p2",
+                            on_preempt=slots_back)
     for i in (2, 1, 0):
         assert tokens[f"p{i}"] == expected[i], i
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from maxjax.engine.config import EngineConfig
-from maxjax.engine.output import merge_outputs
 from maxjax.engine.overlap_plan import plan_overlap
 from maxjax.engine.plan import EngineLayout
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
+from engine_runs import run_to_end
 from pool_check import check_pool
 from tiny_llama import tiny_core
 
@@ -28,17 +28,12 @@ def cores(tmp_path_factory):
 
 
 def run(core, requests: dict) -> dict:
-    for rid, (prompt, params) in requests.items():
-        core.add_request(rid, prompt, params)
-    got = {rid: [] for rid in requests}
-    while core.has_unfinished():
-        for out in core.step():
-            got[out.request_id].append(out)
-    assert all(outs[-1].finished for outs in got.values())
+    """run_to_end, then nothing left held and nothing compiled."""
+    got = run_to_end(core, requests)
     check_pool(core.block_manager)
     assert core.block_manager.num_used_pages == 0
     assert core.stats().xla_compiles_since_ready == 0
-    return {rid: merge_outputs(outs) for rid, outs in got.items()}
+    return got
 
 
 def test_the_plan_keeps_the_flag(cores):

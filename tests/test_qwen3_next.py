@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine_runs import run_preempting, run_tokens
 from paged_harness import load_checkpoint, paged_greedy
-from reference import assert_logits_close, hf_greedy
+from reference import assert_logits_close, hf_generate, hf_greedy
 from tiny_llama import write_word_tokenizer
 
 pytestmark = pytest.mark.slow      # three checkpoints' graphs and 3 x 64 transformers steps: ~90 s
@@ -181,10 +182,7 @@ def _engine_prompts():
 
 
 def _hf_generate(model, prompt):
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return ref[0, len(prompt):].tolist()
+    return hf_generate(model, prompt, NEW_TOKENS)
 
 
 def test_engine_holds_attention_pages_and_state_slots(engine):
@@ -201,14 +199,7 @@ def test_engine_batched_chunked_equals_transformers_generate(engine):
     model, core = engine
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = _engine_prompts()
-    for i, prompt in enumerate(prompts):
-        core.add_request(f"r{i}", prompt, greedy)
-    tokens = {f"r{i}": [] for i in range(3)}
-    steps = 0
-    while core.has_unfinished():
-        steps += 1
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
+    tokens, steps = run_tokens(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy)
     assert steps > NEW_TOKENS                     # the prompts took more than one step
     for i, prompt in enumerate(prompts):
         assert tokens[f"r{i}"] == _hf_generate(model, prompt), i
@@ -221,17 +212,7 @@ def test_engine_recomputed_after_preemption(engine):
     model, core = engine
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = _engine_prompts()
-    core.add_request("pre", prompts[2], greedy)
-    core.add_request("other", prompts[1], greedy)
-    tokens = {"pre": [], "other": []}
-    preempted = 0
-    while core.has_unfinished():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-        if len(tokens["pre"]) >= 5 and not preempted:
-            core.scheduler.preempt_running()
-            preempted = core.scheduler.num_preemptions
-    assert preempted
+    tokens = run_preempting(core, {"pre": prompts[2], "other": prompts[1]}, greedy, "pre")
     assert tokens["pre"] == _hf_generate(model, prompts[2])
     assert tokens["other"] == _hf_generate(model, prompts[1])
 
