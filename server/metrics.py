@@ -49,6 +49,13 @@ _ENGINE_METRICS = (
      "Speculative decoding: draft tokens verified"),
     ("spec.accepted_tokens", "maxjax_spec_decode_num_accepted_tokens", "counter",
      "Speculative decoding: draft tokens accepted"),
+    ("kv.events_dropped", "maxjax_kv_events_dropped", "counter",
+     "KV event batches dropped because the publisher's queue was full (--kv-events-config)"),
+    # The names the Gateway API Inference Extension's model-server protocol reads from a
+    # vLLM-compatible server (TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization).
+    ("scheduler.waiting", "vllm:num_requests_waiting", "gauge", "Requests queued in the engine"),
+    ("scheduler.running", "vllm:num_requests_running", "gauge", "Requests in the running batch"),
+    ("kv.usage", "vllm:kv_cache_usage_perc", "gauge", "KV cache usage (1 means 100 percent)"),
     ("replicas.up", "maxjax_replica_up", "gauge",
      "1 while the replica serves, 0 once it failed"),
     ("replicas.engine.scheduler.running", "maxjax_replica_requests_running", "gauge",

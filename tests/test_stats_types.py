@@ -93,7 +93,10 @@ _WANT = {
     "maxjax_spec_decode_num_drafts_total": 4.0,
     "maxjax_step_phase_seconds_total": {"device_step": 2.0, "schedule": 0.5},
     "maxjax_xla_compiles_since_ready_total": 0.0, "maxjax_xla_compiles_total": 9.0,
-    "maxjax_grammar_faults_total": 0.0,
+    "maxjax_grammar_faults_total": 0.0, "maxjax_kv_events_dropped_total": 0.0,
+    # the Gateway API Inference Extension's names, from the same stats
+    "vllm:num_requests_waiting": 1.0, "vllm:num_requests_running": 2.0,
+    "vllm:kv_cache_usage_perc": 0.05,
 }
 
 

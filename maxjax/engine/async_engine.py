@@ -117,6 +117,9 @@ class AsyncEngine:
         self._commands.put(Wake())
         if self._thread:
             self._thread.join(timeout)
+        events = getattr(self.core, "kv_events", None)
+        if events is not None:
+            events.close()
 
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:

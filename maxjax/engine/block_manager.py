@@ -104,6 +104,7 @@ class BlockManager:
         self._cache: dict[object, int] = {}
         self._next_uid = _ROOT_UID + 1
         self.on_uncache = None           # called with each page that leaves the cache
+        self.listener = None             # KV events (engine/kv_events.py): stored/removed/cleared
         self.prefix_queries = 0          # admissions that looked up the cache
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -147,7 +148,8 @@ class BlockManager:
             pages_free=self.num_free_pages, pages_cached=self.num_cached_pages,
             prefix_queries=self.prefix_queries, prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens, prefix_query_pages=self.prefix_query_pages,
-            prefix_hit_pages=self.prefix_hit_pages, evictions=self.evictions)
+            prefix_hit_pages=self.prefix_hit_pages, evictions=self.evictions,
+            events_dropped=self.listener.dropped if self.listener is not None else 0)
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _page_hash(self, req: Request, i: int):
@@ -213,6 +215,9 @@ class BlockManager:
             self._entry[page] = e
             self._cache[key] = page
             uids.append(e.uid)
+            if self.listener is not None:
+                self.listener.stored(key, req.page_hashes[i - 1] if i else None, tokens,
+                                     req.adapter_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached page (they become free). Returns how many."""
@@ -221,6 +226,8 @@ class BlockManager:
             page, _ = self._evictable.popitem(last=False)
             self._uncache(page)
             self._free.append(page)
+        if self.listener is not None and not self._cache:
+            self.listener.cleared()
         return n
 
     def _uncache(self, page: int) -> None:
@@ -229,6 +236,8 @@ class BlockManager:
         self._entry[page] = None
         if self.on_uncache is not None:
             self.on_uncache(page)
+        if self.listener is not None:
+            self.listener.removed(e.key)
 
     def cached_page(self, req: Request, i: int) -> int | None:
         """The page the cache holds req's i-th full page in (its own, or an equal one computed

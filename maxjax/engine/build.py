@@ -133,7 +133,7 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
                            progress)
     model = dataclasses.replace(model, sampling_defaults=sampling_defaults.read(
         model.source, flags.generation_config, flags.enable_penalties))
-    core = EngineCore(model, plan, *loaded, executor=executor, graphs=drafts)
+    core = EngineCore(model, plan, *loaded, executor=executor, graphs=drafts, replica=replica)
     core.plan_seconds = plan_seconds
     clock.mark("engine and KV pool")
     n = len(core.layout.buckets)

@@ -104,6 +104,12 @@ class EngineConfig:
         "help": "64 hex digits (32 bytes) mixed into every page hash, isolating prefix caches "
                 "(default: none for ahash64; a random one at start-up for sha256 and "
                 "sha256_64)"})
+    kv_events_config: str | None = field(default=None, metadata={
+        "help": "KV cache events as vLLM publishes them (its flag and JSON, e.g. "
+                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'): the "
+                "prefix cache's stored and evicted pages as msgpack on a ZMQ PUB socket, for "
+                "KV-aware routers; needs the `kv-events` extra (default: off)"})
     num_kv_pages: int | None = field(default=None, metadata={
         "help": "KV pool size in pages (default: sized from --device-memory-utilization)"})
     device_memory_utilization: float = field(default=0.9, metadata={

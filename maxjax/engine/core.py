@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from maxjax.engine import compile_counter, speculative
+from maxjax.engine import compile_counter, kv_events, speculative
 from maxjax.engine.block_manager import BlockManager
 from maxjax.engine.config import EngineConfig
 from maxjax.engine.output import OutputProcessor, final_output
@@ -65,13 +65,14 @@ def make_lora_manager(cfg: EngineConfig, model, items=()):
 class EngineCore:
     def __init__(self, model, plan: EnginePlan | EngineConfig, executables: dict | None = None,
                  kv_init=None, vision_executables: dict | None = None, executor=None,
-                 graphs=None):
+                 graphs=None, replica: int = 0):
         """`plan`: maxjax/engine/plan.py's (an EngineConfig: planned here); `executables` (per
         bucket) and `kv_init`: loaded for that plan (maxjax/aot/load.py, the compile cache), or
         None to compile them here; `executor`: the runner's (ModelRunner; None: this
         process's own); `vision_executables`: an image-text model's encoder graphs, loaded
         likewise (maxjax/engine/vision.py); `graphs`: where a draft model's graphs come from
-        (maxjax/engine/draft.py; None: compiled at warm-up)."""
+        (maxjax/engine/draft.py; None: compiled at warm-up); `replica`: its index among
+        --data-parallel-degree replicas (the KV events' data_parallel_rank)."""
         if isinstance(plan, EngineConfig):
             plan = plan_engine(plan, model)
         self.model = model
@@ -83,6 +84,8 @@ class EngineCore:
         self.lora = make_lora_manager(cfg, model, plan.lora_items)
         self.block_manager = BlockManager(lay.num_pages, lay.page_size, cfg.enable_prefix_caching,
                                           cfg.kv_cache_hash_algo, cfg.kv_cache_hash_seed)
+        self.kv_events = kv_events.start(cfg.kv_events_config, self.block_manager, lay.page_size,
+                                         replica)
         self.speculator = speculative.build(cfg, lay, model, graphs, plan.draft_tokens, plan)
         n = lay.state_slots - lay.state_snapshots
         self.state_slots = StateSlots(n) if lay.state_slots else None
@@ -277,6 +280,8 @@ class EngineCore:
         prof["detokenize"] += t3 - t2
         prof["steps"] += 1
         prof["tokens"] += plan.num_tokens
+        if self.kv_events is not None:
+            self.kv_events.flush()
         return out.failed + processed
 
     def _propose(self) -> None:
@@ -455,6 +460,8 @@ class EngineCore:
         self.runner.reset_kv()
         self.scheduler.preempt_running()
         self.block_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def stats(self) -> EngineStats:
         phases = {k: v for k, v in self.profile.items() if k not in ("steps", "tokens")}

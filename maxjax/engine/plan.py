@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxjax.engine import memory, mtp_plan, overlap_plan, spec_flags, state_plan
+from maxjax.engine import kv_events, memory, mtp_plan, overlap_plan, spec_flags, state_plan
 from maxjax.engine.buckets import bucket_set
 from maxjax.engine.config import EngineConfig, ResolvedConfig
 from maxjax.engine.pins import PINNED_FIELDS, Pins, adopt_pins
@@ -450,6 +450,7 @@ def check_layout_flags(cfg: EngineConfig) -> None:
                         f"{len(seed)} characters")
     if cfg.max_batch_size < 1 or cfg.max_batch_input_tokens < 1:
         raise UserError("--max-batch-size and --max-batch-input-tokens must be >= 1")
+    kv_events.parse_config(cfg.kv_events_config)
 
 
 def lora_shape(cfg: EngineConfig) -> tuple[int, int]:

@@ -25,6 +25,12 @@ class KVCacheStats:
     prefix_query_pages: int = 0
     prefix_hit_pages: int = 0
     evictions: int = 0
+    events_dropped: int = 0       # KV event batches the full publisher queue dropped
+
+    @property
+    def usage(self) -> float:
+        """Pages in use over the pool's: vLLM's kv_cache_usage_perc (1.0 is full)."""
+        return self.pages_used / self.pages_total if self.pages_total else 0.0
 
 
 @dataclass(frozen=True)
