@@ -24,7 +24,7 @@ from server_harness import ServerThread, http
 from tiny_llama import tiny_core
 
 
-# ---- the subscriber's types, as vLLM's example copies them ----------------------------------------
+# ---- the subscriber's types, as vLLM's example copies them ---------------------------------------
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list
@@ -268,3 +268,15 @@ def test_the_cli_prints_a_bad_config_as_one_line(tmp_path):
     assert lines[-1].endswith("--kv-events-config: enable_kv_cache_events must be true or "
                               "false, got 1"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_full_queue_drops_batches_without_waiting(tmp_path):
+    from maxjax.engine.kv_events import parse_config
+    from maxjax.engine.kv_events_zmq import EventBatch as Sent, ZmqPublisher
+    cfg = parse_config(json.dumps({"enable_kv_cache_events": True, "max_queue_size": 1,
+                                   "endpoint": f"ipc://{tmp_path}/full"}))
+    publisher = ZmqPublisher(cfg)
+    publisher.close(timeout=60)         # its thread gone: nothing drains the queue of one
+    for _ in range(3):
+        publisher.publish(Sent(0.0, []))
+    assert (publisher.dropped, publisher.next_seq) == (2, 3)

@@ -25,7 +25,7 @@ class KVEventsConfig:
     enable_kv_cache_events: bool = False
     publisher: str = "zmq"          # vLLM: "zmq" once events are enabled, "null" publishes none
     endpoint: str = "tcp://*:5557"  # a "*", "::", ipc:// or inproc:// address binds, else connects
-    replay_endpoint: str | None = None   # a ROUTER resending buffered batches from a sequence number
+    replay_endpoint: str | None = None   # a ROUTER resending buffered batches from a seq number
     buffer_steps: int = 10_000      # batches kept for replay
     hwm: int = 100_000              # the PUB socket's high-water mark
     max_queue_size: int = 100_000   # batches waiting for the publisher thread; more are dropped
