@@ -139,11 +139,9 @@ def gated_deltanet(cfg, step, x, conv_pool, state_pool, p, live):
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    if recurrent.chunked(step, CHUNK):
-        out, state_pool = chunk_delta(q, k, v, g, beta, state_pool, step)
-    else:
-        out, state_pool = recurrent.scan_rows(delta_step, (q, k, v, jnp.exp(g), beta),
-                                              state_pool, step)
+    out, state_pool = recurrent.token_or_chunks(
+        step, CHUNK, lambda: chunk_delta(q, k, v, g, beta, state_pool, step),
+        lambda: recurrent.scan_rows(delta_step, (q, k, v, jnp.exp(g), beta), state_pool, step))
     out = L.rms_norm(out, p["gdn_norm"], cfg.rms_norm_eps).astype(jnp.float32)
     out = out * jax.nn.silu(z.astype(jnp.float32).reshape(T, H, dv))
     return L.linear(out.reshape(T, H * dv).astype(x.dtype), p["w_out"], live=live), \

@@ -164,10 +164,9 @@ def mamba2(cfg: ModelConfig, step, x, conv_pool, ssm_pool, p, live):
     c = jnp.repeat(c.reshape(T, G, N), H // G, axis=1)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     log_decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))        # [T, H]
-    if recurrent.chunked(step, CHUNK):
-        y, ssm_pool = chunk_ssd(xs, b, c, log_decay, dt, ssm_pool, step)
-    else:
-        y, ssm_pool = scan_rows(ssd_step, (xs, b, c, jnp.exp(log_decay), dt), ssm_pool, step)
+    y, ssm_pool = recurrent.token_or_chunks(
+        step, CHUNK, lambda: chunk_ssd(xs, b, c, log_decay, dt, ssm_pool, step),
+        lambda: scan_rows(ssd_step, (xs, b, c, jnp.exp(log_decay), dt), ssm_pool, step))
     y = (y + p["D"].astype(jnp.float32)[:, None] * xs).reshape(T, inner)
     y = y * jax.nn.silu(gate.astype(jnp.float32))
     y = L.rms_norm(y.reshape(T, G, inner // G), jnp.ones((inner // G,), jnp.float32),

@@ -15,6 +15,12 @@ intra-chunk part for all chunks at once (a masked C x C matmul form), and a scan
 chunks carries the state, reset to the row's slot (or zero) at its first chunk and written back
 at its last. A step of T token slots and R rows needs at most `num_chunks` chunks, static;
 `chunked` picks the form from the bucket's shape.
+
+Speculative decoding's rollback (StepInputs.state_keep): a verify row also writes its state after
+each token but its last to a slot of its own (the conv window and the recurrent state alike), so
+the engine can resume from the state after its last accepted draft. Only the token scan has the
+state after every token: a bucket that runs chunked takes the token scan in a step that keeps
+any (`token_or_chunks`).
 """
 from __future__ import annotations
 
@@ -63,9 +69,16 @@ def causal_conv(x, weight, bias, conv_pool, step: StepInputs):
     y = jnp.einsum("tck,ck->tc", window, weight.astype(jnp.float32))
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    target = jnp.where(last & (step.token_row >= 0), slot, 0)
+    target = jnp.where(last & (step.token_row >= 0), slot, kept(step))
     conv_pool = conv_pool.at[target].set(window[:, :, 1:].astype(conv_pool.dtype))
     return y, conv_pool
+
+
+def kept(step: StepInputs):
+    """int32[T]: per token the slot its state after it is kept in (state_keep; 0: none)."""
+    if step.state_keep is None:
+        return jnp.zeros_like(step.token_row)
+    return jnp.where(step.token_row >= 0, step.state_keep, 0)
 
 
 def scan_rows(update, inputs, pool, step: StepInputs):
@@ -74,20 +87,35 @@ def scan_rows(update, inputs, pool, step: StepInputs):
     and its final state is written back. Returns (outs stacked [T, ...], the updated pool)."""
     slot, first, last, fresh, _ = token_rows(step)
     last = last & (step.token_row >= 0)
+    keep = kept(step)
+    target = jnp.where(last, slot, keep)             # where each token's state goes, if anywhere
+    write = last | (keep > 0)
 
     def body(carry, xs):
         state, pool = carry
-        inp, s, is_first, is_last, is_fresh = xs
+        inp, s, is_first, is_fresh, t, w = xs
         held = pool[s].astype(jnp.float32)
         start = jnp.where(is_fresh, jnp.zeros_like(held), held)
         state = jnp.where(is_first, start, state)
         state, out = update(state, inp)
-        pool = pool.at[s].set(jnp.where(is_last, state.astype(pool.dtype), pool[s]))
+        pool = pool.at[t].set(jnp.where(w, state.astype(pool.dtype), pool[t]))
         return (state, pool), out
 
     zero = jnp.zeros(pool.shape[1:], jnp.float32)
-    (_, pool), outs = jax.lax.scan(body, (zero, pool), (inputs, slot, first, last, fresh))
+    (_, pool), outs = jax.lax.scan(body, (zero, pool),
+                                   (inputs, slot, first, fresh, target, write))
     return outs, pool
+
+
+def token_or_chunks(step: StepInputs, size: int, chunks, tokens):
+    """`chunks()` where the bucket runs chunked (`chunked`), else `tokens()` (the token scan,
+    `scan_rows`); a chunked bucket takes the token scan in a step that keeps a token's state
+    (StepInputs.state_keep: a verify row in it), which only the token scan has."""
+    if not chunked(step, size):
+        return tokens()
+    if step.state_keep is None:
+        return chunks()
+    return jax.lax.cond(jnp.any(kept(step) > 0), tokens, chunks)
 
 
 def num_chunks(num_tokens: int, num_rows: int, size: int) -> int:

@@ -27,7 +27,10 @@ place in the sequence, which the KV writes and the attention masks read. A hybri
 (graphs/state.py RECURRENT) takes `state_slot`, each row's request-state slot (0 for padding),
 and for the prefix cache's state snapshots `state_from`, a snapshot slot copied into the row's
 slot before the step (a cached prefix resumed; 0: none), and `state_save`, a snapshot slot the
-row's final state is also copied to after the step (0: none) (graphs/snapshots.py).
+row's final state is also copied to after the step (0: none) (graphs/snapshots.py); and for
+speculative decoding `state_keep`, per token a slot its row's state after that token is also
+written to (0: none): a verify row keeps the state after each of its tokens but its last, so the
+engine can roll the state back to its last accepted draft (maxjax/engine/state_slots.py).
 """
 from __future__ import annotations
 
@@ -63,6 +66,8 @@ class StepInputs:
     state_slot: Any = None    # int32[R]  each row's request-state slot (0: padding); None: none
     state_from: Any = None    # int32[R]  snapshot slot restored into state_slot first (0: none)
     state_save: Any = None    # int32[R]  snapshot slot its final state is saved to (0: none)
+    state_keep: Any = None    # int32[T]  slot the state after this token also goes to (0: none;
+                              #           ignored at a row's last token: its own slot has it)
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -90,6 +95,7 @@ class RowSlice:
     state_slot: int = 0       # its request-state slot (a hybrid model's; graphs/state.py)
     state_from: int = 0       # the snapshot slot its state resumes from (0: its own slot's)
     state_save: int = 0       # the snapshot slot its final state is saved to (0: none)
+    state_keep: Sequence[int] | None = None   # per token, a slot its state after it goes to
 
 
 def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
@@ -99,7 +105,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
                      state: bool = False) -> StepInputs:
     """`embeds`: (hidden size, dtype) of a model that reads images; None: text only.
     `mrope`: the step takes `rope_positions` (a model with cfg.mrope_section); `state`: it
-    takes `state_slot`, `state_from` and `state_save` (a hybrid model)."""
+    takes `state_slot`, `state_from`, `state_save` and `state_keep` (a hybrid model)."""
     i32 = np.int32
     backend = backend or backend_for()
     return StepInputs(
@@ -115,6 +121,7 @@ def step_input_specs(num_tokens: int, num_rows: int, max_pages: int,
         **(_embed_specs(num_tokens, *embeds) if embeds else {}),
         rope_positions=jax.ShapeDtypeStruct((3, num_tokens), i32) if mrope else None,
         **({k: jax.ShapeDtypeStruct((num_rows,), i32) for k in STATE_ROWS} if state else {}),
+        state_keep=jax.ShapeDtypeStruct((num_tokens,), i32) if state else None,
     )
 
 
@@ -132,7 +139,7 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
     """Pack row slices into padded numpy arrays for the (num_tokens, num_rows, num_samples)
     bucket. `lora`: fill `lora_slot` (padding tokens: slot 0); `embeds`: (hidden size, dtype),
     fill the image inputs (`step_input_specs`); `mrope`: fill `rope_positions`; `state`: fill
-    `state_slot`, `state_from` and `state_save` (padding rows: slot 0)."""
+    `state_slot`, `state_from`, `state_save` and `state_keep` (padding: slot 0)."""
     n = sum(len(r.token_ids) for r in rows)
     num_samples = num_samples or num_rows
     n_samples = sum(r.num_samples for r in rows)
@@ -182,7 +189,20 @@ def build_step_inputs(rows: Sequence[RowSlice], num_tokens: int, num_rows: int, 
             a = np.zeros(num_rows, np.int32)
             a[:len(rows)] = [getattr(r, name, 0) for r in rows]
             setattr(step, name, a)
+        step.state_keep = _state_keep(rows, num_tokens)
     return step
+
+
+def _state_keep(rows: Sequence[RowSlice], num_tokens: int):
+    """int32 [T]: each token's `state_keep` slot, 0 for rows that keep none and padding."""
+    keep = np.zeros(num_tokens, np.int32)
+    t = 0
+    for row in rows:
+        k = len(row.token_ids)
+        if getattr(row, "state_keep", None) is not None:
+            keep[t:t + k] = row.state_keep
+        t += k
+    return keep
 
 
 def _rope_positions(rows: Sequence[RowSlice], positions):

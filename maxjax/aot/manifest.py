@@ -286,7 +286,7 @@ FLAGS = {"max_length": "--max-length", "max_batch_size": "--max-batch-size",
          "max_batch_input_tokens": "--max-batch-input-tokens",
          "kv_cache_page_size": "--kv-cache-page-size", "num_kv_pages": "--num-kv-pages",
          "dtype": "--quantization-encoding", "kv_cache_format": "--kv-cache-format",
-         "state_slots": "--max-batch-size, --enable-prefix-caching",
+         "state_slots": "--max-batch-size, --enable-prefix-caching, --num-speculative-tokens",
          "state_pool_dtype": "--state-pool-dtype"}
 
 

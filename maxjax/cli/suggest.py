@@ -256,6 +256,7 @@ def request_state_entry(model, layout) -> dict | None:
     return {"kind": rs.name, "slots": layout.state_slots, "state_pool_dtype": layout.state_dtype,
             "bytes_per_request": per, "bytes": per * layout.state_slots,
             "snapshots": layout.state_snapshots, "snapshot_bytes": per * layout.state_snapshots,
+            "speculative": layout.state_spec, "speculative_bytes": per * layout.state_spec,
             "line": layout.state_report}
 
 

@@ -88,7 +88,8 @@ class EngineCore:
                                          replica)
         self.speculator = speculative.build(cfg, lay, model, graphs, plan.draft_tokens, plan)
         n = lay.state_slots - lay.state_snapshots
-        self.state_slots = StateSlots(n) if lay.state_slots else None
+        self.state_slots = StateSlots(n, 1 + lay.state_spec // cfg.max_batch_size) \
+            if lay.state_slots else None
         self.snapshots = Snapshots(n, lay.state_snapshots, self.block_manager) \
             if lay.state_snapshots else None
         self.scheduler = Scheduler(cfg, self.block_manager, lay.max_length, self.eos_token_ids,
@@ -307,7 +308,8 @@ class EngineCore:
         req = row.request
         rs = RowSlice(row.token_ids, row.start_pos, row.pages, self._next_tokens(row),
                       row.num_samples, req.lora_slot, state_slot=req.state_slot,
-                      state_from=row.state_from, state_save=row.state_save)
+                      state_from=row.state_from, state_save=row.state_save,
+                      state_keep=row.state_keep)
         if req.images:
             rs.embeds, rs.embed_mask, rs.visible_end = image_rows(req.images, row.start_pos,
                                                                   len(row.token_ids))

@@ -25,6 +25,7 @@ from maxjax.engine.request import Request
 from maxjax.engine.runner import ModelRunner, RowRequest
 from maxjax.engine.types import SamplingParams
 from maxjax.errors import UserError
+from maxjax.graphs.state import request_state_of
 from maxjax.graphs.step import RowSlice
 
 log = logging.getLogger("maxjax.engine")
@@ -48,6 +49,10 @@ def load_draft(cfg, target, max_length: int | None = None, platform: str | None 
     encoding = draft_encoding(cfg, target.dtype, header, platform or local_platform())
     draft = load_model(header, encoding, progress=False)
     check_vocabulary(draft, target, cfg.draft_model_path)
+    if request_state_of(draft.config) is not None:
+        raise UserError(f"--draft-model-path {cfg.draft_model_path}: {draft.config.architecture} "
+                        f"keeps a fixed-size state per request, which the draft's cache cannot "
+                        f"roll back; a draft model must keep K/V only (the target may be hybrid)")
     from maxjax.engine.devices import place_model
     return place_model(draft, mesh)
 

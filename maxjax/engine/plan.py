@@ -338,6 +338,7 @@ class EngineLayout:
     state_report: str = field(default="", compare=False)   # their line
     state_snapshots: int = 0        # the prefix cache's state snapshots among state_slots
     mtp_layers: int = 0             # MTP layers drafting (maxjax/engine/mtp_plan.py); 0: none
+    state_spec: int = 0             # speculation's rollback slots among state_slots (state_plan)
 
 
 def resolve_max_length(cfg: EngineConfig, model_cfg) -> int:
@@ -394,7 +395,7 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
         draft_tokens = spec_flags.draft_tokens(cfg)
     buckets = tuple(bucket_set(cfg.max_batch_input_tokens, cfg.max_batch_size, draft_tokens + 1))
     kv_itemsize = jnp.dtype(kv_dtype).itemsize
-    state = state_plan.plan_state_pools(cfg, mc, kv_dtype)
+    state = state_plan.plan_state_pools(cfg, mc, kv_dtype, draft_tokens)
     pool_mc = mtp_plan.pool_config(cfg, mc)
     if cfg.num_kv_pages is not None:
         num_pages = cfg.num_kv_pages
@@ -427,7 +428,7 @@ def plan_layout(cfg: EngineConfig, model, platform: str | None = None,
     return EngineLayout(max_length, page, int(num_pages), per_row, buckets, platform,
                         attention.name, report, *lora_shape(cfg), kv_dtype, mesh, state.slots,
                         state.dtype, state.report(), state.snapshots,
-                        mtp_plan.mtp_layers(cfg, mc))
+                        mtp_plan.mtp_layers(cfg, mc), state.spec)
 
 
 def _resolved_for(cfg: EngineConfig, platform: str | None = None) -> ResolvedConfig:

@@ -30,6 +30,8 @@ update() accepts the drafts the samples confirm (a draft is kept while it equals
 before it; the first differing sample, or the one after the last draft, is the bonus token) and
 rolls the rest back: the rejected positions leave num_computed_tokens, pages past the final tokens
 go back to the pool, and only pages whose tokens are all final are offered to the prefix cache.
+A hybrid model's state rolls back too: the next row restores it from the slot that kept the state
+after the last accepted token (state_slots.py StateSlots.verify_slots).
 
 Embedding requests (`Request.pooling`) are prompts only: chunked and batched like any prefill,
 they get no sample slot, no drafts and no prefix-cache pages, and they finish (pages freed, an
@@ -171,6 +173,7 @@ class Scheduler:
         row = ScheduledRow(req, s, req.all_token_ids[s:s + n] + list(drafts), list(req.pages),
                            s + n == req.num_tokens and not req.is_embedding, list(drafts))
         row.state_save = self.request_state.save_slot(req, s + n)
+        row.state_from, row.state_keep = self.request_state.verify_slots(req, len(drafts))
         return row
 
     def _preempt_newest(self, scheduled: set, preempted: list) -> Request:
@@ -373,6 +376,7 @@ class Scheduler:
                 continue
             accepted = accept_drafts(row.draft_token_ids, row_tokens(row, tokens))
             rejected = len(row.draft_token_ids) - (len(accepted) - 1)
+            self.request_state.accepted(req, len(row.draft_token_ids), len(accepted) - 1)
             req.num_computed_tokens += computed - rejected
             if rejected:
                 self.bm.truncate(req, req.num_computed_tokens)

@@ -10,6 +10,14 @@ size requests, so a running request always finds one: running out is a bug, asse
 A slot's old contents need no clearing: the graphs (graphs/recurrent.py) start a row whose first
 token is at position 0 from zero state, and a request (re)starts there.
 
+Speculative decoding: with k drafts a step, each request also holds k speculative slots
+(`StateSlots(per_request=1 + k)`; the plan makes max batch size x k more). A verify row of d
+drafts computes [last, d1..dd]; its state after token i < d goes to its i-th speculative slot
+(StepInputs.state_keep), after dd to its own slot. When j < d drafts stand, its state after dj
+is in speculative slot j: its next row restores it from there into its own slot first
+(`state_from`, the prefix cache's restore, graphs/snapshots.py); when all stand, its own slot
+holds it already (`verify_slots`, `accepted`).
+
 Not thread-safe: the engine loop owns it.
 """
 from __future__ import annotations
@@ -20,12 +28,17 @@ from maxjax.engine.block_manager import PrefixMatch
 
 
 class StateSlots:
-    def __init__(self, num_slots: int):
-        if num_slots < 2:
+    def __init__(self, num_slots: int, per_request: int = 1):
+        """Slots [1, num_slots), `per_request` to a request: its own, then its speculative
+        ones."""
+        if num_slots < 2 or per_request < 1:
             raise ValueError(f"num_slots must be >= 2 (slot 0 is scratch), got {num_slots}")
         self.num_slots = num_slots
+        self.per_request = per_request
         self._free = list(range(num_slots - 1, 0, -1))     # pop() hands out the lowest
         self._holder: dict[int, str] = {}
+        self._spec: dict[str, list[int]] = {}      # id -> its speculative slots
+        self._resume: dict[str, int] = {}          # id -> the slot its next row restores from
 
     @property
     def num_free(self) -> int:
@@ -38,21 +51,53 @@ class StateSlots:
     def acquire(self, req) -> int:
         """Give `req` (holding none) a slot: its `state_slot`."""
         assert req.state_slot == 0, f"{req.request_id!r} already holds state slot {req.state_slot}"
-        assert self._free, (f"no request-state slot free for {req.request_id!r}: {self.num_slots}"
-                            " slots must be more than the running requests")
-        slot = self._free.pop()
-        self._holder[slot] = req.request_id
-        req.state_slot = slot
-        return slot
+        assert len(self._free) >= self.per_request, (
+            f"no request-state slot free for {req.request_id!r}: {self.num_slots} slots must be "
+            f"more than {self.per_request} a running request")
+        slots = [self._free.pop() for _ in range(self.per_request)]
+        for slot in slots:
+            self._holder[slot] = req.request_id
+        req.state_slot = slots[0]
+        if len(slots) > 1:
+            self._spec[req.request_id] = slots[1:]
+        return slots[0]
 
     def release(self, req) -> None:
-        """Take back `req`'s slot, if it holds one."""
+        """Take back `req`'s slots, if it holds them."""
         slot = req.state_slot
         if slot == 0:
             return
-        assert self._holder.pop(slot) == req.request_id, (slot, req.request_id)
-        self._free.append(slot)
+        self._resume.pop(req.request_id, None)
+        for s in [slot] + self._spec.pop(req.request_id, []):
+            assert self._holder.pop(s) == req.request_id, (s, req.request_id)
+            self._free.append(s)
         req.state_slot = 0
+
+    def spec_slots(self, req) -> list[int]:
+        """`req`'s speculative slots (none without speculation or while it holds no slot)."""
+        return list(self._spec.get(req.request_id, ()))
+
+    def verify_slots(self, req, num_drafts: int) -> tuple[int, list[int] | None]:
+        """For `req`'s next row, of one token and `num_drafts` drafts: the slot its state is
+        restored from first (0: its own slot holds it), taken once; and per token the slot its
+        state after it is kept in (None: no drafts)."""
+        resume = self._resume.pop(req.request_id, 0)
+        if not num_drafts:
+            return resume, None
+        spec = self._spec[req.request_id]
+        assert num_drafts <= len(spec), (req.request_id, num_drafts, len(spec))
+        return resume, spec[:num_drafts] + [0]
+
+    def accepted(self, req, num_drafts: int, num_accepted: int) -> None:
+        """`req`'s verify row of `num_drafts` drafts kept `num_accepted`: its next row resumes
+        from the state after the last one kept (its own slot's when all stood)."""
+        if num_accepted < num_drafts:
+            self._resume[req.request_id] = self._spec[req.request_id][num_accepted]
+
+    @property
+    def num_pending(self) -> int:
+        """Requests whose next row restores a rolled-back state."""
+        return len(self._resume)
 
 
 class Snapshots:
@@ -208,6 +253,17 @@ class RequestState:
                 not self.chunked:
             return chunk
         return cut_at_page(start, chunk, req.num_tokens, self.snapshots.page_size)
+
+    def verify_slots(self, req, num_drafts: int) -> tuple[int, list[int] | None]:
+        """`req`'s next row's (state_from, state_keep) for speculation (StateSlots)."""
+        if self.slots is None or req.is_prefilling:
+            return 0, None
+        return self.slots.verify_slots(req, num_drafts)
+
+    def accepted(self, req, num_drafts: int, num_accepted: int) -> None:
+        """After `req`'s verify row: where its state rolls back to (StateSlots.accepted)."""
+        if self.slots is not None and num_drafts:
+            self.slots.accepted(req, num_drafts, num_accepted)
 
     def save_slot(self, req, end: int) -> int:
         """The snapshot that `req`'s prefill step ending at token `end` saves its state to

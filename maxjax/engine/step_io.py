@@ -27,6 +27,7 @@ class ScheduledRow:
     draft_token_ids: list[int] = field(default_factory=list)
     state_from: int = 0       # a hybrid model's state snapshot this row resumes from (0: none)
     state_save: int = 0       # the snapshot its state after this step is saved to (0: none)
+    state_keep: list[int] | None = None   # per token, the slot its state after it is kept in
 
     @property
     def num_samples(self) -> int:
