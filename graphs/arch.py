@@ -35,6 +35,11 @@ class Architecture:
     # Decoder-layer tensor names where llama.cpp's differ from the shared ones (gguf.LAYER_NAMES):
     # HF name suffix -> GGUF name suffix; None: the family has no such tensor.
     gguf_layer_names: Mapping[str, str | None] = field(default_factory=dict, hash=False)
+    # Decoder-layer tensors llama.cpp stores converted (split, merged, reordered, -exp(A_log)):
+    # HF name suffix -> (GGUF suffixes, the first present standing for it; make(read, hf) -> the
+    # HF tensor, read(suffix) giving the layer's GGUF tensor in float32, None where absent).
+    # They get none of the fixes below, and are read dequantized (no 4-bit blocks as they are).
+    gguf_tensors: Mapping[str, tuple] = field(default_factory=dict, hash=False)
     gguf_permuted_qk: bool = False      # Q/K rows permuted (convert_hf_to_gguf LlamaModel.permute)
     gguf_norm_plus_one: bool = False    # RMSNorm weights stored with Gemma's +1 added
     gguf_tokenizer: str | None = None   # transformers' tokenizer class (None: AutoTokenizer's)

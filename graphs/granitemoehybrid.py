@@ -232,9 +232,71 @@ def params_from_hf(cfg: ModelConfig, get, dtype, progress=None, quantizer=None,
                                   shapes=sharding.shapes(param_specs(cfg)))
 
 
+# --- GGUF (convert_hf_to_gguf's GraniteHybridModel: Mamba2Model's and GraniteMoeModel's) ----
+
+def gguf_config(hf: dict, get, tensors) -> None:
+    """Mamba2's sizes from the ssm.* keys, the attention layers from their tensors, Granite's
+    multipliers; rope only where rope.scaling.finetuned says (the converter clears it for
+    Granite 4, which has none)."""
+    from maxjax.graphs.granite import gguf_config as granite_config
+    n = hf["num_hidden_layers"]
+    hf["layer_types"] = ["attention" if f"blk.{i}.attn_q.weight" in tensors else "mamba"
+                         for i in range(n)]
+    granite_config(hf, get, tensors)
+    heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
+    experts = int(get("expert_count", 0))
+    hf.update(mamba_n_heads=heads, mamba_d_head=inner // heads,
+              mamba_n_groups=int(get("ssm.group_count")),
+              mamba_d_state=int(get("ssm.state_size")), mamba_d_conv=int(get("ssm.conv_kernel")),
+              num_local_experts=experts, num_experts_per_tok=int(get("expert_used_count", 0)),
+              position_embedding_type="rope" if get("rope.scaling.finetuned") else None)
+    shared = get("expert_shared_feed_forward_length")
+    hf["shared_intermediate_size"] = int(shared or hf["intermediate_size"])
+
+
+def _gate_up(gate: str, up: str):
+    return lambda read, hf: np.concatenate([read(gate), read(up)], axis=-2)
+
+
+def _shared(down: bool):
+    """The shared MLP: ffn_*_shexp beside experts, the dense ffn_* without."""
+    def make(read, hf):
+        if down:
+            w = read("ffn_down_shexp.weight")
+            return read("ffn_down.weight") if w is None else w
+        if read("ffn_gate_shexp.weight") is None:
+            return _gate_up("ffn_gate.weight", "ffn_up.weight")(read, hf)
+        return _gate_up("ffn_gate_shexp.weight", "ffn_up_shexp.weight")(read, hf)
+    return make
+
+
+# llama.cpp stores -exp(A_log) and D as [H, 1], the conv taps [C, K], the gated norm's weight
+# [groups, C / groups], gate and up apart.
+GGUF_TENSORS = {
+    "mamba.A_log": (("ssm_a",), lambda read, hf: np.log(-read("ssm_a")).reshape(-1)),
+    "mamba.D": (("ssm_d",), lambda read, hf: read("ssm_d").reshape(-1)),
+    "mamba.dt_bias": (("ssm_dt.bias",), lambda read, hf: read("ssm_dt.bias")),
+    "mamba.norm.weight": (("ssm_norm.weight",),
+                          lambda read, hf: read("ssm_norm.weight").reshape(-1)),
+    "mamba.conv1d.weight": (("ssm_conv1d.weight",),
+                            lambda read, hf: read("ssm_conv1d.weight")[:, None, :]),
+    "block_sparse_moe.input_linear.weight": (("ffn_gate_exps.weight",),
+                                             _gate_up("ffn_gate_exps.weight", "ffn_up_exps.weight")),
+    "shared_mlp.input_linear.weight": (("ffn_gate_shexp.weight", "ffn_gate.weight"),
+                                       _shared(False)),
+    "shared_mlp.output_linear.weight": (("ffn_down_shexp.weight", "ffn_down.weight"),
+                                        _shared(True)),
+}
+GGUF_LAYER_NAMES = {"mamba.in_proj.weight": "ssm_in.weight",
+                    "mamba.conv1d.bias": "ssm_conv1d.bias",
+                    "mamba.out_proj.weight": "ssm_out.weight",
+                    "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight",
+                    "block_sparse_moe.output_linear.weight": "ffn_down_exps.weight"}
+
 ARCHITECTURE = Architecture(
     "GraniteMoeHybridForCausalLM", config_from_hf, forward=forward, hidden_states=hidden_states,
     lm_logits=decoder.lm_logits, param_specs=param_specs, params_from_hf=params_from_hf,
-    request_state=RECURRENT.name,
+    request_state=RECURRENT.name, gguf_archs=("granitehybrid",), gguf_config=gguf_config,
+    gguf_layer_names=GGUF_LAYER_NAMES, gguf_tensors=GGUF_TENSORS, gguf_permuted_qk=True,
     description="Granite 4 (Mamba2 layers with attention; routed and shared MLPs; Granite "
                 "multipliers)")

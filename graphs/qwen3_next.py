@@ -239,14 +239,88 @@ def load_params(cfg: ModelConfig, get, dtype, progress=None, quantizer=None,
                                   shapes=ARCHITECTURE.param_shapes(cfg))
 
 
-def hybrid_architecture(name: str, config_from_hf, params_from_hf, description: str):
+# --- GGUF (llama.cpp's convert_hf_to_gguf Qwen3NextModel; gguf-py's qwen3next names) --------
+
+def gguf_config(hf: dict, get, tensors) -> None:
+    """The DeltaNet's sizes from the ssm.* keys, which layers attend and which route from the
+    tensors present (a DeltaNet layer has ssm_a, a routed one ffn_gate_inp)."""
+    n = hf["num_hidden_layers"]
+    linear = [f"blk.{i}.ssm_a" in tensors for i in range(n)]
+    hf["layer_types"] = ["linear_attention" if x else "full_attention" for x in linear]
+    attn = [i for i in range(n) if not linear[i]]
+    if attn:     # rope.dimension_count is the rotary part; a head is as wide as its k norm
+        head_dim = int(tensors[f"blk.{attn[0]}.attn_k_norm.weight"][1][-1])
+        hf["head_dim"] = head_dim
+        hf["partial_rotary_factor"] = int(get("rope.dimension_count") or head_dim) / head_dim
+    value_heads = int(get("ssm.time_step_rank"))
+    hf.update(linear_conv_kernel_dim=int(get("ssm.conv_kernel")),
+              linear_key_head_dim=int(get("ssm.state_size")),
+              linear_num_key_heads=int(get("ssm.group_count")),
+              linear_num_value_heads=value_heads,
+              linear_value_head_dim=int(get("ssm.inner_size")) // value_heads,
+              num_experts=int(get("expert_count", 0)),
+              num_experts_per_tok=int(get("expert_used_count", 0)),
+              moe_intermediate_size=int(get("expert_feed_forward_length", 0)),
+              shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)),
+              norm_topk_prob=bool(get("expert_weights_norm", True)),
+              mlp_only_layers=[i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+              decoder_sparse_step=1)
+
+
+def _same(name: str):
+    return (name,), lambda read, hf: read(name)
+
+
+def _qkvz(read, hf):
+    """in_proj_qkvz grouped per key head (q, k, v, z of each) from attn_qkv (all q, all k, all
+    v) and attn_gate (z)."""
+    G, dk = hf["linear_num_key_heads"], hf["linear_key_head_dim"]
+    qkv, z = read("attn_qkv.weight"), read("attn_gate.weight")
+    D = qkv.shape[-1]
+    q, k = qkv[:G * dk].reshape(G, dk, D), qkv[G * dk:2 * G * dk].reshape(G, dk, D)
+    v = qkv[2 * G * dk:].reshape(G, -1, D)
+    return np.concatenate([q, k, v, z.reshape(G, -1, D)], axis=1).reshape(-1, D)
+
+
+# llama.cpp stores -exp(A_log), the conv taps [C, K], the routed experts as stacks [E, out, in]
+# (gate and up apart), the shared expert's gate as [D]; its norms carry GemmaRMSNorm's +1 but
+# the DeltaNet's own gated norm.
+GGUF_MOE = {
+    "mlp.experts.gate_up_proj": (("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+                                 lambda read, hf: np.concatenate(
+                                     [read("ffn_gate_exps.weight"), read("ffn_up_exps.weight")],
+                                     axis=1)),
+    "mlp.shared_expert_gate.weight": (("ffn_gate_inp_shexp.weight",),
+                                      lambda read, hf: read("ffn_gate_inp_shexp.weight")
+                                      .reshape(1, -1)),
+    "linear_attn.A_log": (("ssm_a",), lambda read, hf: np.log(-read("ssm_a"))),
+    "linear_attn.conv1d.weight": (("ssm_conv1d.weight",),
+                                  lambda read, hf: read("ssm_conv1d.weight")[:, None, :]),
+    "linear_attn.dt_bias": _same("ssm_dt.bias"),
+    "linear_attn.norm.weight": _same("ssm_norm.weight"),
+}
+GGUF_TENSORS = GGUF_MOE | {"linear_attn.in_proj_qkvz.weight": (("attn_qkv.weight",), _qkvz)}
+GGUF_LAYER_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+       for p in ("gate", "up", "down")}}
+
+
+def hybrid_architecture(name: str, config_from_hf, params_from_hf, description: str,
+                        **gguf):
     return Architecture(name, config_from_hf, forward=forward, hidden_states=hidden_states,
                         lm_logits=decoder.lm_logits, param_specs=param_specs,
                         params_from_hf=params_from_hf, description=description,
-                        request_state=RECURRENT.name)
+                        request_state=RECURRENT.name, **gguf)
 
 
 ARCHITECTURE = hybrid_architecture(
     "Qwen3NextForCausalLM", config_from_hf, load_params,
     "Qwen3-Next (Gated DeltaNet + gated attention, a recurrent state a request; routed MLPs "
-    "with a gated shared expert)")
+    "with a gated shared expert)",
+    gguf_archs=("qwen3next",), gguf_config=gguf_config, gguf_layer_names=GGUF_LAYER_NAMES,
+    gguf_tensors=GGUF_TENSORS, gguf_norm_plus_one=True, gguf_tokenizer="Qwen2Tokenizer")

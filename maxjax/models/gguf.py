@@ -227,12 +227,16 @@ def layer_names(arch) -> dict[str, str]:
 class GGUFTensorReader:
     """`reader(hf_name)` -> float32 numpy array in HF naming and layout, dequantized on demand."""
 
+    converted: dict = {}     # Architecture.gguf_tensors (set per reader; never mutated)
+
     def __init__(self, gf: GGUFFile, gguf_arch: str, hf: dict):
         arch = registry.for_gguf_arch(gguf_arch)
         self.gf = gf
         self.permute = arch.gguf_permuted_qk
         self.norm_plus_one = arch.gguf_norm_plus_one
         self.layer_names = layer_names(arch)
+        self.converted = dict(arch.gguf_tensors)
+        self.hf = hf
         self.n_heads = hf["num_attention_heads"]
         self.n_kv_heads = hf["num_key_value_heads"]
 
@@ -240,9 +244,30 @@ class GGUFTensorReader:
         if hf_name in _TOP_NAMES:
             return _TOP_NAMES[hf_name]
         m = _LAYER_RE.fullmatch(hf_name)
+        if m and m.group(2) in self.converted:
+            sources = self.converted[m.group(2)][0]
+            return next((f"blk.{m.group(1)}.{s}" for s in sources
+                         if f"blk.{m.group(1)}.{s}" in self.gf.tensors),
+                        f"blk.{m.group(1)}.{sources[0]}")
         if m and m.group(2) in self.layer_names:
             return f"blk.{m.group(1)}.{self.layer_names[m.group(2)]}"
         return None
+
+    def _converted(self, hf_name: str):
+        """An Architecture.gguf_tensors tensor made from its layer's GGUF tensors; None for
+        another name."""
+        m = _LAYER_RE.fullmatch(hf_name)
+        if not m or m.group(2) not in self.converted:
+            return None
+        prefix = f"blk.{m.group(1)}."
+
+        def read(suffix):
+            name = prefix + suffix
+            return dequantize(*self.gf.raw(name)) if name in self.gf.tensors else None
+        if not any(prefix + s in self.gf.tensors for s in self.converted[m.group(2)][0]):
+            raise UserError(f"{self.gf.path}: GGUF has no tensor for {hf_name!r} (looked for "
+                            f"{self.gguf_name(hf_name)})")
+        return np.asarray(self.converted[m.group(2)][1](read, self.hf), np.float32)
 
     def names(self) -> list[str]:
         inverse = {v: k for k, v in _TOP_NAMES.items()}
@@ -253,9 +278,17 @@ class GGUFTensorReader:
                 out.append(inverse[name])
             elif (m := re.fullmatch(r"blk\.(\d+)\.(.+)", name)) and m.group(2) in layer_inverse:
                 out.append(f"model.layers.{m.group(1)}.{layer_inverse[m.group(2)]}")
+        blocks = {m.group(1) for name in self.gf.tensors
+                  if (m := re.fullmatch(r"blk\.(\d+)\..+", name))}
+        out += [f"model.layers.{i}.{hf}" for i in sorted(blocks, key=int)
+                for hf, (sources, _) in self.converted.items()
+                if any(f"blk.{i}.{s}" in self.gf.tensors for s in sources)]
         return out
 
     def __call__(self, hf_name: str) -> np.ndarray:
+        converted = self._converted(hf_name)
+        if converted is not None:
+            return converted
         name = self.gguf_name(hf_name)
         if name is None or name not in self.gf.tensors:
             raise UserError(f"{self.gf.path}: GGUF has no tensor for {hf_name!r}"
@@ -271,7 +304,7 @@ class GGUFTensorReader:
         """A 4-bit (Q4_0 / Q4_1 / Q4_K) tensor as `quantize.decode_q4` gives it, in HF layout;
         None for a tensor of another type."""
         from maxjax.models import quantize
-        name = self.gguf_name(hf_name)
+        name = self._raw_name(hf_name)
         qt, shape, data = self.gf.raw(name) if name in self.gf.tensors else (None, None, None)
         if qt is None or qt.name not in quantize.Q4_TYPES.values():
             return None
@@ -294,6 +327,11 @@ class GGUFTensorReader:
         if self.permute and (".attn_q." in name or ".attn_k." in name):
             blocks = unpermute_qk(blocks, self.n_heads if ".attn_q." in name else self.n_kv_heads)
         return qt.name, blocks
+
+    def _raw_name(self, hf_name: str) -> str | None:
+        """The GGUF tensor whose blocks are `hf_name`'s as they are (None: a converted one)."""
+        m = _LAYER_RE.fullmatch(hf_name)
+        return None if m and m.group(2) in self.converted else self.gguf_name(hf_name)
 
     def matrix_types(self) -> list[str]:
         """The GGUF type of every 2-D tensor (what `quantize.gguf_encoding` reads)."""
