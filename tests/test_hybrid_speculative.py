@@ -237,3 +237,86 @@ def test_a_draft_model(model, checkpoint, expected, tmp_path):
         build_core(model, EngineConfig(**ENGINE, speculative_method="draft",
                                        draft_model_path=checkpoint))
     assert "\n" not in str(e.value)
+
+
+# ---- Qwen3-Next against transformers --------------------------------------------------------------
+QWEN_ENGINE = {**ENGINE, "max_batch_input_tokens": 32}
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(transformers model, our model) of a tiny random Qwen3-Next (tests/test_qwen3_next.py)."""
+    import torch
+    from maxjax.models.loader import load_model
+    from test_qwen3_next import VOCAB, _model, scramble
+    from tiny_llama import write_word_tokenizer
+    torch.manual_seed(0)
+    hf = scramble(_model("qwen3_next"))
+    path = tmp_path_factory.mktemp("qwen3_next")
+    hf.save_pretrained(path, safe_serialization=True)
+    write_word_tokenizer(path, VOCAB)
+    return hf, load_model(str(path), "float32", progress=False)
+
+
+def _qwen_prompts():
+    rng = np.random.default_rng(2)
+    return {f"q{i}": list(map(int, rng.integers(3, 256, n))) for i, n in enumerate((7, 30, 19))}
+
+
+@pytest.fixture(scope="module")
+def qwen_expected(qwen):
+    from reference import hf_generate
+    return {rid: hf_generate(qwen[0], p, NEW_TOKENS) for rid, p in _qwen_prompts().items()}
+
+
+@pytest.fixture(scope="module")
+def qwen_core(qwen):
+    from maxjax.engine.build import build_core
+    core = build_core(qwen[1], EngineConfig(**QWEN_ENGINE, speculative_method="ngram"))
+    _every_draft(core)
+    return core
+
+
+def _verify_buckets(core) -> list:
+    """Records, per step, whether a row kept states in a bucket the DeltaNet runs chunked."""
+    from maxjax.graphs.gated_deltanet import CHUNK
+    from maxjax.graphs.recurrent import num_chunks
+    seen, launch = [], core.runner.launch
+
+    def spy(rows, feed=None):
+        out = launch(rows, feed)
+        b = out.bucket
+        keeps = any(r.slice.state_keep is not None for r in rows)
+        seen.append(keeps and 4 * num_chunks(b.num_tokens, b.num_rows, CHUNK) <= b.num_tokens)
+        return out
+    core.runner.launch = spy
+    return seen
+
+
+def test_qwen3_next_partial_acceptance_equals_transformers(qwen_core, qwen_expected):
+    spec = qwen_core.speculator
+    spec.proposer = Oracle(qwen_expected, 256)
+    chunked_verify = _verify_buckets(qwen_core)
+    try:
+        tokens = _run(qwen_core, _qwen_prompts(), _greedy())
+    finally:
+        del qwen_core.runner.launch
+    assert tokens == qwen_expected
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert spec.accepted_at[0] < spec.drafted_at[0] and spec.accepted_at[K - 1] > 0
+    # verify rows beside a prefill chunk in a chunked bucket took the token scan there
+    assert any(chunked_verify)
+    _no_leak(qwen_core)
+
+
+def test_qwen3_next_after_a_preemption(qwen_core, qwen_expected):
+    qwen_core.speculator.proposer = Oracle(qwen_expected, 256)
+    assert _run(qwen_core, _qwen_prompts(), _greedy(), preempt_after=5) == qwen_expected
+    _no_leak(qwen_core)
+
+
+def test_qwen3_next_ngram_lookup(qwen_core, qwen_expected):
+    from maxjax.engine.speculative import NgramProposer
+    qwen_core.speculator.proposer = NgramProposer(1, 3)
+    assert _run(qwen_core, _qwen_prompts(), _greedy()) == qwen_expected
+    _no_leak(qwen_core)
