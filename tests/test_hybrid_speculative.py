@@ -239,7 +239,7 @@ def test_a_draft_model(model, checkpoint, expected, tmp_path):
     assert "\n" not in str(e.value)
 
 
-# ---- Qwen3-Next against transformers --------------------------------------------------------------
+# ---- Qwen3-Next against transformers ------------------------------------------------------------
 QWEN_ENGINE = {**ENGINE, "max_batch_input_tokens": 32}
 
 
