@@ -84,7 +84,7 @@ def mock_core(overlap: bool, pages=40, page_size=4, budget=16, rows=4) -> Engine
     core.scheduler = Scheduler(cfg, core.block_manager, 256, (EOS,))
     core.runner = MockDevice(page_size)
     core.output = OutputProcessor(None)
-    core.speculator = core.grammars = core.lora = core.images = None
+    core.speculator = core.grammars = core.lora = core.images = core.kv_events = None
     core.step_compiles = core.grammar_faults = 0
     core._ce_waited = False
     core.profile = {k: 0.0 for k in ("schedule", "build_inputs", "device_step", "update",
