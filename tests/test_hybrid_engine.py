@@ -29,17 +29,10 @@ ENGINE = dict(max_batch_size=4, max_batch_input_tokens=16, max_length=96, num_kv
               kv_cache_page_size=8)
 
 
-def _register():
-    from maxjax.models import registry
-    from toy_hybrid import NAME
-    if NAME not in registry.architectures():
-        registry.register_custom(TOY)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    _register()
-    from toy_hybrid import write_toy_hybrid
+    from toy_hybrid import register, write_toy_hybrid
+    register()
     return write_toy_hybrid(tmp_path_factory.mktemp("toy_hybrid"))
 
 

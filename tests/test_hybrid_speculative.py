@@ -126,17 +126,10 @@ def test_state_slots_hand_out_speculative_slots_and_roll_back():
 
 
 # ---- the toy hybrid -----------------------------------------------------------------------------
-def _register():
-    from maxjax.models import registry
-    from toy_hybrid import NAME
-    if NAME not in registry.architectures():
-        registry.register_custom(TOY)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    _register()
-    from toy_hybrid import write_toy_hybrid
+    from toy_hybrid import register, write_toy_hybrid
+    register()
     return write_toy_hybrid(tmp_path_factory.mktemp("toy_hybrid"))
 
 

@@ -147,3 +147,12 @@ def write_toy_hybrid(path, vocab_size: int = 256) -> str:
     save_file(t, os.path.join(path, "model.safetensors"))
     write_word_tokenizer(path, V)
     return str(path)
+
+
+def register() -> str:
+    """Register the toy as a custom architecture (as --custom-architectures does), once; returns
+    this file's path, what --custom-architectures takes."""
+    from maxjax.models import registry
+    if NAME not in registry.architectures():
+        registry.register_custom(__file__)
+    return __file__
