@@ -59,10 +59,16 @@ def param_specs(cfg: ModelConfig) -> dict:
         lay["post_attn_norm"] = lay["post_mlp_norm"] = norm
     if not cfg.pre_norms:
         del lay["attn_norm"], lay["mlp_norm"]
-    table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
-    specs = {"embed": table, "final_norm": norm,
-             "layers": [moe.layer_specs(cfg, lay) if moe.is_moe(cfg, i) else dict(lay)
-                        for i in range(cfg.num_layers)]}
+    return model_specs(cfg, [moe.layer_specs(cfg, lay) if moe.is_moe(cfg, i) else dict(lay)
+                             for i in range(cfg.num_layers)])
+
+
+def model_specs(cfg: ModelConfig, layers: list) -> dict:
+    """The whole pytree's specs around the layers' own: the embedding table, the final norm and
+    the LM head (the table itself when the embeddings are tied)."""
+    norm = ArraySpec((cfg.hidden_size,), ("embed",))
+    table = ArraySpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), out_axis=0)
+    specs = {"embed": table, "final_norm": norm, "layers": layers}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = table
     return specs

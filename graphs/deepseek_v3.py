@@ -115,12 +115,7 @@ def param_specs(cfg: ModelConfig) -> dict:
         if not moe.is_moe(cfg, i):
             return dict(lay)
         return moe.layer_specs(cfg, lay)
-    table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
-    specs = {"embed": table, "final_norm": norm,
-             "layers": [layer(i) for i in range(cfg.num_layers)]}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = table
-    return specs
+    return decoder.model_specs(cfg, [layer(i) for i in range(cfg.num_layers)])
 
 
 def _deinterleaved(x):

@@ -130,12 +130,7 @@ def param_specs(cfg: ModelConfig) -> dict:
         if cfg.shared_expert_intermediate_size:
             lay["shared_gate"] = ArraySpec((D, 1), ("embed", "router"))
         return lay
-    table = ArraySpec((cfg.vocab_size, D), ("vocab", "embed"), out_axis=0)
-    specs = {"embed": table, "final_norm": norm,
-             "layers": [layer(i) for i in range(cfg.num_layers)]}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = table
-    return specs
+    return decoder.model_specs(cfg, [layer(i) for i in range(cfg.num_layers)])
 
 
 def _attention(cfg: ModelConfig, step, rope, at: int, x, k_pool, v_pool, p, live):
