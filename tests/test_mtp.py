@@ -39,6 +39,11 @@ def _train_mtp(model, mtp, prompts, steps: int = 60):
                                  do_sample=False, pad_token_id=0)
             seqs.append((ids, model(ids, output_hidden_states=True).hidden_states[-1]))
     params = [p for n, p in mtp.named_parameters() if n.startswith("layers.")]
+    gen = torch.Generator().manual_seed(1)   # its own start, whatever else ran in this process
+    with torch.no_grad():
+        for p in params:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen) if p.ndim == 1
+                    else 0.1 * torch.randn(p.shape, generator=gen))
     opt = torch.optim.Adam(params, lr=3e-3)
     for _ in range(steps):
         loss = 0.0
@@ -50,7 +55,9 @@ def _train_mtp(model, mtp, prompts, steps: int = 60):
                 mtp._project_to_logits(x)[0], ids[0, 2:])
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+    assert all(torch.isfinite(p).all() for p in params), "the MTP layer's training diverged"
     return mtp.eval()
 
 

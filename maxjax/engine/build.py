@@ -101,33 +101,38 @@ def build_core(model: str | ModelSource | LoadedModel | None, flags: EngineConfi
     else:
         early = _early_prefetch(request) or (request and prefetch.start(cache.directory(),
                                                                         request))
-    stored_at = weights_entry(model, flags, chat_template, kernels, replica) \
-        if use_cache and not precompiled_artifacts else None
-    clock.mark("CPU kernels and cache key")
-    restored = stored_at and _restore_weights(stored_at, model, progress)
-    model = restored or load(model, prepared, chat_template, precompiled_artifacts, progress,
-                             replica_mesh(flags, replica) if precompiled_artifacts else None)
-    clock.mark("weights")
-    model = on_devices(model, flags, replica, kernels=kernels)
-    if stored_at and not restored:
-        from maxjax.aot import weight_cache
-        weight_cache.store(stored_at, model, limit)
-    clock.mark("placing")
-    t0 = time.perf_counter()
-    loaded = ()
-    if precompiled_artifacts:
-        arts = aot_load.open_artifacts(precompiled_artifacts, model, flags, require_compiled)
-        t_plan = time.perf_counter()
-        plan = plan_engine(prepared.adopt(arts.pins, arts.platform), model)
-        plan_seconds += time.perf_counter() - t_plan
-        loaded = aot_load.load_for_engine(arts, model, plan, require_compiled,
-                                          early.take(early.path) if early else None)
-    else:
-        t_plan = time.perf_counter()
-        plan = plan_engine(prepared, model)
-        plan_seconds += time.perf_counter() - t_plan
-        if use_cache:
-            loaded = _from_cache(model, plan, limit, progress, early or None, request)
+    try:
+        stored_at = weights_entry(model, flags, chat_template, kernels, replica) \
+            if use_cache and not precompiled_artifacts else None
+        clock.mark("CPU kernels and cache key")
+        restored = stored_at and _restore_weights(stored_at, model, progress)
+        model = restored or load(model, prepared, chat_template, precompiled_artifacts, progress,
+                                 replica_mesh(flags, replica) if precompiled_artifacts else None)
+        clock.mark("weights")
+        model = on_devices(model, flags, replica, kernels=kernels)
+        if stored_at and not restored:
+            from maxjax.aot import weight_cache
+            weight_cache.store(stored_at, model, limit)
+        clock.mark("placing")
+        t0 = time.perf_counter()
+        loaded = ()
+        if precompiled_artifacts:
+            arts = aot_load.open_artifacts(precompiled_artifacts, model, flags, require_compiled)
+            t_plan = time.perf_counter()
+            plan = plan_engine(prepared.adopt(arts.pins, arts.platform), model)
+            plan_seconds += time.perf_counter() - t_plan
+            loaded = aot_load.load_for_engine(arts, model, plan, require_compiled,
+                                              early.take(early.path) if early else None)
+        else:
+            t_plan = time.perf_counter()
+            plan = plan_engine(prepared, model)
+            plan_seconds += time.perf_counter() - t_plan
+            if use_cache:
+                loaded = _from_cache(model, plan, limit, progress, early or None, request)
+    except BaseException:
+        if early:       # a failed start leaves no deserialization running behind it
+            early.take("")
+        raise
     clock.mark("graphs")
     drafts = _draft_graphs(precompiled_artifacts, require_compiled, limit if use_cache else None,
                            progress)

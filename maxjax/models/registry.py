@@ -39,9 +39,11 @@ def architectures() -> dict[str, Architecture]:
 def get_architecture(name: str) -> Architecture:
     archs = architectures()
     if name not in archs:
+        builtin = {a.name for a in builtin_architectures()}
+        custom = len(set(archs) - builtin)
+        more = f" and {custom} custom" if custom else ""
         raise UserError(f"unsupported architecture {name!r}: not found in registry (supported: "
-                        f"{_grouped(archs)}; "
-                        "`maxjax list` says more; add one with --custom-architectures)")
+                        f"{_grouped(builtin)}{more}; add one with --custom-architectures)")
     return archs[name]
 
 
